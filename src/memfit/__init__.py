@@ -1,0 +1,83 @@
+"""memfit: train models that do not fit in memory, at the least extra compute.
+
+Four stages, data between them (see docs/design.md):
+``profile`` one step -> ``plan`` for a budget -> ``apply`` it to the unchanged module ->
+``verify`` gradients and peak. ``fit`` does the first three in one call.
+
+Example:
+    >>> import memfit, torch
+    >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
+    >>> x = torch.randint(0, 256, (2, 32))
+    >>> plan = memfit.fit(model, x, budget="60%")     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from memfit.errors import (
+    InfeasibleBudget,
+    MemfitError,
+    PlanMismatch,
+    ProfileMismatch,
+    RecomputeMismatch,
+    SchemaError,
+    WrapError,
+)
+from memfit.planning.plan import OpPolicy, Plan, Region
+from memfit.profiling.profile import Profile
+
+__version__ = "0.1.0"
+
+# Public names defined in submodules, imported on first use so that `import memfit` stays
+# light (torch, numpy and the standard library only).
+_LAZY = {
+    "checkpoint": "memfit.runtime.checkpoint",
+    "wrap": "memfit.runtime.wrap",
+    "unwrap": "memfit.runtime.wrap",
+    "apply": "memfit.runtime.apply",
+    "unapply": "memfit.runtime.apply",
+    "measure": "memfit.profiling.measure",
+    "Measurement": "memfit.profiling.measure",
+    "profile": "memfit.profiling.tracer",
+    "simulate": "memfit.planning.simulate",
+    "Simulation": "memfit.planning.simulate",
+    "plan": "memfit.planning.planner",
+    "fit": "memfit.api",
+    "verify": "memfit.verify",
+    "VerifyReport": "memfit.verify",
+    "sweep": "memfit.report",
+    "Sweep": "memfit.report",
+    "policies": "memfit.runtime.policies",
+    "zoo": "memfit.zoo",
+}
+
+__all__ = [
+    "InfeasibleBudget",
+    "MemfitError",
+    "OpPolicy",
+    "Plan",
+    "PlanMismatch",
+    "Profile",
+    "ProfileMismatch",
+    "RecomputeMismatch",
+    "Region",
+    "SchemaError",
+    "WrapError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    module = importlib.import_module(target)
+    value = module if target.rsplit(".", 1)[-1] == name else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,3 @@
+from memfit.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""memfit's exceptions: one base class, subclasses named for what happened.
+
+Every message says what was received, why it is wrong and what to do about it.
+Bad arguments (wrong type, unparseable value) raise ``ValueError``/``TypeError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MemfitError",
+    "InfeasibleBudget",
+    "PlanMismatch",
+    "ProfileMismatch",
+    "RecomputeMismatch",
+    "SchemaError",
+    "WrapError",
+]
+
+
+class MemfitError(RuntimeError):
+    """Base class of every error memfit raises on purpose."""
+
+
+class InfeasibleBudget(MemfitError):
+    """No plan in the plan space fits the budget.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        min_feasible_bytes: the smallest predicted peak any plan reaches.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+
+
+class PlanMismatch(MemfitError):
+    """A plan was applied to a model it was not made for."""
+
+
+class ProfileMismatch(MemfitError):
+    """A profile does not describe the model or inputs it is used with."""
+
+
+class RecomputeMismatch(MemfitError):
+    """The recomputation of a checkpointed region diverged from its first forward."""
+
+
+class SchemaError(MemfitError):
+    """A saved file (profile, plan) is corrupt or from another schema version."""
+
+
+class WrapError(MemfitError):
+    """A module cannot be wrapped or unwrapped as asked."""

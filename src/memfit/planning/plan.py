@@ -1,0 +1,192 @@
+"""The Plan: which parts of a step are recomputed, and what that is predicted to cost.
+
+A Plan is the seam between analysis (profiling, planning) and runtime. It names modules by
+path and ops by region-local keys, never by object, so that it can be saved as JSON, audited,
+and applied to a fresh instance of the same model.
+
+NOTE [op keys]
+    Inside a region an op occurrence is named ``"<overload>#<k>"``: the k-th (from 0) call of
+    that aten overload among the region's forward ops, in dispatch order, e.g.
+    ``"aten.mm.default#2"``. The runtime counts the same way in its selective-checkpoint policy,
+    so a key means the same op at plan time and at run time. Ops not named in ``Region.save``
+    are recomputed. Outputs of in-place ops and of random ops are never saved (see
+    ``memfit.planning.rules``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import SchemaError
+
+__all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan"]
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class OpPolicy(str, enum.Enum):
+    """Per op occurrence inside a region; maps onto ``torch.utils.checkpoint.CheckpointPolicy``."""
+
+    SAVE = "save"            # MUST_SAVE
+    RECOMPUTE = "recompute"  # PREFER_RECOMPUTE
+    OFFLOAD = "offload"      # MUST_CPU_OFFLOAD (reserved: eager mode falls back to recompute)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A part of the step whose activations are dropped in forward and recomputed in backward.
+
+    Attributes:
+        modules: one module path, or several consecutive sibling modules (a segment: one
+            checkpoint spanning their calls, including the parent's code between them).
+        save: op keys (NOTE [op keys]) whose outputs are kept; all other ops are recomputed.
+        recompute_s: predicted seconds this region adds to backward.
+        saved_bytes: predicted bytes this region keeps from forward to backward.
+    """
+
+    modules: tuple[str, ...]
+    save: tuple[str, ...] = ()
+    recompute_s: float = 0.0
+    saved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            raise ValueError("a Region needs at least one module path")
+
+    @property
+    def name(self) -> str:
+        if len(self.modules) == 1:
+            return self.modules[0] or "<root>"
+        return f"{self.modules[0]}..{self.modules[-1]}"
+
+    @property
+    def is_segment(self) -> bool:
+        return len(self.modules) > 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpoint plan for one model and input shape.
+
+    Example:
+        >>> plan = memfit.plan(model, x, budget="60%")   # doctest: +SKIP
+        >>> print(plan); plan.save("plan.json")          # doctest: +SKIP
+    """
+
+    regions: tuple[Region, ...]
+    predicted_peak_bytes: int
+    recompute_s: float
+    budget_bytes: int | None
+    solver: str
+    profile_signature: str
+    plain_peak_bytes: int = 0
+    plain_step_s: float = 0.0
+    model: str = ""
+    schema_version: int = PLAN_SCHEMA_VERSION
+    notes: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def overhead(self) -> float:
+        """Predicted extra step time as a fraction of the plain step (0.2 = +20%)."""
+        return self.recompute_s / self.plain_step_s if self.plain_step_s > 0 else 0.0
+
+    @property
+    def peak_fraction(self) -> float:
+        return self.predicted_peak_bytes / self.plain_peak_bytes if self.plain_peak_bytes else 1.0
+
+    # ---- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "memfit.Plan",
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "solver": self.solver,
+            "profile_signature": self.profile_signature,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "plain_peak_bytes": self.plain_peak_bytes,
+            "recompute_s": self.recompute_s,
+            "plain_step_s": self.plain_step_s,
+            "notes": list(self.notes),
+            "regions": [
+                {"modules": list(r.modules), "save": list(r.save), "recompute_s": r.recompute_s,
+                 "saved_bytes": r.saved_bytes}
+                for r in self.regions
+            ],
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict) or data.get("kind") != "memfit.Plan":
+            raise SchemaError("not a memfit plan (missing kind 'memfit.Plan')")
+        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise SchemaError(
+                f"plan schema version {data.get('schema_version')!r} is not supported "
+                f"(this memfit reads {PLAN_SCHEMA_VERSION}); make the plan again"
+            )
+        try:
+            return cls(
+                regions=tuple(
+                    Region(tuple(r["modules"]), tuple(r["save"]), float(r["recompute_s"]), int(r["saved_bytes"]))
+                    for r in data["regions"]
+                ),
+                predicted_peak_bytes=int(data["predicted_peak_bytes"]),
+                recompute_s=float(data["recompute_s"]),
+                budget_bytes=None if data["budget_bytes"] is None else int(data["budget_bytes"]),
+                solver=str(data["solver"]),
+                profile_signature=str(data["profile_signature"]),
+                plain_peak_bytes=int(data["plain_peak_bytes"]),
+                plain_step_s=float(data["plain_step_s"]),
+                model=str(data["model"]),
+                notes=tuple(data.get("notes", ())),
+                extra=dict(data.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise SchemaError(f"cannot read plan file {path}: {e.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{path}: not valid JSON ({e}); is it a memfit plan?") from None
+        return cls.from_dict(data)
+
+    # ---- display -------------------------------------------------------------------------
+    def __str__(self) -> str:
+        from memfit.units import format_bytes, format_seconds
+
+        lines = [
+            f"memfit plan ({self.solver}) for {self.model or 'model'}: "
+            f"peak {format_bytes(self.predicted_peak_bytes)}"
+            + (f" of {format_bytes(self.plain_peak_bytes)} ({self.peak_fraction:.0%})" if self.plain_peak_bytes else "")
+            + (f", budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "")
+            + f", recompute +{format_seconds(self.recompute_s)}"
+            + (f" (+{self.overhead:.1%} step time)" if self.plain_step_s else ""),
+        ]
+        if not self.regions:
+            lines.append("  no checkpointing: every activation is kept")
+        else:
+            w = max(len(r.name) for r in self.regions)
+            lines.append(f"  {'region'.ljust(w)}  {'kept ops':>8}  {'saved':>10}  {'recompute':>10}")
+            for r in self.regions:
+                kept = f"{len(r.save)}" if r.save else "none"
+                lines.append(
+                    f"  {r.name.ljust(w)}  {kept:>8}  {format_bytes(r.saved_bytes):>10}  "
+                    f"{format_seconds(r.recompute_s):>10}"
+                )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""The Profile: frozen data describing one training step, op by op.
+
+A Profile is what ``profiling`` produces and ``planning`` consumes. It holds no tensors and no
+modules, only numbers and names, so that solvers and their tests need no model.
+
+NOTE [op positions]
+    Ops are numbered 0..N-1 in the order the dispatcher ran them: the forward ops (and the
+    loss) first, then the backward ops. ``Profile.n_forward`` is the number of forward ops, so
+    op ``i`` is in backward iff ``i >= n_forward``. Every position in the step is an op index.
+
+NOTE [storage lifetimes]
+    Memory is counted per storage (a view shares its base's storage and costs nothing). A
+    storage created by op ``i`` is live from op ``i`` on; ``freed_after = j`` means the storage
+    was released after op ``j`` finished and before op ``j + 1`` began. Storages live before
+    the step (parameters, inputs, buffers) have ``created_by = None`` and are not activation
+    memory; storages still live after the step (parameter gradients) have ``freed_after =
+    None``. ``Profile.live_bytes[i]`` is the activation memory live while op ``i``'s outputs
+    exist and its inputs are still held (its local peak); the step's peak is the maximum.
+
+NOTE [saved tensors]
+    ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
+    it). ``first_unpack`` is the backward op during which backward first read it; a region's
+    recomputation happens just before the first of its saved storages is unpacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import SchemaError
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "Phase",
+    "StorageKind",
+    "TensorMeta",
+    "StorageRecord",
+    "OpRecord",
+    "ModuleRecord",
+    "Profile",
+    "op_signature",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class StorageKind(str, enum.Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"          # an example input, live before the step
+    ACTIVATION = "activation"  # created in forward (incl. loss)
+    GRADIENT = "gradient"    # created in backward
+    OTHER = "other"          # live before the step, but neither parameter, buffer nor input
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor an op produced: the storage it lives in, its shape and dtype."""
+
+    storage: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One storage seen during the step (see NOTE [storage lifetimes])."""
+
+    id: int
+    nbytes: int
+    kind: StorageKind
+    created_by: int | None = None
+    freed_after: int | None = None
+    saved: bool = False
+    first_unpack: int | None = None
+    last_forward_use: int | None = None
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One aten op the step ran.
+
+    Attributes:
+        index: position in the step (see NOTE [op positions]).
+        name: the overload's name, e.g. ``"aten.mm.default"``.
+        module: path of the innermost module running it (``"layers.3.attn"``); ``""`` is the
+            root module, and backward ops carry the module whose forward they differentiate
+            where known, else ``""``.
+        phase: forward or backward.
+        inputs: storage ids the op read.
+        outputs: the tensors it returned.
+        time_s: its run time (median of repeats when measured; a cost-model estimate in fake
+            mode).
+        inplace: it mutates an input (name ends with ``_`` or the schema says so).
+        random: it consumes the random-number generator (dropout's ``bernoulli_``).
+        flops: floating-point operations, where a formula is known (else 0).
+    """
+
+    index: int
+    name: str
+    module: str
+    phase: Phase
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[TensorMeta, ...] = ()
+    time_s: float = 0.0
+    inplace: bool = False
+    random: bool = False
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """One module of the model and what its (first) forward call did.
+
+    ``first_op``/``last_op`` bound the forward ops of its first call (``None`` if it ran no
+    op). ``calls`` counts forward calls in the step (shared modules run more than once).
+    """
+
+    path: str
+    type: str
+    parent: str | None
+    children: tuple[str, ...] = ()
+    first_op: int | None = None
+    last_op: int | None = None
+    calls: int = 0
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    parameter_bytes: int = 0
+    backward_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One training step, op by op. See the module docstring for the invariants.
+
+    Example:
+        >>> p = memfit.profile(model, x)            # doctest: +SKIP
+        >>> p.peak_bytes, len(p.ops), p.n_forward    # doctest: +SKIP
+    """
+
+    ops: tuple[OpRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    modules: tuple[ModuleRecord, ...]
+    n_forward: int
+    live_bytes: tuple[int, ...]
+    peak_bytes: int
+    baseline_bytes: int
+    step_time_s: float
+    model: str = ""
+    device: str = "cpu"
+    mode: str = "measure"
+    cost_model: str = "measured"
+    signature: str = ""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- lookups -------------------------------------------------------------------------
+    def storage(self, sid: int) -> StorageRecord:
+        rec = self.storages[sid]
+        if rec.id != sid:  # storages are stored densely, id == position
+            raise SchemaError(f"profile storage table is not dense: position {sid} holds id {rec.id}")
+        return rec
+
+    def module(self, path: str) -> ModuleRecord:
+        for m in self.modules:
+            if m.path == path:
+                return m
+        raise KeyError(f"no module {path!r} in the profile; known: {[m.path for m in self.modules][:20]}")
+
+    @property
+    def forward_ops(self) -> tuple[OpRecord, ...]:
+        return self.ops[: self.n_forward]
+
+    @property
+    def backward_ops(self) -> tuple[OpRecord, ...]:
+        return self.ops[self.n_forward :]
+
+    @property
+    def forward_time_s(self) -> float:
+        return sum(op.time_s for op in self.forward_ops)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of activation storages autograd saved for backward."""
+        return sum(s.nbytes for s in self.storages if s.saved and s.kind == StorageKind.ACTIVATION)
+
+    # ---- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if not isinstance(data, dict) or data.get("kind") != "memfit.Profile":
+            raise SchemaError("not a memfit profile (missing kind 'memfit.Profile')")
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise SchemaError(
+                f"profile schema version {version!r} is not supported by this memfit "
+                f"(it reads version {PROFILE_SCHEMA_VERSION}); profile the model again"
+            )
+        try:
+            return Profile(
+                ops=tuple(
+                    OpRecord(
+                        **{**o, "phase": Phase(o["phase"]), "inputs": tuple(o["inputs"]),
+                           "outputs": tuple(TensorMeta(t["storage"], tuple(t["shape"]), t["dtype"]) for t in o["outputs"])}
+                    )
+                    for o in data["ops"]
+                ),
+                storages=tuple(StorageRecord(**{**s, "kind": StorageKind(s["kind"])}) for s in data["storages"]),
+                modules=tuple(
+                    ModuleRecord(**{**m, "children": tuple(m["children"]), "inputs": tuple(m["inputs"]),
+                                    "outputs": tuple(m["outputs"])})
+                    for m in data["modules"]
+                ),
+                **{k: (tuple(v) if k == "live_bytes" else v) for k, v in data.items()
+                   if k not in ("ops", "storages", "modules", "kind")},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise SchemaError(f"corrupt memfit profile: {type(e).__name__}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{path}: not valid JSON ({e}); is it a memfit profile?") from None
+        return cls.from_dict(data)
+
+
+def op_signature(ops: Iterable[OpRecord], n_forward: int | None = None) -> str:
+    """A short hash of the forward op sequence (names and module paths).
+
+    Two profiles of the same model and input shapes share it; plans carry it so that applying a
+    plan to another model is caught.
+    """
+    h = hashlib.sha256()
+    for op in ops:
+        if n_forward is not None and op.index >= n_forward:
+            break
+        if op.phase is Phase.FORWARD:
+            h.update(f"{op.name}@{op.module};".encode())
+    return h.hexdigest()[:16]
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, Profile):
+            out = {"kind": "memfit.Profile", **out}
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): _to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(v) for v in obj]
+    return obj
+

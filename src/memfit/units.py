@@ -1,0 +1,104 @@
+"""Parse and format memory quantities and budgets (the API/CLI edge only).
+
+Inside memfit memory is always ``int`` bytes and time ``float`` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_bytes", "format_bytes", "resolve_budget", "format_seconds"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size such as ``"6GiB"``, ``"500MB"``, ``"1.5 GB"`` or ``"1024"``.
+
+    Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units are both accepted,
+    case-insensitively. Returns whole bytes (rounded down).
+
+    Example:
+        >>> parse_bytes("1.5 KiB")
+        1536
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"expected a string such as '6GiB', got {type(text).__name__}")
+    m = _QUANTITY.match(text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot parse memory size {text!r}: write a number and a unit, "
+            "e.g. '6GiB', '500MB', '1.5 GB' or '1024' (bytes)"
+        )
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return int(value)
+
+
+def resolve_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
+    """Turn a user's budget into bytes.
+
+    Args:
+        budget: an ``int`` is bytes; a ``float`` in (0, 1] is a fraction of
+            ``plain_peak_bytes``; a string is a size (``"6GiB"``) or a percentage (``"80%"``).
+        plain_peak_bytes: the un-checkpointed step's peak activation memory, bytes.
+
+    Example:
+        >>> resolve_budget(0.5, 1000)
+        500
+    """
+    if isinstance(budget, bool):
+        raise TypeError("budget must be bytes (int), a fraction (float) or a string, not bool")
+    if isinstance(budget, str):
+        s = budget.strip()
+        if s.endswith("%"):
+            try:
+                pct = float(s[:-1])
+            except ValueError:
+                raise ValueError(f"cannot parse budget {budget!r}: expected e.g. '80%'") from None
+            return resolve_budget(pct / 100.0, plain_peak_bytes)
+        try:
+            return resolve_budget(float(s), plain_peak_bytes) if "." in s and s.replace(".", "", 1).isdigit() else parse_bytes(s)
+        except ValueError as e:
+            raise ValueError(f"cannot parse budget {budget!r}: {e}") from None
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be positive bytes, got {budget}")
+        return budget
+    if isinstance(budget, float):
+        if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"a float budget is a fraction of the un-checkpointed peak and must lie in "
+                f"(0, 1], got {budget}; pass bytes as an int or a string like '6GiB'"
+            )
+        return max(1, int(budget * plain_peak_bytes))
+    raise TypeError(f"budget must be int bytes, a float fraction or a string, got {type(budget).__name__}")
+
+
+def format_bytes(n: int) -> str:
+    """Format bytes with a binary unit, e.g. ``format_bytes(1536) == '1.50 KiB'``."""
+    sign = "-" if n < 0 else ""
+    v = float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if v < 1024 or unit == "TiB":
+            return f"{sign}{int(v)} B" if unit == "B" else f"{sign}{v:.2f} {unit}"
+        v /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(s: float) -> str:
+    """Format seconds for tables: ``'12.3 ms'``, ``'1.25 s'``."""
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1.0:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
