@@ -66,8 +66,14 @@ def resolve_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
             except ValueError:
                 raise ValueError(f"cannot parse budget {budget!r}: expected e.g. '80%'") from None
             return resolve_budget(pct / 100.0, plain_peak_bytes)
+        if s.isdigit():
+            return resolve_budget(int(s), plain_peak_bytes)
         try:
-            return resolve_budget(float(s), plain_peak_bytes) if "." in s and s.replace(".", "", 1).isdigit() else parse_bytes(s)
+            fraction = float(s)
+        except ValueError:
+            fraction = None
+        try:
+            return parse_bytes(s) if fraction is None else resolve_budget(fraction, plain_peak_bytes)
         except ValueError as e:
             raise ValueError(f"cannot parse budget {budget!r}: {e}") from None
     if isinstance(budget, int):

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from memfit import Plan, Region, SchemaError
+
+
+def _plan() -> Plan:
+    return Plan(
+        regions=(
+            Region(("blocks.0",), save=("aten.mm.default#0", "aten.addmm.default#1"), recompute_s=0.01, saved_bytes=4096),
+            Region(("blocks.1", "blocks.2"), recompute_s=0.02, saved_bytes=1024),
+        ),
+        predicted_peak_bytes=123_456,
+        recompute_s=0.03,
+        budget_bytes=130_000,
+        solver="chain",
+        profile_signature="abcdef0123456789",
+        plain_peak_bytes=200_000,
+        plain_step_s=0.3,
+        model="GPT",
+        notes=("picked chain: a chain of 3 blocks holds 90% of saved bytes",),
+        extra={"module_types": {"blocks.0": "Block"}},
+    )
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.extra == plan.extra
+    assert loaded.regions[1].is_segment and loaded.regions[1].name == "blocks.1..blocks.2"
+
+
+def test_plan_str_is_a_table():
+    text = str(_plan())
+    assert "chain" in text and "blocks.1..blocks.2" in text and "+10.0% step time" in text
+    assert "120.56 KiB of 195.31 KiB (62%)" in text
+
+
+def test_plan_overhead_and_fraction():
+    plan = _plan()
+    assert plan.overhead == pytest.approx(0.1, rel=1e-12)
+    assert plan.peak_fraction == 123_456 / 200_000
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("not json", "not valid JSON"),
+        ('{"kind": "other"}', "not a memfit plan"),
+        ('{"kind": "memfit.Plan", "schema_version": 99}', "schema version 99"),
+        ('{"kind": "memfit.Plan", "schema_version": 1, "regions": []}', "corrupt memfit plan"),
+    ],
+    ids=["garbage", "wrong-kind", "future-version", "missing-fields"],
+)
+def test_plan_load_errors(tmp_path, text, match):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(SchemaError, match=match):
+        Plan.load(path)
+
+
+def test_plan_load_missing_file(tmp_path):
+    with pytest.raises(SchemaError, match="cannot read plan file"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_region_needs_a_module():
+    with pytest.raises(ValueError, match="at least one module"):
+        Region(())
+
+
+def test_plan_json_is_plain_data():
+    data = json.loads(json.dumps(_plan().to_dict()))
+    assert data["regions"][0]["save"] == ["aten.mm.default#0", "aten.addmm.default#1"]
