@@ -45,13 +45,15 @@ _LAZY = {
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.planning.planner",
     "fit": "memfit.api",
-    "verify": "memfit.verify",
-    "VerifyReport": "memfit.verify",
+    "verify": "memfit.verification",
+    "VerifyReport": "memfit.verification",
     "sweep": "memfit.report",
     "Sweep": "memfit.report",
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",
 }
+
+_SUBMODULES = {"policies", "zoo"}
 
 __all__ = [
     "InfeasibleBudget",
@@ -74,7 +76,7 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'memfit' has no attribute {name!r}")
     module = importlib.import_module(target)
-    value = module if target.rsplit(".", 1)[-1] == name else getattr(module, name)
+    value = module if name in _SUBMODULES else getattr(module, name)
     globals()[name] = value
     return value
 

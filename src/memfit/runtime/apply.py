@@ -1,0 +1,160 @@
+"""``apply`` / ``unapply``: put a ``memfit.Plan`` into effect on a model, in place.
+
+Each region with one module path wraps that module (``memfit.runtime.wrap``) with
+``save_keys(region.save)``; a region with several consecutive sibling paths becomes a chain
+segment (``memfit.runtime.segment``). The whole plan is checked against the model before
+anything changes; a plan that does not fit raises ``PlanMismatch`` and leaves the model as
+it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import PlanMismatch, WrapError
+from memfit.planning.plan import Plan, Region
+from memfit.runtime import policies as _policies
+from memfit.runtime.segment import SegmentHandle, checkpoint_segment
+from memfit.runtime.wrap import unwrap, wrap
+
+__all__ = ["apply", "unapply"]
+
+
+@dataclass
+class _Applied:
+    """What ``apply`` changed, kept as ``model._memfit_applied`` so ``unapply`` can undo it."""
+
+    wrapped: list[str] = field(default_factory=list)
+    segments: list[SegmentHandle] = field(default_factory=list)
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, child = path.rpartition(".")
+    return parent, child
+
+
+def _get(model: nn.Module, path: str, region: Region | None = None) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        where = f" (region {region.name})" if region is not None else ""
+        raise PlanMismatch(
+            f"the plan names module {path!r}{where}, which {type(model).__name__} does not "
+            "have; the plan was made for another model (profile and plan this one again)"
+        ) from None
+
+
+def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
+    """Validate the plan against the model; return, per region, its target."""
+    types = plan.extra.get("module_types", {}) if isinstance(plan.extra, dict) else {}
+    for path, expected in types.items():
+        module = _get(model, path)
+        cls = type(module)
+        if expected not in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+            raise PlanMismatch(
+                f"the plan expects module {path!r} to be a {expected}, but this model's is a "
+                f"{cls.__name__}; the plan was made for another model"
+            )
+    targets: list[tuple[Region, Any]] = []
+    seen: set[str] = set()
+    for region in plan.regions:
+        for path in region.modules:
+            if path in seen:
+                raise PlanMismatch(f"module {path!r} appears in two regions of the plan; "
+                                   "a module can be checkpointed only once")
+            seen.add(path)
+        if not region.is_segment:
+            targets.append((region, _get(model, region.modules[0], region)))
+            continue
+        parents = {_split(p)[0] for p in region.modules}
+        if len(parents) != 1:
+            raise PlanMismatch(
+                f"segment {region.name} spans modules of different parents {sorted(parents)}; "
+                "a segment must be consecutive siblings"
+            )
+        parent_path = parents.pop()
+        parent = _get(model, parent_path, region)
+        for path in region.modules:
+            _get(model, path, region)
+        children = [n for n, _ in parent.named_children()]
+        names = [_split(p)[1] for p in region.modules]
+        positions = [children.index(n) for n in names]
+        if positions != list(range(positions[0], positions[0] + len(positions))):
+            raise PlanMismatch(
+                f"segment {region.name}: {names} are not consecutive children of "
+                f"{parent_path or '<root>'} (their positions are {positions})"
+            )
+        targets.append((region, (parent, names)))
+    return targets
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
+
+    Args:
+        model: the model the plan was made for.
+        plan: a ``memfit.Plan``.
+
+    Returns:
+        ``model``, with ``model.memfit_plan`` set to ``plan``.
+
+    Raises:
+        PlanMismatch: a module path the model lacks, a segment whose modules are not
+            consecutive siblings, or a module whose class differs from the plan's
+            ``extra["module_types"]``.
+        WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
+
+    Example:
+        >>> plan = memfit.plan(model, x, budget="60%")   # doctest: +SKIP
+        >>> apply(model, plan); loss = model(x).sum()     # doctest: +SKIP
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply expects a memfit.Plan, got {type(plan).__name__}")
+    if "_memfit_applied" in model.__dict__:
+        unapply(model)
+    targets = _check(model, plan)
+    applied = _Applied()
+    try:
+        for region, target in targets:
+            policy = _policies.save_keys(region.save) if region.save else None
+            if isinstance(target, nn.Module):
+                wrap(target, policy, name=region.modules[0] or "<root>")
+                applied.wrapped.append(region.modules[0])
+            else:
+                parent, names = target
+                applied.segments.append(
+                    checkpoint_segment(parent, names, policy, name=region.name)
+                )
+    except (WrapError, ValueError):
+        _undo(model, applied)
+        raise
+    model._memfit_applied = applied  # type: ignore[assignment]
+    model.memfit_plan = plan  # type: ignore[assignment]
+    return model
+
+
+def _undo(model: nn.Module, applied: _Applied) -> None:
+    for path in applied.wrapped:
+        unwrap(model.get_submodule(path))
+    for handle in applied.segments:
+        handle.remove()
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo ``apply``: every planned module runs plainly again; ``model.memfit_plan`` is removed.
+
+    Raises:
+        PlanMismatch: no plan is applied to ``model``.
+
+    Example:
+        >>> unapply(model)   # doctest: +SKIP
+    """
+    applied = model.__dict__.pop("_memfit_applied", None)
+    if applied is None:
+        raise PlanMismatch(f"no memfit plan is applied to this {type(model).__name__}")
+    _undo(model, applied)
+    model.__dict__.pop("memfit_plan", None)
+    return model

@@ -1,0 +1,229 @@
+"""``checkpoint``: torch's non-reentrant checkpoint plus policies, BatchNorm-once and a
+divergence check.
+
+A checkpointed call runs under two context managers that torch's ``context_fn`` provides:
+the forward context (entered while the region runs the first time) and the recompute context
+(entered each time backward recomputes it). memfit composes into them, bottom to top:
+
+- forward:   selective-checkpoint caching mode (if a policy), op recorder, buffer watcher
+- recompute: buffer restore, selective-checkpoint cached mode (if a policy), op checker
+
+The recorder and checker sit above the selective-checkpoint modes so that they see every op,
+also those whose saved outputs the cached mode returns without running them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from memfit.runtime import policies as _policies
+from memfit.runtime.buffers import BufferGuard
+from memfit.runtime.divergence import OpChecker, OpRecorder
+
+__all__ = ["checkpoint", "RegionContexts"]
+
+
+class _Composite:
+    """Enters several context managers in order, exits them in reverse; re-enterable."""
+
+    def __init__(self, managers: Sequence[Any]) -> None:
+        self._managers = managers
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> _Composite:
+        stack = contextlib.ExitStack()
+        try:
+            for m in self._managers:
+                stack.enter_context(m)
+        except BaseException:
+            stack.close()
+            raise
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self._stacks.pop().__exit__(*exc))
+
+
+class _Hooks:
+    """A context manager from two callables."""
+
+    def __init__(self, enter: Callable[[], None], exit_: Callable[[], None]) -> None:
+        self._enter, self._exit = enter, exit_
+
+    def __enter__(self) -> None:
+        self._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._exit()
+
+
+class _NoAutocastCache:
+    """Turn autocast's weight-cast cache off inside the region (forward and recompute).
+
+    NOTE [autocast cache]
+        Under autocast, the cast of a parameter is cached for the rest of the autocast
+        context. If a region's parameters were cast before the region ran (tied weights) or
+        backward runs inside the autocast context, the recomputation finds casts in the
+        cache that the forward had to compute, or the other way round: the op sequences
+        differ, which shifts the selective-checkpoint cache indices and trips the
+        divergence check. With the cache off in the region both passes cast alike, with
+        the same (deterministic) values.
+    """
+
+    def __init__(self) -> None:
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for device in ("cpu", "cuda", "xpu", "mps"):
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(
+                    device, dtype=torch.get_autocast_dtype(device), cache_enabled=False))
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stacks.pop().close()
+
+
+class RegionContexts:
+    """The ``context_fn`` of one checkpointed call (torch calls it once per call).
+
+    Attributes:
+        recorder: the forward's op recorder (counts ops always; records them if ``check``).
+    """
+
+    def __init__(
+        self,
+        policy: _policies.Policy | None,
+        *,
+        check: bool,
+        name: str,
+        modules: Sequence[nn.Module] = (),
+        count_ops: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.check = check
+        self.name = name
+        self.guard = BufferGuard(modules)
+        self.recorder: OpRecorder | None = (
+            OpRecorder(record=check) if (check or count_ops) else None
+        )
+
+    def __call__(self) -> tuple[Any, Any]:
+        forward: list[Any] = [_NoAutocastCache()]
+        recompute: list[Any] = [
+            _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
+        ]
+        if self.policy is not None:
+            region_policy = _policies.RegionPolicy(self.policy)
+            caching, cached = create_selective_checkpoint_contexts(region_policy)
+            region_policy.caching_mode = caching
+            forward.append(caching)
+            recompute.append(cached)
+        if self.recorder is not None:
+            forward.append(self.recorder)
+            if self.check:
+                recompute.append(OpChecker(self.recorder, self.name))
+        forward.append(_Hooks(self.guard.forward_enter, self.guard.forward_exit))
+        return _Composite(forward), _Composite(recompute)
+
+
+def describe(fn: Any) -> str:
+    """A name for a checkpointed callable, for error messages."""
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    if isinstance(fn, functools.partial):
+        return describe(fn.func)
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}"
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
+    if isinstance(fn, nn.Module):
+        return (fn,)
+    if isinstance(fn, functools.partial):
+        return _modules_of(fn.func)
+    owner = getattr(fn, "__self__", None)
+    return (owner,) if isinstance(owner, nn.Module) else ()
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: bool = True,
+               **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` with its activations dropped and recomputed in backward.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+    **kwargs)`` (``preserve_rng_state``, ``determinism_check``, ``early_stop`` pass through),
+    that adds selective policies, BatchNorm statistics updated once (NOTE [BatchNorm once]
+    in ``memfit.runtime.buffers``) and a divergence check (NOTE [divergence check] in
+    ``memfit.runtime.divergence``).
+
+    Args:
+        fn: the function or module to run.
+        *args: its positional arguments.
+        policy: which op outputs to keep instead of recomputing: None (recompute all), a
+            ``memfit.runtime.policies`` object, a torch-style function ``(ctx, op, *args,
+            **kwargs) -> CheckpointPolicy | bool``, or a collection of op names/overloads
+            (``{"aten.mm", "aten.addmm.default", torch.ops.aten.bmm}``). Outputs of in-place
+            and random ops are always recomputed.
+        check: compare the recomputation op by op with the forward and raise
+            ``RecomputeMismatch`` at the first difference (default True).
+        **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``policy`` has an unsupported type.
+        ValueError: ``policy`` names an unknown op, or ``use_reentrant=True`` was passed.
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> y = checkpoint(lin, x, policy={"aten.addmm"})
+        >>> y.sum().backward()
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"checkpoint expects a function or module to run, got {type(fn).__name__}"
+        )
+    if kwargs.pop("use_reentrant", False):
+        raise ValueError(
+            "memfit.checkpoint is built on the non-reentrant checkpoint; use_reentrant=True "
+            "is not supported (drop the argument)"
+        )
+    resolved = _policies.resolve(policy)
+    return run_region(fn, args, kwargs, policy=resolved, check=check, name=describe(fn),
+                      modules=_modules_of(fn))
+
+
+_TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+
+
+def run_region(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    policy: _policies.Policy | None,
+    check: bool,
+    name: str,
+    modules: Sequence[nn.Module] = (),
+) -> Any:
+    """Checkpoint one call; the policy is already resolved (used by ``wrap``)."""
+    if not torch.is_grad_enabled():
+        kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
+        return fn(*args, **kwargs)
+    contexts = RegionContexts(policy, check=check, name=name, modules=modules)
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
+    )

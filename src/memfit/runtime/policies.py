@@ -1,0 +1,354 @@
+"""Selective-checkpoint policies: which op outputs of a region are saved, which recomputed.
+
+A policy is a small named object that reads like a sentence::
+
+    wrap(block, save_matmuls())                      # keep matmul outputs, recompute the rest
+    wrap(block, save_ops("aten.mm", "aten.gelu"))    # keep every mm and gelu output
+    wrap(block, save_keys(region.save))              # keep exactly the planned occurrences
+    wrap(block, save_matmuls() | save_ops("aten.gelu"))
+
+NOTE [forced recompute]
+    Whatever a policy says, two kinds of op output are never saved:
+    - outputs of ops that write to an input (``div_``, ``add_``, ``bernoulli_``, ``out=``
+      variants: any schema argument marked ``(a!)``). A saved in-place op is skipped during
+      recomputation, so the tensor it should have written stays unwritten; dropout on CPU
+      (``bernoulli_`` then ``div_``) then silently gives wrong gradients, because the caller
+      uses the mutated input, not the op's return value.
+    - outputs of random ops (tag ``nondeterministic_seeded``: ``bernoulli``, ``rand*``,
+      ``native_dropout``...). A skipped random op would not advance the RNG during
+      recomputation, so every later random op in the region would draw other numbers.
+    And a saved output that the forward later writes in place (``h = linear(x); h.mul_(2)``
+    with linear saved) is turned back into "recompute" when the write happens: the cache
+    holds an alias of it, so recomputation would otherwise read the written value (torch
+    raises "Tensor cached during selective activation checkpoint has been mutated").
+
+NOTE [op keys]
+    ``save_keys`` names op occurrences ``"<overload>#<k>"`` exactly as
+    ``memfit.planning.plan`` documents: k counts, from 0 for each checkpointed call, the calls
+    of that overload among the ops the selective-checkpoint policy is consulted for (every op
+    of the region's forward in dispatch order, except ``aten.detach.default``, which torch
+    ignores because checkpointing itself adds detaches).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from memfit.runtime import segment as _internals
+
+__all__ = [
+    "Policy",
+    "recompute_all",
+    "save_matmuls",
+    "save_ops",
+    "save_keys",
+    "from_callable",
+    "resolve",
+]
+
+# Ops whose outputs save_matmuls keeps: the expensive ones, cheap to store relative to their cost.
+MATMUL_OPS = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten.linear",
+)
+
+_KEY_RE = re.compile(r"^(?P<op>[A-Za-z_][\w.]*)#(?P<k>\d+)$")
+
+
+class Policy:
+    """Base class: decides, per op occurrence, whether its outputs are saved.
+
+    Subclasses implement :meth:`saves`. Policies are stateless, picklable values; the
+    per-call occurrence counting lives in :class:`RegionPolicy`.
+    """
+
+    def saves(self, op: _internals.OpOverload, key: str, args: tuple, kwargs: dict) -> bool:
+        raise NotImplementedError
+
+    def __or__(self, other: Policy) -> Policy:
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return _Either(self, other)
+
+
+@dataclass(frozen=True)
+class _RecomputeAll(Policy):
+    def saves(self, op, key, args, kwargs) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "recompute_all()"
+
+
+@dataclass(frozen=True)
+class _SaveOps(Policy):
+    overloads: frozenset[str]  # "aten.mm.default"
+    packets: frozenset[str]    # "aten.mm" (every overload)
+
+    def saves(self, op, key, args, kwargs) -> bool:
+        name = str(op)
+        return name in self.overloads or name.rsplit(".", 1)[0] in self.packets
+
+    def __repr__(self) -> str:
+        return f"save_ops({', '.join(repr(n) for n in sorted(self.overloads | self.packets))})"
+
+
+@dataclass(frozen=True)
+class _SaveKeys(Policy):
+    keys: frozenset[str]
+
+    def saves(self, op, key, args, kwargs) -> bool:
+        return key in self.keys
+
+    def __repr__(self) -> str:
+        return f"save_keys(<{len(self.keys)} keys>)"
+
+
+@dataclass(frozen=True)
+class _Either(Policy):
+    first: Policy
+    second: Policy
+
+    def saves(self, op, key, args, kwargs) -> bool:
+        return self.first.saves(op, key, args, kwargs) or self.second.saves(op, key, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.first!r} | {self.second!r}"
+
+
+@dataclass(frozen=True)
+class _FromCallable(Policy):
+    fn: Callable[..., Any]
+
+    def saves(self, op, key, args, kwargs) -> bool:
+        decision = self.fn(_CONTEXT, op, *args, **kwargs)
+        if isinstance(decision, bool):
+            return decision
+        if isinstance(decision, CheckpointPolicy):
+            return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        raise TypeError(
+            f"policy function {getattr(self.fn, '__qualname__', self.fn)!r} returned "
+            f"{decision!r} for {op}; it must return a bool or a "
+            "torch.utils.checkpoint.CheckpointPolicy"
+        )
+
+    def __repr__(self) -> str:
+        return f"from_callable({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+# The context torch passes to policy functions; the op output is not needed by our rules.
+_CONTEXT = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False)
+
+
+def recompute_all() -> Policy:
+    """Recompute every op of the region (plain activation checkpointing).
+
+    Example:
+        >>> wrap(block, recompute_all())   # doctest: +SKIP
+    """
+    return _RecomputeAll()
+
+
+def save_matmuls() -> Policy:
+    """Save the outputs of mm, addmm, bmm, baddbmm, convolution and linear; recompute the rest.
+
+    Example:
+        >>> wrap(block, save_matmuls())    # doctest: +SKIP
+    """
+    return save_ops(*MATMUL_OPS)
+
+
+def save_ops(*names: str | _internals.OpOverload | _internals.OpOverloadPacket) -> Policy:
+    """Save the outputs of the named ops, every occurrence; recompute the rest.
+
+    Args:
+        *names: ``"aten.mm"`` (every overload), ``"aten.addmm.default"`` (one overload), or
+            the objects ``torch.ops.aten.bmm`` / ``torch.ops.aten.bmm.default``.
+
+    Raises:
+        ValueError: a name that is not an aten (or other registered) op.
+
+    Example:
+        >>> policy = save_ops("aten.mm", torch.ops.aten.bmm.default)
+    """
+    overloads: set[str] = set()
+    packets: set[str] = set()
+    for name in names:
+        kind, resolved = _resolve_op_name(name)
+        (overloads if kind == "overload" else packets).add(resolved)
+    return _SaveOps(frozenset(overloads), frozenset(packets))
+
+
+def save_keys(keys: Iterable[str]) -> Policy:
+    """Save exactly the named op occurrences (NOTE [op keys]); recompute the rest.
+
+    Args:
+        keys: region-local op keys such as ``"aten.mm.default#2"``, as a ``memfit.Plan``
+            region lists them in ``Region.save``.
+
+    Raises:
+        ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload.
+
+    Example:
+        >>> policy = save_keys(["aten.mm.default#0", "aten.mm.default#2"])
+    """
+    if isinstance(keys, str):
+        raise TypeError(f"save_keys expects a collection of keys, got the string {keys!r}; "
+                        f"write save_keys([{keys!r}])")
+    checked = set()
+    for key in keys:
+        match = _KEY_RE.match(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(
+                f"op key {key!r} is not of the form '<overload>#<k>' (e.g. 'aten.mm.default#2')"
+            )
+        try:
+            kind, _ = _resolve_op_name(match["op"])
+        except ValueError as e:
+            raise ValueError(f"op key {key!r}: {e}") from None
+        if kind != "overload":
+            raise ValueError(
+                f"op key {key!r} names the op packet {match['op']!r}; keys name one overload, "
+                f"e.g. '{match['op']}.default#{match['k']}'"
+            )
+        checked.add(key)
+    return _SaveKeys(frozenset(checked))
+
+
+def from_callable(fn: Callable[..., Any]) -> Policy:
+    """Use a torch-style policy function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy|bool``.
+
+    Example:
+        >>> policy = from_callable(lambda ctx, op, *a, **k: op == torch.ops.aten.mm.default)
+    """
+    if not callable(fn):
+        raise TypeError(f"from_callable expects a function, got {type(fn).__name__}")
+    return _FromCallable(fn)
+
+
+def resolve(policy: Any) -> Policy | None:
+    """Turn what users pass as ``policy=`` into a :class:`Policy` (or None: recompute all).
+
+    Accepts None, a Policy, a torch-style callable, or a collection of op names/overloads.
+    """
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, (str, _internals.OpOverload, _internals.OpOverloadPacket)):
+        raise TypeError(
+            f"policy={policy!r} is a single op; pass a collection such as {{{str(policy)!r}}} "
+            "or save_ops(...)"
+        )
+    if callable(policy):
+        return _FromCallable(policy)
+    if isinstance(policy, Iterable):
+        return save_ops(*policy)
+    raise TypeError(
+        f"policy must be None, a memfit.runtime.policies object, a function "
+        f"(ctx, op, *args, **kwargs) -> CheckpointPolicy|bool, or a collection of op names; "
+        f"got {type(policy).__name__}"
+    )
+
+
+def _resolve_op_name(name: Any) -> tuple[str, str]:
+    """Return ("overload"|"packet", canonical name) or raise ValueError naming the bad name."""
+    if isinstance(name, _internals.OpOverload):
+        return "overload", str(name)
+    if isinstance(name, _internals.OpOverloadPacket):
+        return "packet", str(name)
+    if not isinstance(name, str):
+        raise ValueError(
+            f"op name {name!r} ({type(name).__name__}) is neither a string like 'aten.mm' nor "
+            "a torch.ops object"
+        )
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"unknown op name {name!r}: expected 'namespace.op' or 'namespace.op.overload', "
+            "e.g. 'aten.mm' or 'aten.addmm.default'"
+        )
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if len(parts) == 2:
+            if not isinstance(packet, _internals.OpOverloadPacket):
+                raise AttributeError(parts[1])
+            return "packet", str(packet)
+        overload = getattr(packet, parts[2])
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"unknown op name {name!r}: torch.ops has no such op; check the spelling "
+            "(names look like 'aten.mm' or 'aten.addmm.default')"
+        ) from None
+    return "overload", str(overload)
+
+
+class RegionPolicy:
+    """The per-call policy function handed to ``create_selective_checkpoint_contexts``.
+
+    Counts op occurrences (NOTE [op keys]) and enforces NOTE [forced recompute]. One instance
+    per checkpointed call, so counts restart at 0 for each call.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.counts: defaultdict[str, int] = defaultdict(int)
+        # The caching mode this policy decides for (set by the caller), and the saved
+        # entries by the storage their tensors live in: data_ptr -> [(op, index)].
+        self.caching_mode: Any = None
+        self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(op)
+        k = self.counts[name]
+        self.counts[name] = k + 1
+        if must_recompute(op):
+            if self._saved and _internals.op_writes_inputs(op):
+                self._forget_written(op, args, kwargs)
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if self.policy.saves(op, f"{name}#{k}", args, kwargs):
+            if self.caching_mode is not None:
+                for t in _tensors(getattr(ctx, "op_output", None)):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr:
+                        self._saved[ptr].append((op, k))
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _forget_written(self, op: Any, args: tuple, kwargs: dict) -> None:
+        """A saved tensor written in place later in the forward must be recomputed instead:
+        the cache would hand the recomputation the written value (torch raises)."""
+        for t in _internals.written_tensors(op, args, kwargs):
+            for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
+                _internals.sac_forget(self.caching_mode, saved_op, index)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+_FORCED: dict[Any, bool] = {}
+
+
+def must_recompute(op: Any) -> bool:
+    """True if NOTE [forced recompute] forbids saving this op's outputs."""
+    cached = _FORCED.get(op)
+    if cached is None:
+        cached = _internals.op_writes_inputs(op) or (
+            torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+        )
+        _FORCED[op] = cached
+    return cached

@@ -1,0 +1,165 @@
+"""``wrap`` / ``unwrap``: checkpoint a submodule in place.
+
+NOTE [how wrap works]
+    ``wrap`` sets an instance attribute ``forward`` (a small picklable callable object) that
+    runs the class's forward, or a ``forward`` already set on the instance, through
+    ``memfit.runtime.checkpoint``. ``nn.Module.__call__`` looks ``self.forward`` up on the
+    instance, so hooks still run outside the checkpoint, exactly once. Nothing is added to
+    parameters, buffers or submodules: ``state_dict()`` keys and ``named_parameters()`` are
+    unchanged; ``deepcopy`` and pickling copy the wrapper along with the module (a policy
+    given as a lambda cannot be pickled, the policy builders can). ``repr`` shows the module
+    as ``memfit.checkpoint(<Class>)``.
+
+    Wrapping a wrapped module raises ``WrapError`` (also with the same policy): a double
+    checkpoint would recompute the region twice, and a silent no-op would hide a changed
+    policy. Unwrap first.
+
+    In ``eval()`` mode, under ``torch.no_grad()``, or when neither an input nor a parameter
+    requires grad, the module runs its forward directly, with no checkpoint overhead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import WrapError
+from memfit.runtime import policies as _policies
+from memfit.runtime.checkpoint import run_region
+
+__all__ = ["wrap", "unwrap", "is_wrapped"]
+
+class _WrapState:
+    """What ``wrap`` stored on a module; kept as ``module._memfit_wrap``."""
+
+    def __init__(self, policy: _policies.Policy | None, check: bool, name: str,
+                 instance_forward: Any) -> None:
+        self.policy = policy
+        self.check = check
+        self.name = name
+        self.instance_forward = instance_forward  # None: the class's forward
+
+    def __repr__(self) -> str:
+        return f"_WrapState(policy={self.policy!r}, check={self.check}, name={self.name!r})"
+
+
+def _requires_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return True
+        if isinstance(value, (tuple, list)) and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in value
+        ):
+            return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+class _CheckpointedForward:
+    """The instance-level ``forward`` that ``wrap`` installs."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        state: _WrapState = module.__dict__["_memfit_wrap"]
+        if state.instance_forward is None:
+            inner = type(module).forward.__get__(module, type(module))
+        else:
+            inner = state.instance_forward
+        if not (torch.is_grad_enabled() and module.training
+                and _requires_grad(module, args, kwargs)):
+            return inner(*args, **kwargs)
+        return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
+                          name=state.name, modules=(module,))
+
+
+class _WrappedName:
+    """Instance-level ``_get_name`` so that ``repr`` shows the module is wrapped."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> str:
+        return f"memfit.checkpoint({type(self.module).__name__})"
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    """True if ``wrap`` checkpointed this module."""
+    return "_memfit_wrap" in module.__dict__
+
+
+def wrap(module: nn.Module, policy: Any = None, *, check: bool = True,
+         name: str | None = None) -> nn.Module:
+    """Checkpoint ``module`` in place: its activations are recomputed in backward.
+
+    Args:
+        module: the module to checkpoint (changed in place and returned).
+        policy: which op outputs to keep, as for ``memfit.runtime.checkpoint.checkpoint``
+            (default None: recompute everything).
+        check: compare the recomputation op by op with the forward (default True).
+        name: how errors name the module (default: its class name); ``apply`` passes the
+            module's path in the model.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        WrapError: the module is already wrapped or is part of a chain segment.
+        TypeError, ValueError: a bad policy (see ``memfit.runtime.policies.resolve``).
+
+    Example:
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> wrap(block, save_matmuls())              # doctest: +SKIP
+        memfit.checkpoint(Sequential)(...)
+        >>> unwrap(block)                            # doctest: +SKIP
+    """
+    from memfit.runtime.segment import segment_of
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"wrap expects an nn.Module, got {type(module).__name__}; "
+                        "use memfit.checkpoint for functions")
+    label = name or type(module).__name__
+    if is_wrapped(module):
+        raise WrapError(
+            f"{label} is already wrapped (policy {module.__dict__['_memfit_wrap'].policy!r}); "
+            "wrapping twice would checkpoint it twice. Call memfit.unwrap(module) first"
+        )
+    segment = segment_of(module)
+    if segment is not None:
+        raise WrapError(f"{label} is part of the chain segment {segment.name}; "
+                        "remove the segment first")
+    resolved = _policies.resolve(policy)
+    instance_forward = module.__dict__.get("forward")
+    module._memfit_wrap = _WrapState(resolved, check, label, instance_forward)  # type: ignore[assignment]
+    module.forward = _CheckpointedForward(module)  # type: ignore[method-assign]
+    module._get_name = _WrappedName(module)  # type: ignore[method-assign]
+    return module
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Undo ``wrap``: the module runs its forward plainly again.
+
+    Raises:
+        WrapError: the module is not wrapped.
+
+    Example:
+        >>> unwrap(wrap(torch.nn.Linear(2, 2)))
+        Linear(in_features=2, out_features=2, bias=True)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"unwrap expects an nn.Module, got {type(module).__name__}")
+    if not is_wrapped(module):
+        raise WrapError(
+            f"{type(module).__name__} is not wrapped by memfit, so there is nothing to unwrap "
+            "(is it the module you wrapped, or a copy made before wrapping?)"
+        )
+    state: _WrapState = module.__dict__.pop("_memfit_wrap")
+    del module.__dict__["_get_name"]
+    if state.instance_forward is None:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = state.instance_forward
+    return module

@@ -1,0 +1,73 @@
+"""memfit.runtime.apply: a Plan applied in place, refused when it does not fit the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, pair
+
+from memfit.errors import PlanMismatch, WrapError
+from memfit.planning.plan import Plan, Region
+from memfit.runtime.apply import apply, unapply
+from memfit.runtime.segment import segment_of
+from memfit.runtime.wrap import is_wrapped, wrap
+
+
+def _plan(*regions: Region, types: dict | None = None) -> Plan:
+    return Plan(regions=regions, predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
+                solver="test", profile_signature="", extra={"module_types": types or {}})
+
+
+def test_apply_wraps_and_segments_bitwise():
+    model, twin = pair(TinyGPT)
+    plan = _plan(
+        Region(("blocks.0",), save=("aten.addmm.default#0",)),
+        Region(("blocks.1", "blocks.2"), save=("aten.bmm.default#1",)),
+        types={"blocks.0": "GPTBlock", "blocks": "torch.nn.modules.container.ModuleList"},
+    )
+    assert apply(model, plan) is model and model.memfit_plan is plan
+    assert is_wrapped(model.blocks[0]) and segment_of(model.blocks[2]) is not None
+    counter = CallCounter(*(b.attn.qkv for b in model.blocks))
+    assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
+    assert counter.count == 2 * 3 * 2
+    unapply(model)
+    assert not hasattr(model, "memfit_plan") and not is_wrapped(model.blocks[0])
+    assert segment_of(model.blocks[1]) is None
+
+
+def test_second_plan_replaces_first():
+    model = TinyGPT()
+    apply(model, _plan(Region(("blocks.0",))))
+    second = _plan(Region(("blocks.1",)))
+    apply(model, second)
+    assert not is_wrapped(model.blocks[0]) and is_wrapped(model.blocks[1])
+    assert model.memfit_plan is second
+
+
+BAD = {
+    "missing_path": (_plan(Region(("blocks.7",))), "blocks.7"),
+    "not_consecutive": (_plan(Region(("blocks.0", "blocks.2"))), "not consecutive"),
+    "different_parents": (_plan(Region(("blocks.0", "ln"))), "different parents"),
+    "type_mismatch": (_plan(Region(("blocks.0",)), types={"blocks.0": "LlamaDecoderLayer"}),
+                      "LlamaDecoderLayer"),
+    "twice": (_plan(Region(("blocks.0",)), Region(("blocks.0", "blocks.1"))), "two regions"),
+}
+
+
+@pytest.mark.parametrize("plan,message", BAD.values(), ids=BAD.keys())
+def test_mismatching_plans_are_refused_and_change_nothing(plan, message):
+    model = TinyGPT()
+    with pytest.raises(PlanMismatch, match=message):
+        apply(model, plan)
+    assert not any(is_wrapped(m) or segment_of(m) for m in model.modules())
+    assert not hasattr(model, "memfit_plan")
+
+
+def test_conflict_with_manual_wrap_rolls_back():
+    model = TinyGPT()
+    wrap(model.blocks[2])
+    with pytest.raises(WrapError):
+        apply(model, _plan(Region(("blocks.0",)), Region(("blocks.2",))))
+    assert not is_wrapped(model.blocks[0]) and is_wrapped(model.blocks[2])
+    with pytest.raises(PlanMismatch, match="no memfit plan"):
+        unapply(model)

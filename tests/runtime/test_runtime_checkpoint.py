@@ -1,0 +1,331 @@
+"""memfit.runtime.checkpoint: bitwise-equal to the plain step, policies, misuse errors."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from runtime_helpers import CallCounter, GPTBlock, Residual, pair
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from memfit.errors import RecomputeMismatch
+from memfit.runtime import policies as P
+from memfit.runtime.checkpoint import checkpoint
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _compare(fn_ckpt, fn_plain, model, twin, x, seed=0):
+    """fn_*(module, x) -> output; compares outputs, input grads and parameter grads bitwise."""
+    xa, xb = x.detach().clone().requires_grad_(x.requires_grad), x.detach().clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    ya = fn_ckpt(model, xa)
+    ya.float().square().sum().backward()
+    torch.manual_seed(seed)
+    yb = fn_plain(twin, xb)
+    yb.float().square().sum().backward()
+    assert torch.equal(ya, yb)
+    if x.requires_grad:
+        assert torch.equal(xa.grad, xb.grad)
+    ga, gb = _grads(model), _grads(twin)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+def _save_mm_fn(ctx, op, *args, **kwargs):
+    return op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+POLICIES = {
+    "none": None,
+    "recompute_all": P.recompute_all(),
+    "save_matmuls": P.save_matmuls(),
+    "names": {"aten.mm", "aten.addmm.default", torch.ops.aten.bmm},
+    "callable": _save_mm_fn,
+    "save_keys": P.save_keys(["aten.addmm.default#0", "aten.gelu.default#0"]),
+    "either": P.save_ops("aten.gelu") | P.save_keys(["aten.addmm.default#1"]),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_gpt_block_bitwise_and_recomputed(policy):
+    model, twin = pair(GPTBlock)
+    counter = CallCounter(model.attn.qkv)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    _compare(lambda m, x, policy=policy: checkpoint(m, x, policy=policy), lambda m, x: m(x), model, twin, x)
+    assert counter.count == 2  # forward + recomputation
+
+
+def test_dropout_rng_restored_and_stream_continues():
+    model, twin = pair(lambda: nn.Sequential(Residual(16, p=0.5), Residual(16, p=0.5)))
+    x = torch.randn(4, 16, requires_grad=True)
+    _compare(lambda m, x: checkpoint(m[1], checkpoint(m[0], x)), lambda m, x: m(x), model, twin, x)
+    # The RNG after the checkpointed step continues as after the plain one.
+    torch.manual_seed(3)
+    checkpoint(model, x).sum().backward()
+    after_ckpt = torch.rand(4)
+    torch.manual_seed(3)
+    twin(x).sum().backward()
+    assert torch.equal(after_ckpt, torch.rand(4))
+
+
+def test_naive_sac_saving_dropout_div_is_wrong_memfit_is_right():
+    """torch SAC saving dropout's in-place div_ gives wrong grads; memfit forces recompute."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def fn(x):
+        return F.dropout(lin(x).relu(), 0.5, training=True).sin()
+
+    def naive_policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.div_.Scalar else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def grads(run):
+        x.grad = None
+        lin.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        run().sum().backward()
+        return x.grad.clone(), lin.weight.grad.clone()
+
+    def naive(allow_mutation):
+        return lambda: torch.utils.checkpoint.checkpoint(
+            fn, x, use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, naive_policy,
+                                         allow_cache_entry_mutation=allow_mutation))
+
+    plain = grads(lambda: fn(x))
+    # The known torch pitfall: the saved div_ output is skipped in recomputation, and the
+    # dropout mask the caller uses stays undivided. torch notices only through the cached
+    # tensor's version counter; with that check relaxed the gradient is silently wrong.
+    with pytest.raises(RuntimeError, match="mutated"):
+        grads(naive(False))
+    wrong = grads(naive(True))
+    assert not torch.equal(wrong[0], plain[0])
+    ours = grads(lambda: checkpoint(fn, x, policy={"aten.div_.Scalar"}))
+    assert torch.equal(ours[0], plain[0]) and torch.equal(ours[1], plain[1])
+
+
+def test_forced_recompute_rules():
+    rp = P.RegionPolicy(P.save_ops("aten.div_", "aten.bernoulli_", "aten.native_dropout",
+                                   "aten.mm", "aten.add_"))
+    assert rp(None, torch.ops.aten.div_.Scalar) is CheckpointPolicy.MUST_RECOMPUTE
+    assert rp(None, torch.ops.aten.bernoulli_.float) is CheckpointPolicy.MUST_RECOMPUTE
+    assert rp(None, torch.ops.aten.native_dropout.default) is CheckpointPolicy.MUST_RECOMPUTE
+    assert rp(None, torch.ops.aten.add_.Tensor) is CheckpointPolicy.MUST_RECOMPUTE
+    assert rp(None, torch.ops.aten.rand.default) is CheckpointPolicy.MUST_RECOMPUTE
+    assert rp(None, torch.ops.aten.mm.default) is CheckpointPolicy.MUST_SAVE
+    assert rp(None, torch.ops.aten.gelu.default) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_op_keys_count_per_overload_from_zero_each_call():
+    policy = P.save_keys(["aten.mm.default#1", "aten.add.Tensor#0"])
+    seen = []
+    for _call in range(2):
+        rp = P.RegionPolicy(policy)  # one per checkpointed call
+        ops = [torch.ops.aten.mm.default, torch.ops.aten.add.Tensor, torch.ops.aten.mm.default,
+               torch.ops.aten.mm.default, torch.ops.aten.add.Tensor]
+        seen.append([rp(None, op) is CheckpointPolicy.MUST_SAVE for op in ops])
+    assert seen == [[False, True, True, False, False]] * 2
+
+
+def test_save_keys_saves_exactly_those_occurrences():
+    """Ops run in the recomputation are those not saved: count them with a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.mm += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return (x @ w).tanh() @ w @ w
+
+    def backward_mms(policy):
+        y = checkpoint(fn, x, policy=policy, early_stop=False)  # recompute all of fn
+        with Count() as c:
+            y.sum().backward()
+        return c.mm
+
+    # Backward itself runs 2 mm per forward mm (6); recomputation adds the unsaved ones.
+    assert backward_mms(P.save_keys([])) - backward_mms(P.save_keys(
+        ["aten.mm.default#0", "aten.mm.default#2"])) == 2
+    assert backward_mms(P.save_keys(["aten.mm.default#1"])) == 6 + 2
+
+
+def test_autocast_bf16_cpu():
+    model, twin = pair(GPTBlock)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+
+    def ck(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return checkpoint(m, x, policy=P.save_matmuls())
+
+    def plain(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x)
+
+    _compare(ck, plain, model, twin, x)
+
+
+class _Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, extra=None, *, scale: int = 1, cfg=None):
+        h = self.lin(x) * scale
+        if extra is not None:
+            h = h + extra["bias"]
+        return {"out": h.relu(), "pair": (h.sin(), None), "n": 3, "cfg": cfg}
+
+
+def test_kwargs_and_non_tensor_args_and_outputs():
+    model, twin = pair(_Structured)
+    x = torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+
+    def loss(o):
+        assert o["n"] == 3 and o["pair"][1] is None and o["cfg"] == {"k": 1}
+        return o["out"].square().sum() + o["pair"][0].sum()
+
+    torch.manual_seed(0)
+    la = loss(checkpoint(model, x, {"bias": bias}, scale=2, cfg={"k": 1}))
+    la.backward()
+    ga = (x.grad.clone(), bias.grad.clone(), model.lin.weight.grad.clone())
+    x.grad = bias.grad = None
+    lb = loss(twin(x, {"bias": bias}, scale=2, cfg={"k": 1}))
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert all(torch.equal(a, b) for a, b in zip(ga, (x.grad, bias.grad, twin.lin.weight.grad), strict=True))
+
+
+def test_nested_checkpoints():
+    model, twin = pair(lambda: nn.Sequential(GPTBlock(), GPTBlock()))
+
+    def ck(m, x):
+        def outer(x):
+            return checkpoint(m[1], checkpoint(m[0], x, policy=P.save_matmuls()))
+        return checkpoint(outer, x)
+
+    _compare(ck, lambda m, x: m(x), model, twin, torch.randn(2, 8, 32, requires_grad=True))
+
+
+def test_input_without_grad_and_frozen_params():
+    model, twin = pair(GPTBlock)
+    for m in (model, twin):
+        m.attn.qkv.weight.requires_grad_(False)
+        m.ln1.requires_grad_(False)
+    _compare(lambda m, x: checkpoint(m, x), lambda m, x: m(x), model, twin,
+             torch.randn(2, 8, 32))
+    assert model.attn.qkv.weight.grad is None
+
+
+def test_inplace_ops_and_view_outputs():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 16)
+
+        def forward(self, x):
+            h = self.lin(x)
+            h.mul_(2).add_(1.0)        # in-place ops on a tensor nothing saved
+            g = h.tanh() * 3.0
+            g[:, :4] += 1.0            # in-place on a slice
+            return g.relu_().view(4, 2, 8)[:, 1]  # a view of an intermediate
+
+    model, twin = pair(M)
+    for policy in (None, P.save_matmuls()):
+        _compare(lambda m, x, policy=policy: checkpoint(m, x, policy=policy), lambda m, x: m(x), model, twin,
+                 torch.randn(4, 8, requires_grad=True))
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+
+
+def test_no_grad_runs_plainly():
+    model = GPTBlock()
+    counter = CallCounter(model.attn.qkv)
+    with torch.no_grad():
+        y = checkpoint(model, torch.randn(2, 8, 32), preserve_rng_state=False)
+    assert not y.requires_grad and counter.count == 1
+
+
+class _Flaky(nn.Module):
+    """Takes another branch with the same shapes on its second call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        return (h.sin() if self.calls % 2 else h.cos()).exp()  # exp saves its output
+
+
+def test_divergence_torch_silent_memfit_raises():
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(0)
+    flaky, twin = _Flaky(), None
+    twin = copy.deepcopy(flaky)
+    # torch: no error, wrong gradient.
+    torch.utils.checkpoint.checkpoint(flaky, x, use_reentrant=False).sum().backward()
+    wrong = flaky.lin.weight.grad.clone()
+    twin(x).sum().backward()
+    assert not torch.equal(wrong, twin.lin.weight.grad)
+    # memfit: raises, naming the module and the first differing op.
+    flaky.calls = 0
+    y = checkpoint(flaky, x)
+    with pytest.raises(RecomputeMismatch, match=r"_Flaky.*op 2: the forward ran aten.sin.default.*recomputation ran aten.cos.default"):
+        y.sum().backward()
+    # check=False: torch's behaviour.
+    flaky.calls = 0
+    checkpoint(flaky, x, check=False).sum().backward()
+
+
+def test_divergence_fewer_ops_in_recompute():
+    state = {"extra": True}
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        h = x @ w
+        if state["extra"]:
+            h = h * 1.0  # saves nothing (scalar multiply), so torch does not notice
+        return h.tanh()
+
+    y = checkpoint(fn, torch.randn(2, 8, requires_grad=True), early_stop=False)
+    state["extra"] = False
+    with pytest.raises(RecomputeMismatch, match="fn"):
+        y.sum().backward()
+
+
+def test_misuse_errors():
+    with pytest.raises(TypeError, match="function or module"):
+        checkpoint(3, torch.randn(2))
+    with pytest.raises(ValueError, match="aten.nosuchop"):
+        checkpoint(torch.sin, torch.randn(2), policy={"aten.nosuchop"})
+    with pytest.raises(ValueError, match="aten.mm.nosuchoverload"):
+        P.save_ops("aten.mm.nosuchoverload")
+    with pytest.raises(ValueError, match="'mm#1'"):
+        P.save_keys(["mm#1"])
+    with pytest.raises(ValueError, match="overload"):
+        P.save_keys(["aten.mm#1"])
+    with pytest.raises(TypeError, match="collection"):
+        checkpoint(torch.sin, torch.randn(2), policy="aten.mm")
+    with pytest.raises(ValueError, match="use_reentrant"):
+        checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
