@@ -225,8 +225,7 @@ class Profile:
                                     "outputs": tuple(m["outputs"])})
                     for m in data["modules"]
                 ),
-                **{k: (tuple(v) if k == "live_bytes" else v) for k, v in data.items()
-                   if k not in ("ops", "storages", "modules", "kind")},
+                **_scalar_fields(data),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit profile: {type(e).__name__}: {e}") from None
@@ -256,6 +255,15 @@ def op_signature(ops: Iterable[OpRecord], n_forward: int | None = None) -> str:
         if op.phase is Phase.FORWARD:
             h.update(f"{op.name}@{op.module};".encode())
     return h.hexdigest()[:16]
+
+
+def _scalar_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The Profile fields of ``data`` other than the op, storage and module tables."""
+    out: dict[str, Any] = {
+        k: v for k, v in data.items() if k not in ("ops", "storages", "modules", "kind")
+    }
+    out["live_bytes"] = tuple(data["live_bytes"])
+    return out
 
 
 def _to_jsonable(obj: Any) -> Any:

@@ -1,0 +1,137 @@
+"""A roofline cost model for op times, with device presets.
+
+An op takes ``max(flops / peak_flops, bytes_moved / bandwidth) + overhead`` seconds, where
+``bytes_moved`` is what it reads plus what it writes; an op that only makes a view (moves no
+byte, does no FLOP) is free. Used where ops cannot be timed: fake mode (a model profiled on
+the meta device for a target it does not run on here).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "calibrate_cpu"]
+
+
+class Target(str, enum.Enum):
+    CPU = "cpu"
+    A100 = "a100"
+    H100 = "h100"
+    H200 = "h200"
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Peak rates of one device.
+
+    Attributes:
+        name: preset key.
+        flops_per_s: peak dense FLOP/s for half-precision (bf16/fp16) math.
+        fp32_flops_per_s: peak dense FLOP/s for fp32 math (no TF32).
+        bandwidth_bytes_per_s: memory bandwidth, bytes/s.
+        memory_bytes: device memory, bytes (0 when not meaningful).
+        op_overhead_s: fixed cost per op (kernel launch / dispatch), seconds.
+        source: where the figures come from.
+    """
+
+    name: str
+    flops_per_s: float
+    fp32_flops_per_s: float
+    bandwidth_bytes_per_s: float
+    memory_bytes: int
+    op_overhead_s: float
+    source: str
+
+    def peak_for(self, dtype: str) -> float:
+        return self.flops_per_s if dtype in ("bfloat16", "float16") else self.fp32_flops_per_s
+
+
+_GB = 1000**3
+_T = 1e12
+
+PRESETS: dict[str, DevicePreset] = {
+    # Measured on the development machine with calibrate_cpu() on 2026-11-30 (torch 2.13 CPU,
+    # 2 threads, machine shared with other jobs): 1024^3 matmul fp32 200 GFLOP/s, bf16 438
+    # GFLOP/s (the CPU has bf16 matrix units), 64 MiB copy 49 GB/s (read + write). With 1
+    # thread: 101 / 217 GFLOP/s, 33 GB/s.
+    "cpu": DevicePreset("cpu", flops_per_s=438e9, fp32_flops_per_s=200e9,
+                        bandwidth_bytes_per_s=49 * _GB, memory_bytes=0, op_overhead_s=5e-6,
+                        source="calibrate_cpu() on the dev machine, 2026-11-30, 2 threads"),
+    # NVIDIA A100 Tensor Core GPU datasheet (2020/2021, SXM4 80GB): BF16 tensor core 312
+    # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s.
+    "a100": DevicePreset("a100", flops_per_s=312 * _T, fp32_flops_per_s=19.5 * _T,
+                         bandwidth_bytes_per_s=2039 * _GB, memory_bytes=80 * _GB,
+                         op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity, i.e.
+    # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB.
+    "h100": DevicePreset("h100", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
+                         bandwidth_bytes_per_s=3350 * _GB, memory_bytes=80 * _GB,
+                         op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989.5
+    # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB.
+    "h200": DevicePreset("h200", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
+                         bandwidth_bytes_per_s=4800 * _GB, memory_bytes=141 * _GB,
+                         op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM"),
+}
+
+
+def preset(target: str | DevicePreset) -> DevicePreset:
+    """The preset for a target name (``"cpu"``, ``"a100"``, ``"h100"``, ``"h200"``).
+
+    Example:
+        >>> preset("h100").bandwidth_bytes_per_s
+        3350000000000
+    """
+    if isinstance(target, DevicePreset):
+        return target
+    key = str(target).lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown target {target!r}; known device presets: {sorted(PRESETS)}")
+    return PRESETS[key]
+
+
+def op_time_s(flops: int, bytes_moved: int, dtype: str, device: DevicePreset) -> float:
+    """Roofline time of one op, seconds (0 for a pure view).
+
+    Example:
+        >>> op_time_s(0, 0, "float32", preset("h100"))
+        0.0
+    """
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    compute = flops / device.peak_for(dtype)
+    memory = bytes_moved / device.bandwidth_bytes_per_s
+    return max(compute, memory) + device.op_overhead_s
+
+
+def calibrate_cpu(n: int = 1024, copy_bytes: int = 64 * 2**20, repeats: int = 5) -> DevicePreset:
+    """Measure this CPU's matmul FLOP/s (fp32 and bf16) and copy bandwidth (best of repeats).
+
+    Example:
+        >>> calibrate_cpu(n=128, copy_bytes=2**20, repeats=1).name
+        'cpu-calibrated'
+    """
+
+    def best(fn: object) -> float:
+        ts = []
+        for _ in range(repeats + 1):  # first run warms up
+            t0 = time.perf_counter()
+            fn()  # type: ignore[operator]
+            ts.append(time.perf_counter() - t0)
+        return min(ts[1:]) if len(ts) > 1 else ts[0]
+
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    fp32 = 2 * n**3 / best(lambda: torch.mm(a, b))
+    ah, bh = a.bfloat16(), b.bfloat16()
+    bf16 = 2 * n**3 / best(lambda: torch.mm(ah, bh))
+    src = torch.empty(copy_bytes // 4)
+    dst = torch.empty_like(src)
+    bw = 2 * copy_bytes / best(lambda: dst.copy_(src))
+    return DevicePreset("cpu-calibrated", flops_per_s=bf16, fp32_flops_per_s=fp32,
+                        bandwidth_bytes_per_s=bw, memory_bytes=0, op_overhead_s=5e-6,
+                        source=f"calibrate_cpu() with {torch.get_num_threads()} threads")

@@ -1,0 +1,325 @@
+"""``profile``: trace one training step op by op into a ``Profile``.
+
+One traced run records every aten op (a ``StorageTracker`` dispatch mode), the module running
+it (``ModuleRecorder``), and what autograd saved for backward (saved-tensor hooks); further
+runs only time ops (``OpTimer``), and plain runs time the step. The model, its gradients,
+buffers and the RNG state are left as they were (see ``_Preserved``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.errors import ProfileMismatch
+from memfit.profiling.costmodel import op_time_s, preset
+from memfit.profiling.inputs import LossFn, iter_tensors, make_step_fn, normalize_inputs
+from memfit.profiling.modules import ModuleRecorder, param_owners
+from memfit.profiling.profile import (
+    OpRecord,
+    Phase,
+    Profile,
+    StorageKind,
+    StorageRecord,
+    TensorMeta,
+    op_signature,
+)
+from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
+
+__all__ = ["ProfileMode", "profile", "check_profile_matches", "live_bytes_of"]
+
+log = logging.getLogger(__name__)
+
+
+# NOTE [hooked op sequence]
+#     The traced run has saved-tensor hooks installed (to see what autograd saves). Under any
+#     saved-tensor hooks autograd skips the ``aten.detach`` it otherwise dispatches when it saves
+#     an op's output, so the forward op sequence recorded is the one a non-reentrant
+#     checkpoint region (which installs its own hooks) dispatches and its selective policy
+#     counts: op keys ("aten.mm.default#2") agree between plan and runtime. Timing runs install
+#     identity hooks so their op sequence lines up with the traced one. Memory is unaffected
+#     (the skipped detach is a view).
+
+
+class ProfileMode(str, enum.Enum):
+    MEASURE = "measure"  # run the step for real, time ops
+    FAKE = "fake"        # run it on the meta device, times from the cost model
+
+
+class _Preserved:
+    """Leaves grads, buffers and RNG state as found; ``reset()`` gives each run the same start.
+
+    Each run starts with every ``.grad`` None (gradients are created afresh, as after
+    ``zero_grad(set_to_none=True)``), the RNG state and buffers (BatchNorm statistics) of the
+    moment ``profile`` was called.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, real: bool) -> None:
+        self.params = list(model.parameters())
+        self.grads = [p.grad for p in self.params]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()
+                        if real and b.device.type != "meta"]
+
+    def reset(self) -> None:
+        for p in self.params:
+            p.grad = None
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for b, snap in self.buffers:
+                b.copy_(snap)
+
+    def restore(self) -> None:
+        self.reset()
+        for p, g in zip(self.params, self.grads, strict=True):
+            p.grad = g
+
+
+def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int) -> tuple[int, ...]:
+    """``live_bytes[i]``: bytes of activation/gradient storages live at op ``i`` (the contract
+    the simulator relies on: ``created_by <= i`` and not ``freed_after < i``)."""
+    return tuple(live_timeline(storages, n_ops))
+
+
+@dataclass
+class _Setup:
+    forward: Callable[..., Any]
+    state: dict[str, torch.Tensor] | None   # fake-mode parameters and buffers, by name
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    device: torch.device
+    outer: Any                              # the fake mode, or a null context
+
+
+@contextlib.contextmanager
+def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str, torch.Tensor] | None,
+            args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None,
+            time_ops: bool, count_flops: bool = True,
+            forward_only: bool = False, outer: Any = None) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
+    owners = param_owners(model)
+    named = dict(model.named_parameters()) if state is None else {n: state[n] for n in owners}
+    tracker = StorageTracker(time_ops=time_ops, count_flops=count_flops,
+                             param_owner={id(p): owners[n] for n, p in named.items()})
+    rec = ModuleRecorder(model, tracker)
+    tracker.module_of = rec.current
+    for p in named.values():
+        tracker.register(p, StorageKind.PARAMETER)
+    buffers = model.named_buffers() if state is None else ((n, state[n]) for n, _ in model.named_buffers())
+    for _, b in buffers:
+        tracker.register(b, StorageKind.BUFFER)
+    for t in iter_tensors((args, kwargs)):
+        tracker.register(t, StorageKind.INPUT)
+    if forward_only:
+        lf = loss_fn
+        from memfit.profiling.inputs import default_loss
+
+        def step() -> None:
+            (lf or default_loss)(forward(*args, **kwargs))
+    else:
+        step = make_step_fn(forward, args, kwargs, loss_fn, on_backward=tracker.begin_backward)  # type: ignore[arg-type]
+    try:
+        with outer or contextlib.nullcontext(), rec, tracker.saved_tensors_hooks(), tracker:
+            step()
+    finally:
+        tracker.close()
+    yield tracker, rec
+
+
+def _setup(model: torch.nn.Module, example_inputs: Any, mode: ProfileMode,
+           device: str | torch.device | None) -> _Setup:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
+    args, kwargs = normalize_inputs(example_inputs)
+    if mode is ProfileMode.FAKE:
+        from memfit.profiling.fake import meta_inputs, meta_state, new_fake_mode
+
+        fake_mode = new_fake_mode()
+        with fake_mode:
+            state = meta_state(model)
+            args, kwargs = meta_inputs((args, kwargs))
+
+        def forward(*a: Any, **k: Any) -> Any:
+            return torch.func.functional_call(model, state, a, k, tie_weights=True, strict=False)
+
+        return _Setup(forward, state, args, kwargs, torch.device("meta"), fake_mode)
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else "cpu"
+    dev = torch.device(device)
+    if dev.type == "meta":
+        raise ValueError("the model is on the meta device: profile it with mode='fake'")
+    return _Setup(model, None, args, kwargs, dev, contextlib.nullcontext())
+
+
+def profile(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    mode: ProfileMode | str = ProfileMode.MEASURE,
+    device: str | torch.device | None = None,
+    repeats: int = 3,
+    target: str = "cpu",
+) -> Profile:
+    """Trace one forward + loss + backward of ``model`` on ``example_inputs`` into a Profile.
+
+    Args:
+        model: the module; left unchanged (grads, buffers and RNG state restored).
+        example_inputs: a tensor, a tuple of positional args or a dict of keyword args.
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` if present, else the
+            sum of ``t.sum()`` over the output tensors.
+        mode: ``"measure"`` (run for real, times measured) or ``"fake"`` (meta device,
+            memory exact, times from the roofline model of ``target``).
+        device: where the model runs in measure mode (default: its parameters' device).
+        repeats: traced runs whose per-op times are medianed (measure mode, default 3).
+        target: device preset of the cost model in fake mode (``"cpu"``, ``"a100"``,
+            ``"h100"``, ``"h200"``); ignored in measure mode.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        >>> p = profile(m, torch.randn(4, 8))
+        >>> p.ops[0].name, p.peak_bytes > 0
+        ('aten.t.default', True)
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    try:
+        mode = ProfileMode(mode)
+    except ValueError:
+        raise ValueError(f"mode must be 'measure' or 'fake', got {mode!r}") from None
+    t_begin = time.perf_counter()
+    su = _setup(model, example_inputs, mode, device)
+    forward, state, args, kwargs, dev = su.forward, su.state, su.args, su.kwargs, su.device
+    fake = mode is ProfileMode.FAKE
+    keep = _Preserved(model, dev, real=not fake)
+    op_times: list[list[float]] = []
+    plain: list[float] = []
+    try:
+        keep.reset()
+        with _traced(model, forward, state, args, kwargs, loss_fn, time_ops=not fake,
+                     outer=su.outer) as (tr, rec):
+            pass
+        if not fake:
+            op_times = [[op.time_s] for op in tr.ops]
+            step = make_step_fn(forward, args, kwargs, loss_fn)  # type: ignore[arg-type]
+            for _ in range(repeats - 1):
+                keep.reset()
+                timer = OpTimer()
+                # the same hooks as the traced run, so the same ops (NOTE [hooked op sequence])
+                with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), timer:
+                    step()
+                if len(timer.times) == len(tr.ops):
+                    for ts, t in zip(op_times, timer.times, strict=True):
+                        ts.append(t)
+                else:
+                    log.warning("profile: a timing run dispatched %d ops, the traced run %d; "
+                                "its op times are ignored", len(timer.times), len(tr.ops))
+            for _ in range(max(1, repeats // 2)):
+                keep.reset()
+                _sync(dev)
+                t0 = time.perf_counter()
+                step()
+                _sync(dev)
+                plain.append(time.perf_counter() - t0)
+    finally:
+        keep.restore()
+
+    cost = preset(target) if fake else None
+    ops = []
+    n_forward = tr.n_forward if tr.n_forward is not None else len(tr.ops)
+    for i, op in enumerate(tr.ops):
+        if cost is not None:
+            dtype = op.outputs[0][2] if op.outputs else "float32"
+            t = op_time_s(op.flops, op.bytes_moved, dtype, cost)
+        else:
+            t = statistics.median(op_times[i])
+        ops.append(OpRecord(
+            index=i, name=op.name, module=op.module,
+            phase=Phase.BACKWARD if i >= n_forward else Phase.FORWARD,
+            inputs=op.inputs, outputs=tuple(TensorMeta(s, sh, dt) for s, sh, dt in op.outputs),
+            time_s=t, inplace=op.inplace, random=op.random, flops=op.flops))
+    storages = tuple(
+        StorageRecord(id=sid, nbytes=s.nbytes, kind=s.kind, created_by=s.created_by,
+                      freed_after=s.freed_after, saved=s.saved, first_unpack=s.first_unpack,
+                      last_forward_use=s.last_forward_use)
+        for sid, s in enumerate(tr.storages))
+    live = live_bytes_of(storages, len(ops))
+    bwd: dict[str, float] = {}
+    for rec_op in ops[n_forward:]:
+        bwd[rec_op.module] = bwd.get(rec_op.module, 0.0) + rec_op.time_s
+    step_time = statistics.median(plain) if plain else sum(o.time_s for o in ops)
+    cost_s = time.perf_counter() - t_begin
+    result = Profile(
+        ops=tuple(ops), storages=storages, modules=rec.records(bwd), n_forward=n_forward,
+        live_bytes=live, peak_bytes=max(live, default=0), baseline_bytes=tr.baseline_bytes,
+        step_time_s=step_time, model=type(model).__name__,
+        device=cost.name if cost is not None else str(dev), mode=mode.value,
+        cost_model=f"roofline:{cost.name}" if cost is not None else "measured",
+        signature=op_signature(ops, n_forward),
+        extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
+               "repeats": repeats if not fake else 1},
+    )
+    log.info("profiled %s: %d ops (%d forward), peak %d bytes, %.3fs (%.1fx a step)",
+             result.model, len(ops), n_forward, result.peak_bytes, cost_s,
+             cost_s / step_time if step_time > 0 else float("nan"))
+    return result
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inputs: Any, *,
+                          loss_fn: LossFn | None = None) -> None:
+    """Raise ``ProfileMismatch`` unless ``model`` on ``example_inputs`` runs the forward op
+    sequence (names and module paths) that ``profile`` recorded.
+
+    The forward and loss are run once (on the meta device for a fake-mode profile) with grads,
+    buffers and RNG state restored afterwards.
+
+    Example:
+        >>> m = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
+        >>> check_profile_matches(profile(m, x, repeats=1), m, x)   # same model: no error
+    """
+    mode = ProfileMode(profile.mode)
+    su = _setup(model, example_inputs, mode, None)
+    keep = _Preserved(model, su.device, real=mode is ProfileMode.MEASURE)
+    try:
+        keep.reset()
+        with _traced(model, su.forward, su.state, su.args, su.kwargs, loss_fn, time_ops=False,
+                     count_flops=False, forward_only=True, outer=su.outer) as (tr, _):
+            pass
+    finally:
+        keep.restore()
+    got = [OpRecord(index=i, name=o.name, module=o.module, phase=Phase.FORWARD)
+           for i, o in enumerate(tr.ops)]
+    sig = op_signature(got)
+    if sig == profile.signature:
+        return
+    want = profile.forward_ops
+    first = next((i for i, (a, b) in enumerate(zip(want, got, strict=False))
+                  if (a.name, a.module) != (b.name, b.module)), min(len(want), len(got)))
+    have = f"{got[first].name} in {got[first].module!r}" if first < len(got) else "nothing"
+    expected = f"{want[first].name} in {want[first].module!r}" if first < len(want) else "nothing"
+    raise ProfileMismatch(
+        f"the profile (model {profile.model}, signature {profile.signature}, {len(want)} forward "
+        f"ops) does not describe this {type(model).__name__} (signature {sig}, {len(got)} forward "
+        f"ops): forward op {first} is {have}, the profile has {expected}. Profile this model "
+        "with these input shapes again."
+    )

@@ -1,0 +1,113 @@
+"""Fake mode: memory exact on the meta device; a 7B Llama profiled on a CPU-only machine.
+
+Llama activation bytes per decoder layer, eager attention, batch 1, training, no KV cache,
+bf16 weights (b = 1, s = sequence, h = hidden, i = intermediate, n = heads). What autograd
+saves, read off the Hugging Face LlamaDecoderLayer (RMSNorm computes in fp32):
+  each of the 2 RMSNorms: the fp32 upcast of its input (4sh), rsqrt (4s), the bf16 downcast
+      (2sh, saved by the weight multiply) and its output (2sh, saved by the next matmuls)
+      -> 2 * (8sh + 4s)
+  attention: v (2sh), q and k after rotary (2sh each), softmax output in fp32 (4ns^2),
+      its bf16 cast (2ns^2, saved by probs @ v), the transposed attention output made
+      contiguous (2sh, saved by o_proj)                          -> 8sh + 6ns^2
+  MLP: gate_proj out, silu out, up_proj out, their product (2si each) -> 8si
+  total per layer = 24sh + 8s + 6ns^2 + 8si   (residual adds save nothing)
+Outside the layers: rotary cos and sin in bf16 (2 * 2 * s * 128), the final norm (8sh + 4s),
+the labels padded by one (8(s+1), int64), log_softmax of the fp32 logits (4sV) and
+nll_loss's total_weight (4).
+Parameters: 2Vh (embeddings + untied lm_head) + L(4h^2 + 3hi + 2h) + h, times 2 bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import TinyGPT, gpt_inputs
+
+from memfit.profiling.costmodel import PRESETS, calibrate_cpu, op_time_s, preset
+from memfit.profiling.profile import StorageKind
+from memfit.profiling.tracer import profile
+
+
+def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:
+    model, x = TinyGPT(), gpt_inputs()
+    real = profile(model, x, loss_fn=lambda out: out, repeats=1)
+    fake = profile(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
+    assert [o.name for o in fake.ops] == [o.name for o in real.ops]
+    assert fake.signature == real.signature
+    key = lambda s: (s.nbytes, s.kind, s.created_by, s.freed_after, s.saved,  # noqa: E731
+                     s.first_unpack, s.last_forward_use)
+    assert [key(s) for s in fake.storages] == [key(s) for s in real.storages]
+    assert fake.live_bytes == real.live_bytes and fake.peak_bytes == real.peak_bytes
+    assert fake.cost_model == "roofline:h100" and fake.mode == "fake"
+    assert all(p.grad is None for p in model.parameters())   # the model was not touched
+
+
+def _llama(n_layer: int, seq: int):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=n_layer,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=seq, attn_implementation="eager", tie_word_embeddings=False,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.train()
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _check_llama(n_layer: int, seq: int, max_s: float) -> None:
+    model, inputs = _llama(n_layer, seq)
+    t0 = time.perf_counter()
+    p = profile(model, inputs, mode="fake", target="h100")
+    wall = time.perf_counter() - t0
+    s, h, i, n, V, L = seq, 4096, 11008, 32, 32000, n_layer
+    param_bytes = 2 * (2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h)
+    assert sum(r.nbytes for r in p.storages if r.kind == StorageKind.PARAMETER) == param_bytes
+    per_layer = 24 * s * h + 8 * s + 6 * n * s * s + 8 * s * i
+    by_layer: dict[str, int] = {}
+    for r in p.storages:
+        if r.saved and r.kind == StorageKind.ACTIVATION:
+            mod = p.ops[r.created_by].module
+            key = ".".join(mod.split(".")[:3]) if mod.startswith("model.layers.") else "outside"
+            by_layer[key] = by_layer.get(key, 0) + r.nbytes
+    assert {k: v for k, v in by_layer.items() if k != "outside"} == {
+        f"model.layers.{k}": per_layer for k in range(L)}
+    outside = 2 * 2 * s * 128 + (8 * s * h + 4 * s) + 8 * (s + 1) + 4 * s * V + 4
+    assert by_layer["outside"] == outside
+    assert p.saved_bytes == L * per_layer + outside
+    assert p.peak_bytes > p.saved_bytes and p.step_time_s > 0
+    assert wall < max_s, f"fake profile took {wall:.1f}s"
+
+
+def test_llama_two_layers_fake_bytes_by_formula() -> None:
+    _check_llama(2, 4096, max_s=30)
+
+
+@pytest.mark.slow
+def test_llama_7b_fake_bytes_by_formula() -> None:
+    # The full 7B (32 layers, seq 4096): ~2-3 s here; the brief allows 60 s.
+    _check_llama(32, 4096, max_s=60)
+
+
+def test_roofline_cost_model() -> None:
+    h100 = preset("h100")
+    # A 4096^3 bf16 matmul is compute bound: 2*4096^3 / 989.5e12 s + 4 us overhead.
+    flops = 2 * 4096**3
+    moved = 3 * 4096 * 4096 * 2
+    assert op_time_s(flops, moved, "bfloat16", h100) == pytest.approx(flops / 989.5e12 + 4e-6, rel=1e-12)
+    # An elementwise op is memory bound.
+    assert op_time_s(0, moved, "bfloat16", h100) == pytest.approx(moved / 3350e9 + 4e-6, rel=1e-12)
+    # fp32 math uses the fp32 peak; a view is free.
+    assert op_time_s(flops, 0, "float32", h100) == pytest.approx(flops / 67e12 + 4e-6, rel=1e-12)
+    assert op_time_s(0, 0, "float32", h100) == 0.0
+    assert set(PRESETS) == {"cpu", "a100", "h100", "h200"}
+    with pytest.raises(ValueError, match="known device presets"):
+        preset("tpu")
+
+
+def test_calibrate_cpu_measures_positive_rates() -> None:
+    c = calibrate_cpu(n=128, copy_bytes=2**20, repeats=1)
+    assert c.fp32_flops_per_s > 1e8 and c.bandwidth_bytes_per_s > 1e8
