@@ -17,11 +17,14 @@ after ``reset_peak_memory_stats``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +73,41 @@ def allocator_peak(step: Callable[[], object]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         step()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     return _peak_of_events(prof)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Silence file descriptor 2 while the profiler starts or stops.
+
+    The CPU profiler's native library prints a "profiler_start"/"profiler_stop" line to the
+    process's stderr at each start and stop, which would litter every measurement's output.
+    Only the start and stop are silenced, never the user's step.
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by a non-file object
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            try:
+                yield
+            finally:
+                os.dup2(saved, fd)
+    finally:
+        os.close(saved)
 
 
 def _peak_of_events(prof: torch.profiler.profile) -> int:
