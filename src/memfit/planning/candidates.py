@@ -1,0 +1,256 @@
+"""The plan space: candidate regions (modules, chain segments) and chains of blocks.
+
+NOTE [chains]
+    A chain is a run of children of an ``nn.ModuleList`` / ``nn.Sequential`` that each ran
+    once, one after another, where what block ``k`` (and the parent's code after it) creates
+    is read in forward by nothing after block ``k + 1``: each block feeds the next and no skip
+    connection jumps over a block. Every block must be a useful region (it drops something).
+    On a chain, the memory effect of each block lives in its own forward, its own backward,
+    and as a constant in between, which is what makes ``solvers.chain`` exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from memfit.planning.effects import Effect, ProfileArrays, RegionModel, RegionSpan, resolve_span
+from memfit.planning.plan import Region
+from memfit.planning.rules import op_keys
+from memfit.profiling.profile import Profile
+
+__all__ = ["Candidate", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
+           "overlap_groups"]
+
+CONTAINER_TYPES = ("ModuleList", "Sequential")
+
+
+def segment_cap(n: int) -> int:
+    """Longest multi-block segment considered on a chain of ``n`` blocks: all of them on short
+    chains, about ``2 sqrt(n)`` on long ones (the sqrt(n) regime needs segments of ~sqrt(n))."""
+    return n if n <= 12 else max(4, 2 * math.isqrt(n - 1) + 2)
+
+
+@dataclass
+class Candidate:
+    """A region the solvers may choose, with its linear effects (NOTE [region memory model])."""
+
+    index: int
+    model: RegionModel
+    base: Effect
+    saveable: tuple[int, ...]           # op indices a..stop that may be saved (and save time)
+    op_effects: tuple[Effect, ...]      # one per saveable op: change from recompute-all
+    keys: dict[int, str] = field(repr=False)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return self.model.span.modules
+
+    @property
+    def a(self) -> int:
+        return self.model.a
+
+    @property
+    def b(self) -> int:
+        return self.model.b
+
+    @property
+    def rp(self) -> int:
+        return int(self.model.rp)  # type: ignore[arg-type]
+
+    @property
+    def stop(self) -> int:
+        return self.model.stop
+
+    @property
+    def time_s(self) -> float:
+        return self.base.time_s
+
+    def region(self, saved_ops: tuple[int, ...] | list[int] = ()) -> Region:
+        return Region(self.modules, tuple(self.keys[i] for i in sorted(saved_ops)))
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Blocks of a chain (NOTE [chains]) and their forward op ranges."""
+
+    parent: str
+    blocks: tuple[str, ...]
+    first_ops: tuple[int, ...]
+    last_ops: tuple[int, ...]
+
+
+class PlanningContext:
+    """Everything the solvers share about one profile, computed lazily and once."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.arrays = ProfileArrays(profile)
+        self._index = {m.path: k for k, m in enumerate(profile.modules)}
+        self._cands: dict[tuple[str, ...], Candidate | None] = {}
+
+    def candidate(self, modules: tuple[str, ...], *, with_ops: bool = True) -> Candidate | None:
+        """The candidate for a module or segment, or ``None`` if checkpointing it drops nothing."""
+        key = (modules, with_ops)
+        hit = self._cands.get(key)  # type: ignore[arg-type]
+        if hit is not None or key in self._cands:
+            return hit
+        span = resolve_span(self.profile, modules, self._index)
+        cand = self._build(span, with_ops)
+        self._cands[key] = cand  # type: ignore[index]
+        return cand
+
+    def _build(self, span: RegionSpan, with_ops: bool) -> Candidate | None:
+        rm = RegionModel(self.arrays, span)
+        if not rm.useful:
+            return None
+        keys = op_keys(self.profile, rm.a, rm.b) if with_ops else {}
+        arrs = self.arrays
+        saveable: tuple[int, ...] = ()
+        if with_ops:
+            saveable = tuple(i for i in range(rm.a, rm.stop + 1)
+                             if arrs.op_saveable[i] and arrs.op_time[i] > 0 and i in keys)
+        return Candidate(index=-1, model=rm, base=rm.base_effect(), saveable=saveable,
+                         op_effects=tuple(rm.op_effect(i) for i in saveable), keys=keys)
+
+    # -- module candidates ---------------------------------------------------------------------
+    @cached_property
+    def module_candidates(self) -> list[Candidate]:
+        """Every module (not the root) called once whose checkpointing drops something; of
+        modules with the same op range only the outermost."""
+        out = []
+        seen: set[tuple[int, int]] = set()
+        for m in self.profile.modules:
+            if not m.path or m.calls != 1 or m.first_op is None or m.last_op is None:
+                continue
+            if (m.first_op, m.last_op) in seen:
+                continue
+            seen.add((m.first_op, m.last_op))
+            c = self.candidate((m.path,))
+            if c is not None:
+                out.append(c)
+        return out
+
+    # -- chains --------------------------------------------------------------------------------
+    @cached_property
+    def chains(self) -> list[Chain]:
+        """Chains (NOTE [chains]), longest-saving first."""
+        prof = self.profile
+        arrs = self.arrays
+        found = []
+        for m in prof.modules:
+            if m.type not in CONTAINER_TYPES or len(m.children) < 2:
+                continue
+            kids = [prof.modules[self._index[c]] for c in m.children if c in self._index]
+            kids = [k for k in kids if k.calls == 1 and k.first_op is not None]
+            kids.sort(key=lambda k: k.first_op)  # type: ignore[arg-type, return-value]
+            run: list = []
+            for k in kids:
+                ok = self.candidate((k.path,)) is not None
+                if run and ok:
+                    prev = run[-1]
+                    if k.first_op <= prev.last_op:  # type: ignore[operator]
+                        ok = False
+                    else:
+                        # what prev-of-prev created must not be read after this block... checked
+                        # as: storages created from prev's start up to k's start end by k's end
+                        ids = arrs.created_in(prev.first_op, k.first_op - 1)  # type: ignore[operator]
+                        if ids.size and int(arrs.lfu[ids].max()) > k.last_op:  # type: ignore[operator]
+                            found.append(run)
+                            run = []
+                if ok:
+                    run.append(k)
+                else:
+                    found.append(run)
+                    run = []
+            found.append(run)
+        chains = []
+        for run in found:
+            if len(run) < 2:
+                continue
+            # the last block's output may be read anywhere later; earlier blocks checked above
+            chains.append(Chain(run[0].parent or "", tuple(k.path for k in run),
+                                tuple(int(k.first_op) for k in run), tuple(int(k.last_op) for k in run)))
+        chains.sort(key=self.chain_saved_bytes, reverse=True)
+        return chains
+
+    def chain_saved_bytes(self, chain: Chain) -> int:
+        """Autograd-saved activation bytes created by the chain's ops."""
+        arrs = self.arrays
+        ids = arrs.created_in(chain.first_ops[0], chain.last_ops[-1])
+        return int(arrs.nbytes[ids][arrs.saved[ids]].sum())
+
+    def _dropped_ids(self, modules: tuple[str, ...]) -> set[int]:
+        span = resolve_span(self.profile, modules, self._index)
+        rm = RegionModel(self.arrays, span)
+        return set(rm.ids[rm.dropped].tolist())
+
+    def chain_droppable_share(self, chain: Chain) -> float:
+        """Share of the bytes any candidate region could drop that the chain's regions drop."""
+        in_chain = self._dropped_ids(chain.blocks)
+        every = set(in_chain)
+        for c in self.module_candidates:
+            every |= set(c.model.ids[c.model.dropped].tolist())
+        total = int(self.arrays.nbytes[list(every)].sum()) if every else 0
+        mine = int(self.arrays.nbytes[list(in_chain)].sum()) if in_chain else 0
+        return mine / total if total else 0.0
+
+    @cached_property
+    def saved_activation_bytes(self) -> int:
+        arrs = self.arrays
+        fwd = (arrs.creator >= 0) & (arrs.creator < arrs.n_forward) & arrs.counted
+        return int(arrs.nbytes[fwd & arrs.saved].sum())
+
+    def segment_candidates(self, chain: Chain, cap: int | None = None) -> list[Candidate]:
+        """Recompute-all segments of 2..cap consecutive blocks of a chain."""
+        n = len(chain.blocks)
+        cap = segment_cap(n) if cap is None else cap
+        out = []
+        for k in range(n):
+            for j in range(k + 1, min(n, k + cap)):
+                c = self.candidate(chain.blocks[k: j + 1], with_ops=False)
+                if c is not None:
+                    out.append(c)
+        return out
+
+    def region_candidates(self, *, segments: bool = True) -> list[Candidate]:
+        """Module candidates plus chain segments, indexed 0..R-1 (the MILP/brute plan space)."""
+        cands = list(self.module_candidates)
+        if segments:
+            for ch in self.chains:
+                cands.extend(self.segment_candidates(ch))
+        return indexed(cands)
+
+
+def indexed(cands: list[Candidate]) -> list[Candidate]:
+    """Copies of ``cands`` with ``index`` = position in the list (what LinearModel expects)."""
+    return [Candidate(k, c.model, c.base, c.saveable, c.op_effects, c.keys) for k, c in enumerate(cands)]
+
+
+def overlap_groups(cands: list[Candidate], n_forward: int) -> list[list[int]]:
+    """Maximal sets of candidates sharing a forward op (at most one of each may be chosen)."""
+    cover: dict[int, list[int]] = {}
+    events = np.zeros(n_forward + 1, dtype=np.int64)
+    for c in cands:
+        events[c.a] += 1
+        events[c.b + 1] -= 1
+    depth = np.cumsum(events)[:-1]
+    groups: set[tuple[int, ...]] = set()
+    for q in np.nonzero(depth >= 2)[0]:
+        cover.setdefault(int(q), [])
+    if not cover:
+        return []
+    for c in cands:
+        for p in range(c.a, c.b + 1):
+            if p in cover:
+                cover[p].append(c.index)
+    for g in cover.values():
+        groups.add(tuple(sorted(g)))
+    out = sorted(groups)
+    # drop groups contained in another
+    sets = [set(g) for g in out]
+    return [list(g) for g, s in zip(out, sets, strict=True)
+            if not any(s < t for t in sets)]

@@ -1,0 +1,114 @@
+"""The linear cost model: a plan's memory timeline as the plain one plus a sum of effects.
+
+NOTE [linear model]
+    Points of the timeline: every op position ``0..N-1`` and, for every candidate region ``r``,
+    one point per op of its replay (``a_r..stop_r``), sitting just before its recompute point.
+    For candidate ``r`` recompute-all has a column ``Δ_r`` over all points (its own replay
+    included on its own replay points; on another candidate's replay points it counts what it
+    changes "just before" that candidate's recompute point); saving op ``j`` of ``r`` adds a
+    column ``B_{r,j}`` (its outputs kept until ``rp_r`` instead of dropped or replayed). A plan
+    (disjoint regions ``r`` with save sets ``S_r``) is predicted to peak at
+    ``max_t base(t) + Σ_r (Δ_r(t) + Σ_{j ∈ S_r} B_{r,j}(t))`` and to cost
+    ``Σ_r (T_r - Σ_{j ∈ S_r} t_j)`` seconds.
+
+    Exactness: equal to ``simulate`` whenever no storage is an input of two chosen regions and
+    no two chosen regions share a recompute point (see NOTE [region memory model]). A shared
+    input is counted once per region (an over-estimate). Replay points of regions not chosen are
+    harmless: the memory just before op ``p`` never exceeds the memory at op ``p - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from memfit.planning.candidates import Candidate, PlanningContext
+from memfit.planning.effects import Effect
+
+__all__ = ["LinearModel"]
+
+
+class LinearModel:
+    """Dense columns of the linear model over a fixed set of candidates (NOTE [linear model])."""
+
+    def __init__(self, ctx: PlanningContext, cands: Sequence[Candidate]) -> None:
+        self.ctx = ctx
+        self.cands = list(cands)
+        arrs = ctx.arrays
+        n = arrs.n_ops
+        self.n_ops = n
+        self.rps = np.array([c.rp for c in self.cands], dtype=np.int64)
+        self.lens = np.array([c.stop - c.a + 1 for c in self.cands], dtype=np.int64)
+        self.offsets = n + np.concatenate([[0], np.cumsum(self.lens)[:-1]]).astype(np.int64) if self.cands \
+            else np.zeros(0, dtype=np.int64)
+        self.n_points = int(n + self.lens.sum())
+        self.base = np.concatenate([arrs.base_live, np.repeat(arrs.base_before[self.rps], self.lens)]) \
+            if self.cands else arrs.base_live.copy()
+        # variables: y_r for each candidate, then s_{r,j} for each saveable op of each candidate
+        self.var_owner: list[int] = list(range(len(self.cands)))
+        self.var_op: list[int] = [-1] * len(self.cands)
+        for c in self.cands:
+            for j in c.saveable:
+                self.var_owner.append(c.index)
+                self.var_op.append(j)
+        self.n_vars = len(self.var_owner)
+        self.var_time = np.array([c.time_s for c in self.cands]
+                                 + [e.time_s for c in self.cands for e in c.op_effects], dtype=np.float64)
+        self._col_cache: dict[int, np.ndarray] = {}
+        self._op_var = {(c.index, j): len(self.cands) + k for k, (c, j) in
+                        enumerate((c, j) for c in self.cands for j in c.saveable)}
+
+    def column(self, var: int) -> np.ndarray:
+        """The dense column of variable ``var`` over all points (int64)."""
+        hit = self._col_cache.get(var)
+        if hit is not None:
+            return hit
+        owner = self.cands[self.var_owner[var]]
+        if var < len(self.cands):
+            eff = owner.base
+        else:
+            eff = owner.op_effects[owner.saveable.index(self.var_op[var])]
+        col = self.effect_column(eff, owner)
+        self._col_cache[var] = col
+        return col
+
+    def effect_column(self, eff: Effect, owner: Candidate) -> np.ndarray:
+        n = self.n_ops
+        col = np.zeros(self.n_points, dtype=np.int64)
+        col[:n] = eff.live(0, n - 1)
+        before = eff.before(0, n - 1)
+        if self.cands:
+            col[n:] = np.repeat(before[self.rps], self.lens)
+        off = int(self.offsets[owner.index])
+        col[off: off + owner.stop - owner.a + 1] += eff.replay(owner.a, owner.stop)
+        return col
+
+    def op_var(self, cand: int, op: int) -> int:
+        return self._op_var[(cand, op)]
+
+    def matrix(self) -> np.ndarray:
+        """All columns, shape (points, variables)."""
+        if self.n_vars == 0:
+            return np.zeros((self.n_points, 0), dtype=np.int64)
+        return np.stack([self.column(v) for v in range(self.n_vars)], axis=1)
+
+    def vars_of(self, choices: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+        out = []
+        for r, ops in choices:
+            out.append(r)
+            out.extend(self.op_var(r, j) for j in ops)
+        return out
+
+    def timeline(self, choices: Sequence[tuple[int, Sequence[int]]]) -> np.ndarray:
+        """Predicted memory at every point for a plan given as ``[(candidate, saved ops)]``."""
+        total = self.base.copy()
+        for v in self.vars_of(choices):
+            total += self.column(v)
+        return total
+
+    def peak(self, choices: Sequence[tuple[int, Sequence[int]]]) -> int:
+        return int(self.timeline(choices).max()) if self.n_points else 0
+
+    def time_s(self, choices: Sequence[tuple[int, Sequence[int]]]) -> float:
+        return float(sum(self.var_time[v] for v in self.vars_of(choices)))

@@ -1,0 +1,323 @@
+"""The memory model of checkpointing one region, shared by the simulator and the cost model.
+
+NOTE [region memory model]
+    Non-reentrant ``torch.utils.checkpoint`` with a selective policy, per storage. A region
+    covers the forward ops ``a..b`` of its modules' first calls (a segment also covers the
+    parent's ops between its members). Plain lifetimes are ``[created_by, freed_after]``
+    (``freed_after = None``: to the end of the step). ``rp`` (the recompute point) is the
+    smallest ``first_unpack`` over the region's *dropped* storages (below); ``L`` (the stop op)
+    is the last region op that creates an autograd-saved storage: torch's early stop ends the
+    replay there.
+
+    For a storage ``s`` created by region op ``i``:
+    - *escaping* (read in forward after ``b``, or never freed): keeps its plain lifetime; its
+      copy made by the replay is a transient.
+    - *dropped* (not escaping, ``saved=True``): autograd no longer holds it. It lives
+      ``[c, d]`` with ``d = min(freed_after, max(last_forward_use, end))``, ``end`` the last op
+      of the member module that created it (Python locals live until that forward returns),
+      and again ``[rp, freed_after]`` once recomputed.
+    - other (not escaping, not autograd-saved): plain lifetime; the replay makes a transient.
+    - if op ``i`` is saved (``Region.save``), torch caches all its outputs: ``s`` lives
+      ``[c, max(freed_after, rp)]`` and the replay does not make it again.
+    Storages read by region ops and created before ``a`` (the region's inputs) are held by the
+    checkpoint until ``rp`` at least: ``[c, max(freed_after, rp)]``.
+
+    The replay runs just before op ``rp``, one step per op ``a..L`` (saved ops return their
+    cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
+    that is within ``a..L``, to the end of the replay otherwise; a dropped storage stays
+    (its second lifetime). Memory at replay step ``i`` is the memory just before op ``rp``
+    (storages live at both ``rp - 1`` and ``rp``) plus the replayed storages live at ``i``.
+    Recompute time is the forward time of the non-saved ops ``a..L``.
+
+    The model is per storage, so the effects of regions that touch disjoint storages add up
+    exactly. Two regions touch one storage only when it is an input of both (a tensor read by
+    two checkpointed regions, e.g. a UNet skip): the simulator keeps it until the later
+    recompute point, the linear model counts both extensions (over-estimates, never under).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit.planning.rules import is_saveable
+from memfit.profiling.profile import Profile, StorageKind
+
+__all__ = ["ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span"]
+
+_COUNTED_KINDS = (StorageKind.ACTIVATION, StorageKind.GRADIENT)
+_NEVER = np.iinfo(np.int64).max // 4
+
+
+class ProfileArrays:
+    """A Profile's storages and ops as numpy arrays (built once per planning call)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        n = len(profile.ops)
+        self.n_ops = n
+        self.n_forward = profile.n_forward
+        st = profile.storages
+        m = len(st)
+        self.creator = np.full(m, -1, dtype=np.int64)
+        self.freed = np.full(m, n - 1, dtype=np.int64)
+        self.never_freed = np.zeros(m, dtype=bool)
+        self.lfu = np.full(m, -1, dtype=np.int64)
+        self.nbytes = np.zeros(m, dtype=np.int64)
+        self.saved = np.zeros(m, dtype=bool)
+        self.unpack = np.full(m, _NEVER, dtype=np.int64)
+        self.counted = np.zeros(m, dtype=bool)
+        for k, s in enumerate(st):
+            if s.id != k:
+                raise ValueError(f"profile storage table is not dense: position {k} holds id {s.id}")
+            self.nbytes[k] = s.nbytes
+            self.saved[k] = s.saved
+            if s.created_by is not None:
+                self.creator[k] = s.created_by
+                self.counted[k] = s.kind in _COUNTED_KINDS
+            if s.freed_after is None:
+                self.never_freed[k] = True
+            else:
+                self.freed[k] = s.freed_after
+            if s.last_forward_use is not None:
+                self.lfu[k] = s.last_forward_use
+            if s.first_unpack is not None:
+                self.unpack[k] = s.first_unpack
+        # counted storages in creation order, for slicing by op range
+        ids = np.nonzero(self.counted)[0]
+        order = np.argsort(self.creator[ids], kind="stable")
+        self.by_creator = ids[order]
+        self.by_creator_op = self.creator[self.by_creator]
+        self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
+        self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
+        self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
+        ptr = [0]
+        flat: list[int] = []
+        for op in profile.ops[: profile.n_forward]:
+            flat.extend(op.inputs)
+            ptr.append(len(flat))
+        self.in_ptr = np.array(ptr, dtype=np.int64)
+        self.in_ids = np.array(flat, dtype=np.int64)
+        # plain timelines: live at op p, and "just before op p" (live at both p-1 and p)
+        c = self.creator[ids]
+        f = self.freed[ids]
+        nb = self.nbytes[ids]
+        self.base_live = dense(c, f, nb, 0, n - 1)
+        self.base_before = dense(c + 1, f, nb, 0, n - 1)
+
+    def created_in(self, a: int, b: int) -> np.ndarray:
+        """Ids of counted storages created by ops ``a..b``."""
+        lo = np.searchsorted(self.by_creator_op, a, side="left")
+        hi = np.searchsorted(self.by_creator_op, b, side="right")
+        return self.by_creator[lo:hi]
+
+    def inputs_of(self, a: int, b: int) -> np.ndarray:
+        """Ids of counted storages read by forward ops ``a..b`` and created before ``a``."""
+        ids = np.unique(self.in_ids[self.in_ptr[a]: self.in_ptr[b + 1]])
+        if ids.size == 0:
+            return ids
+        keep = self.counted[ids] & (self.creator[ids] >= 0) & (self.creator[ids] < a)
+        return ids[keep]
+
+
+def dense(start: np.ndarray, end: np.ndarray, val: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Sum of ``val`` over intervals ``[start, end]`` at each point ``lo..hi`` (int64)."""
+    out = np.zeros(hi - lo + 2, dtype=np.int64)
+    if hi < lo:
+        return out[:0]
+    s = np.maximum(start, lo)
+    e = np.minimum(end, hi)
+    ok = s <= e
+    if ok.any():
+        np.add.at(out, s[ok] - lo, val[ok])
+        np.add.at(out, e[ok] - lo + 1, -val[ok])
+    return np.cumsum(out[:-1])
+
+
+@dataclass(frozen=True)
+class RegionSpan:
+    """Where a region sits in the step: its modules and forward op range."""
+
+    modules: tuple[str, ...]
+    first_op: int
+    last_op: int
+    member_last: tuple[int, ...]  # last op of each member module (a segment has several)
+
+    @property
+    def name(self) -> str:
+        return self.modules[0] if len(self.modules) == 1 else f"{self.modules[0]}..{self.modules[-1]}"
+
+
+def resolve_span(profile: Profile, modules: tuple[str, ...],
+                 _index: dict[str, int] | None = None) -> RegionSpan:
+    """The op range of a region (one module, or consecutive siblings forming a segment).
+
+    Raises:
+        ValueError: an unknown module, one that ran no op, or a segment whose members are not
+            siblings in call order.
+    """
+    index = _index if _index is not None else {m.path: k for k, m in enumerate(profile.modules)}
+    recs = []
+    for path in modules:
+        k = index.get(path)
+        if k is None:
+            raise ValueError(f"region names module {path!r}, which the profile does not have; "
+                             "is the plan for another model?")
+        rec = profile.modules[k]
+        if rec.first_op is None or rec.last_op is None:
+            raise ValueError(f"module {path!r} ran no op in the profiled step; it cannot be a region")
+        recs.append(rec)
+    if len(recs) > 1:
+        parents = {r.parent for r in recs}
+        if len(parents) != 1:
+            raise ValueError(f"segment {modules} mixes modules of different parents {sorted(map(str, parents))}; "
+                             "a segment is a run of consecutive siblings")
+        for r0, r1 in zip(recs, recs[1:], strict=False):
+            if r1.first_op <= r0.last_op:  # type: ignore[operator]
+                raise ValueError(f"segment members {r0.path!r} and {r1.path!r} are not in call "
+                                 "order or overlap; list them in the order they run")
+    return RegionSpan(tuple(modules), int(recs[0].first_op), int(recs[-1].last_op),  # type: ignore[arg-type]
+                      tuple(int(r.last_op) for r in recs))  # type: ignore[arg-type]
+
+
+@dataclass
+class Effect:
+    """A signed change of the step's memory: position pieces and (optionally) a replay.
+
+    ``Δlive(p) = Σ v [s <= p <= e]`` over the pieces; ``Δbefore(p)`` counts a piece when it
+    covers both ``p - 1`` and ``p``. A replay adds ``Σ rv [rs <= i <= re]`` at its step ``i``
+    (``a <= i <= stop``) on top of the total "before ``rp``" memory.
+    """
+
+    ps: np.ndarray
+    pe: np.ndarray
+    pv: np.ndarray
+    rs: np.ndarray
+    re: np.ndarray
+    rv: np.ndarray
+    time_s: float = 0.0
+
+    def live(self, lo: int, hi: int) -> np.ndarray:
+        return dense(self.ps, self.pe, self.pv, lo, hi)
+
+    def before(self, lo: int, hi: int) -> np.ndarray:
+        return dense(self.ps + 1, self.pe, self.pv, lo, hi)
+
+    def before_at(self, p: int) -> int:
+        m = (self.ps <= p - 1) & (self.pe >= p)
+        return int(self.pv[m].sum())
+
+    def replay(self, a: int, stop: int) -> np.ndarray:
+        return dense(self.rs, self.re, self.rv, a, stop)
+
+
+def _cat(*xs: np.ndarray) -> np.ndarray:
+    return np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+
+
+class RegionModel:
+    """A region's storages sorted by their role (NOTE [region memory model])."""
+
+    def __init__(self, arrs: ProfileArrays, span: RegionSpan) -> None:
+        self.span = span
+        a, b = span.first_op, span.last_op
+        self.a, self.b = a, b
+        ids = arrs.created_in(a, b)
+        self.ids = ids
+        c = arrs.creator[ids]
+        f = arrs.freed[ids]
+        self.c, self.f, self.nb = c, f, arrs.nbytes[ids]
+        esc = arrs.never_freed[ids] | (arrs.lfu[ids] > b)
+        self.dropped = ~esc & arrs.saved[ids]
+        any_saved = arrs.saved[ids]
+        self.rp: int | None = int(arrs.unpack[ids][self.dropped].min()) if self.dropped.any() else None
+        if self.rp is not None and self.rp >= _NEVER:
+            self.rp = None
+        self.stop = int(c[any_saved].max()) if any_saved.any() else a
+        member_last = np.array(span.member_last, dtype=np.int64)
+        pos = np.searchsorted(member_last, c, side="left")
+        end = np.where(pos < len(member_last), member_last[np.minimum(pos, len(member_last) - 1)], b)
+        self.d = np.minimum(f, np.maximum(arrs.lfu[ids], end))
+        self.inputs = arrs.inputs_of(a, b)
+        self.in_c = arrs.creator[self.inputs]
+        self.in_f = arrs.freed[self.inputs]
+        self.in_nb = arrs.nbytes[self.inputs]
+        self.op_time = arrs.op_time
+        # replay transient end for non-dropped storages: plain free if within a..stop
+        self.rend = np.where(f <= self.stop, f, self.stop)
+        self.replayed = c <= self.stop
+
+    @property
+    def useful(self) -> bool:
+        """Whether checkpointing the region drops anything (it has a recompute point)."""
+        return self.rp is not None
+
+    def saved_mask(self, saved_ops: np.ndarray | set[int] | list[int]) -> np.ndarray:
+        """Which of the region's storages come from saved ops."""
+        ops = np.fromiter(saved_ops, dtype=np.int64) if not isinstance(saved_ops, np.ndarray) else saved_ops
+        return np.isin(self.c, ops) if ops.size else np.zeros(self.c.shape, dtype=bool)
+
+    def time_s(self, saved_ops: set[int]) -> float:
+        """Recompute seconds: non-saved ops ``a..stop``."""
+        ops = [i for i in sorted(saved_ops) if self.a <= i <= self.stop]
+        if not ops:  # one float sum in op order, as the cost model's sums
+            return float(self.op_time[self.a: self.stop + 1].sum())
+        keep = np.ones(self.stop - self.a + 1, dtype=bool)
+        keep[np.array(ops) - self.a] = False
+        return float(self.op_time[self.a: self.stop + 1][keep].sum())
+
+    # -- lifetimes under a save set (used by the simulator) --------------------------------
+    def versions(self, sv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per region storage: the end of its first lifetime and whether it has a second."""
+        rp = self.rp if self.rp is not None else 0
+        drop = self.dropped & ~sv
+        end1 = np.where(drop, self.d, np.where(sv, np.maximum(self.f, rp), self.f))
+        return end1, drop
+
+    def replay_pieces(self, sv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rep = self.replayed & ~sv
+        end = np.where(self.dropped, self.stop, self.rend)
+        return self.c[rep], end[rep], self.nb[rep]
+
+    # -- linear effects (used by the cost model) -------------------------------------------
+    def _version_pieces(self, m: np.ndarray, saved: bool) -> tuple[np.ndarray, ...]:
+        """Pieces (+) of the storages selected by ``m`` under recompute or saved, minus plain."""
+        rp = self.rp if self.rp is not None else 0
+        c, f, nb = self.c[m], self.f[m], self.nb[m]
+        if saved:
+            e = np.maximum(f, rp)
+            ch = e != f
+            return (_cat(c[ch], c[ch]), _cat(e[ch], f[ch]), _cat(nb[ch], -nb[ch]))
+        drop = self.dropped[m]
+        d = self.d[m]
+        cd, fd, nd = c[drop], f[drop], nb[drop]
+        return (_cat(cd, np.full(cd.shape, rp, dtype=np.int64), cd),
+                _cat(d[drop], fd, fd),
+                _cat(nd, nd, -nd))
+
+    def _recompute_replay(self, m: np.ndarray) -> tuple[np.ndarray, ...]:
+        rep = m & self.replayed
+        end = np.where(self.dropped, self.stop, self.rend)
+        return self.c[rep], end[rep], self.nb[rep]
+
+    def base_effect(self) -> Effect:
+        """Recompute-all: every region op reruns (up to the stop op)."""
+        rp = self.rp if self.rp is not None else 0
+        allm = np.ones(self.c.shape, dtype=bool)
+        ps, pe, pv = self._version_pieces(allm, saved=False)
+        ext = self.in_f < rp
+        ps = _cat(ps, self.in_c[ext], self.in_c[ext])
+        pe = _cat(pe, np.full(int(ext.sum()), rp, dtype=np.int64), self.in_f[ext])
+        pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext])
+        rs, re_, rv = self._recompute_replay(allm)
+        return Effect(ps, pe, pv, rs, re_, rv, time_s=self.time_s(set()))
+
+    def op_effect(self, op: int) -> Effect:
+        """The change from recompute-all when op ``op`` is saved (its outputs cached)."""
+        m = self.c == op
+        s_ps, s_pe, s_pv = self._version_pieces(m, saved=True)
+        r_ps, r_pe, r_pv = self._version_pieces(m, saved=False)
+        rs, re_, rv = self._recompute_replay(m)
+        t = float(self.op_time[op]) if op <= self.stop else 0.0
+        return Effect(_cat(s_ps, r_ps), _cat(s_pe, r_pe), _cat(s_pv, -r_pv), rs, re_, -rv, time_s=-t)

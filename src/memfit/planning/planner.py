@@ -1,0 +1,128 @@
+"""``plan()``: the fastest checkpoint plan whose predicted peak fits a memory budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from memfit.errors import InfeasibleBudget
+from memfit.planning.candidates import PlanningContext
+from memfit.planning.plan import Plan, Region
+from memfit.planning.simulate import simulate
+from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
+from memfit.profiling.profile import Profile
+from memfit.units import format_bytes, resolve_budget
+
+__all__ = ["plan", "MAX_RETRIES"]
+
+log = logging.getLogger(__name__)
+
+MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
+
+
+def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | float | str,
+         loss_fn: Any = None, solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
+    """Find the checkpoint plan with the least recompute time whose peak fits ``budget``.
+
+    Args:
+        model_or_profile: an ``nn.Module`` (profiled on ``example_inputs``) or a ``Profile``.
+        example_inputs: inputs for one step when a module is given (a tensor or tuple).
+        budget: peak activation memory allowed: int bytes, float fraction of the
+            un-checkpointed peak, or a string (``"6GiB"``, ``"60%"``).
+        loss_fn: ``loss_fn(output) -> scalar`` for profiling (default: the output's sum).
+        solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, ``"brute"``, or a
+            baseline: ``"none"``, ``"every_block"``, ``"sqrt"``, ``"save_matmuls"``.
+        time_limit_s: seconds the MILP may search (default 10.0).
+
+    Returns:
+        A :class:`~memfit.planning.plan.Plan` whose ``predicted_peak_bytes`` and
+        ``recompute_s`` come from :func:`~memfit.planning.simulate.simulate`.
+
+    Raises:
+        InfeasibleBudget: no plan fits; the message and ``min_feasible_bytes`` give the smallest
+            predicted peak any plan reaches.
+        ValueError: an unknown solver or a bad budget.
+
+    Example:
+        >>> p = plan(profile, budget="60%")            # doctest: +SKIP
+        >>> p.predicted_peak_bytes <= p.budget_bytes   # doctest: +SKIP
+        True
+    """
+    solve = get_solver(solver)
+    if isinstance(model_or_profile, Profile):
+        profile = model_or_profile
+    else:
+        from memfit.profiling.tracer import profile as _profile
+
+        profile = _profile(model_or_profile, example_inputs, loss_fn=loss_fn)
+    budget_bytes = resolve_budget(budget, profile.peak_bytes)
+    ctx = PlanningContext(profile)
+    notes: list[str] = []
+    if solver in BASELINES:
+        sol = solve(ctx, budget_bytes, time_limit_s=time_limit_s)
+        result = _finish(profile, sol, budget_bytes, list(sol.notes))
+        if result.predicted_peak_bytes > budget_bytes:
+            result = _with_notes(result, f"exceeds the budget: peak {format_bytes(result.predicted_peak_bytes)} "
+                                         f"> {format_bytes(budget_bytes)}")
+        return result
+    if budget_bytes >= profile.peak_bytes:
+        sol = Solution((), profile.peak_bytes, 0.0, "none" if solver == "auto" else solver,
+                       ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
+        return _finish(profile, sol, budget_bytes, list(sol.notes))
+    target = budget_bytes
+    for attempt in range(MAX_RETRIES):
+        try:
+            sol = solve(ctx, target, time_limit_s=time_limit_s)
+        except Infeasible as e:
+            slack = budget_bytes - target
+            raise _infeasible(budget_bytes, e.min_bytes + slack, profile.peak_bytes, solver) from None
+        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), _arrays=ctx.arrays)
+        if sim.peak_bytes <= budget_bytes:
+            if attempt:
+                notes.append(f"the cost model under-estimated the peak; re-solved {attempt} time(s) "
+                             f"with the budget tightened by {format_bytes(budget_bytes - target)}")
+            return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim)
+        excess = sim.peak_bytes - budget_bytes
+        log.info("plan for %d bytes simulates to %d; tightening by %d", budget_bytes, sim.peak_bytes, excess)
+        target -= excess
+    raise _infeasible(budget_bytes, sim.peak_bytes, profile.peak_bytes, solver)
+
+
+def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> InfeasibleBudget:
+    frac = f" ({min_bytes / plain:.1%} of the un-checkpointed peak {format_bytes(plain)})" if plain else ""
+    return InfeasibleBudget(
+        f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak any plan of "
+        f"solver {solver!r} reaches: {format_bytes(min_bytes)} ({min_bytes} bytes){frac}. "
+        f"Give a budget of at least {min_bytes} bytes, or reduce the batch size / sequence length.",
+        budget_bytes=budget, min_feasible_bytes=min_bytes,
+    )
+
+
+def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str],
+            sim: Any = None) -> Plan:
+    if sim is None:
+        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))
+    regions = tuple(
+        Region(r.modules, r.save, float(t), int(b))
+        for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
+    )
+    types = {m.path: m.type for m in profile.modules}
+    return Plan(
+        regions=regions,
+        predicted_peak_bytes=sim.peak_bytes,
+        recompute_s=sim.recompute_s,
+        budget_bytes=budget_bytes,
+        solver=sol.solver,
+        profile_signature=profile.signature,
+        plain_peak_bytes=profile.peak_bytes,
+        plain_step_s=profile.step_time_s,
+        model=profile.model,
+        notes=tuple(notes),
+        extra={"module_types": {p: types[p] for r in regions for p in r.modules}},
+    )
+
+
+def _with_notes(p: Plan, *more: str) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(p, notes=(*p.notes, *more))

@@ -1,0 +1,101 @@
+"""Which op outputs a plan may save, and how ops inside a region are named.
+
+NOTE [saveable ops]
+    An op occurrence inside a region may be saved (``OpPolicy.SAVE``) only if
+    - it is a forward op that creates at least one new storage, and every tensor it returns
+      lives in a storage it created (no views or aliases of earlier storages: caching a view
+      would pin its base, and the planner's memory model counts storages, not views);
+    - it does not write to an input (``OpRecord.inplace``): torch skips a saved op during
+      recomputation, so the in-place write would never happen (dropout's ``div_`` then gives
+      wrong gradients, see DESIGN.md);
+    - it does not consume the random-number generator (``OpRecord.random``): skipping it during
+      recomputation would shift every later random draw of the region.
+    ``aten.detach.default`` gets no key at all: torch's selective checkpoint never asks the
+    policy about it (checkpointing adds detaches of its own), see ``memfit.runtime.policies``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfit.profiling.profile import OpRecord, Profile
+
+__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul"]
+
+# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]).
+UNKEYED_OPS = frozenset({"aten.detach.default"})
+
+# Op packets the save_matmuls baseline keeps (the same set as memfit.runtime.policies).
+MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
+                  "aten.linear")
+
+
+def is_saveable(profile: Profile, op: OpRecord) -> bool:
+    """Whether ``op``'s outputs may be saved by a plan (NOTE [saveable ops]).
+
+    Example:
+        >>> is_saveable(profile, profile.ops[3])   # doctest: +SKIP
+        True
+    """
+    if op.index >= profile.n_forward or op.inplace or op.random or op.name in UNKEYED_OPS:
+        return False
+    if not op.outputs:
+        return False
+    return all(profile.storages[t.storage].created_by == op.index for t in op.outputs)
+
+
+def is_matmul(op: OpRecord) -> bool:
+    """Whether ``op`` is one of the matmul/convolution overloads in :data:`MATMUL_PACKETS`."""
+    return op.name.rsplit(".", 1)[0] in MATMUL_PACKETS
+
+
+def op_keys(profile: Profile, first_op: int, last_op: int) -> dict[int, str]:
+    """Keys (NOTE [op keys] in ``memfit.planning.plan``) of the forward ops ``first_op..last_op``.
+
+    Returns ``{op index: "<overload>#<k>"}``; ops torch's policy never sees (detach) have no
+    key.
+
+    Example:
+        >>> op_keys(profile, 4, 6)   # doctest: +SKIP
+        {4: 'aten.mm.default#0', 5: 'aten.gelu.default#0', 6: 'aten.mm.default#1'}
+    """
+    counts: dict[str, int] = {}
+    out: dict[int, str] = {}
+    for i in range(first_op, last_op + 1):
+        name = profile.ops[i].name
+        if name in UNKEYED_OPS:
+            continue
+        k = counts.get(name, 0)
+        counts[name] = k + 1
+        out[i] = f"{name}#{k}"
+    return out
+
+
+def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[str],
+                region_name: str) -> list[int]:
+    """Map a region's ``save`` keys to op indices, checking each one may be saved.
+
+    Raises:
+        ValueError: a key names no op of the region, or an op that may not be saved.
+    """
+    by_key = {k: i for i, k in op_keys(profile, first_op, last_op).items()}
+    out = []
+    for key in keys:
+        i = by_key.get(key)
+        if i is None:
+            known = sorted(by_key)[:8]
+            raise ValueError(
+                f"region {region_name!r} saves {key!r}, but its forward ops "
+                f"{first_op}..{last_op} have no such occurrence (keys look like {known}); "
+                "make the plan again from a profile of this model"
+            )
+        op = profile.ops[i]
+        if not is_saveable(profile, op):
+            why = ("writes to an input" if op.inplace else "consumes the RNG" if op.random
+                   else "returns a view or alias of an earlier storage")
+            raise ValueError(
+                f"region {region_name!r} saves {key!r}, but that op {why}; such outputs are "
+                "always recomputed (see memfit.planning.rules); drop it from Region.save"
+            )
+        out.append(i)
+    return out

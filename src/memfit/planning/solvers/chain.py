@@ -1,0 +1,301 @@
+"""Exact dynamic programming over a chain of blocks (NOTE [chains]).
+
+NOTE [chain DP]
+    Zones of the timeline, for blocks ``0..n-1`` with forward ranges ``[a_k, b_k]`` and
+    single-block recompute points ``rp_0 > rp_1 > ... > rp_{n-1} > b_{n-1}``: block ``k``'s
+    forward zone is ``[a_k, a_{k+1} - 1]`` (the last one ends at ``b_{n-1}``), its backward zone
+    ``(rp_{k+1}, rp_k]`` (the last one starts after ``b_{n-1}``: head and loss belong to it).
+    A *choice* covers blocks ``k..j``: keep block ``k``; checkpoint it with a save set; or
+    checkpoint the segment ``k..j`` (recompute-all). Its effect (NOTE [linear model]) is
+    - local: on the forward zones ``k..j``, the backward zones ``j..k`` and its own replay;
+    - a constant ``D`` (kept bytes, usually negative) on the zones of every later block;
+    - zero elsewhere.
+    So with ``P`` the sum of ``D`` over the choices before, a choice fits the budget iff
+    ``P + M <= budget`` with ``M`` the maximum of plain memory plus its local effect over its
+    local points. The DP runs over block boundaries with states ``(P, time)``, exact integers,
+    Pareto-pruned. Each block's save sets are enumerated (all subsets when it has at most
+    ``ENUM_LIMIT`` saveable ops, else a (kept bytes, time) knapsack frontier) and pruned to the
+    Pareto set of ``(M, D, time)``. The frontier ignores the local peak ``M``, so recompute-all,
+    single ops and a second frontier weighted by each op's largest local increase are added;
+    only this case is not exact. Whether an effect really is constant on later zones is
+    checked; where it is not, its maximum there is used (conservative) and a note says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit.planning.candidates import Candidate, Chain, PlanningContext, segment_cap
+from memfit.planning.effects import Effect
+from memfit.planning.solvers import Infeasible, Solution
+
+__all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
+
+log = logging.getLogger(__name__)
+
+ENUM_LIMIT = 10      # enumerate all save sets of a block with at most this many saveable ops
+KNAPSACK_CAP = 48    # else keep at most this many points of the knapsack frontier
+
+
+class NotAChain(ValueError):
+    """The profile's chain does not have the structure the DP needs."""
+
+
+@dataclass(frozen=True)
+class _Choice:
+    k: int
+    j: int
+    cand: Candidate | None  # None: keep block k
+    ops: tuple[int, ...]
+    M: int
+    D: int
+    T: float
+
+
+class ChainModel:
+    """Per-choice local peaks, constants and times of one chain (NOTE [chain DP])."""
+
+    def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None) -> None:
+        self.ctx = ctx
+        self.chain = chain
+        arrs = ctx.arrays
+        n = len(chain.blocks)
+        self.n = n
+        self.notes: list[str] = []
+        self.exact = True
+        cands = [ctx.candidate((b,)) for b in chain.blocks]
+        if any(c is None for c in cands):
+            raise NotAChain(f"chain {chain.parent!r} has a block that drops nothing")
+        self.blocks: list[Candidate] = cands  # type: ignore[assignment]
+        self.a = [c.a for c in self.blocks]
+        self.rp = [c.rp for c in self.blocks]
+        b_last = self.blocks[-1].b
+        if not all(self.rp[k] > self.rp[k + 1] for k in range(n - 1)) or self.rp[-1] <= b_last:
+            raise NotAChain(f"chain {chain.parent!r}: recompute points {self.rp} are not in reverse "
+                            "block order, so its backward is not a reversed chain")
+        self.fwd_hi = [self.a[k + 1] - 1 for k in range(n - 1)] + [b_last]
+        self.bwd_lo = [self.rp[k + 1] + 1 for k in range(n - 1)] + [b_last + 1]
+        nops = arrs.n_ops
+        outside = np.concatenate([arrs.base_live[: self.a[0]], arrs.base_live[self.rp[0] + 1: nops]])
+        self.outside_peak = int(outside.max()) if outside.size else 0
+        self.cap = segment_cap(n) if cap is None else cap
+        self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
+        for k in range(n):
+            self.choices_by_end[k].extend(self._block_choices(k))
+        for k in range(n):
+            for j in range(k + 1, min(n, k + self.cap)):
+                seg = ctx.candidate(chain.blocks[k: j + 1], with_ops=False)
+                if seg is None:
+                    continue
+                vec, base, D = self._eval(seg.base, seg, k, j)
+                M = int((base + vec).max())
+                self.choices_by_end[j].append(_Choice(k, j, seg, (), M, D, seg.time_s))
+
+    # -- local evaluation ----------------------------------------------------------------------
+    def _local_positions(self, k: int, j: int) -> np.ndarray:
+        return np.concatenate([np.arange(self.a[k], self.fwd_hi[j] + 1),
+                               np.arange(self.bwd_lo[j], self.rp[k] + 1)])
+
+    def _eval(self, eff: Effect, cand: Candidate, k: int, j: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(local effect vector, plain memory at those points, constant on later zones)."""
+        arrs = self.ctx.arrays
+        lo, hi = self.a[k], self.rp[k]
+        live = eff.live(lo, hi)
+        before = eff.before(lo, hi)
+        pos = self._local_positions(k, j)
+        nb = cand.stop - cand.a + 1
+        vec = np.concatenate([live[pos - lo], before[cand.rp - lo] + eff.replay(cand.a, cand.stop)])
+        base = np.concatenate([arrs.base_live[pos], np.full(nb, arrs.base_before[cand.rp], dtype=np.int64)])
+        D = 0
+        if j < self.n - 1:
+            l2, h2 = self.a[j + 1], self.rp[j + 1]
+            later_live = live[l2 - lo: h2 - lo + 1]
+            later_before = before[l2 + 1 - lo: h2 - lo + 1]
+            D = int(later_live[0])
+            if not ((later_live == D).all() and (later_before == D).all()):
+                D = int(max(later_live.max(), later_before.max() if later_before.size else D))
+                if self.exact:
+                    self.notes.append(f"chain: the effect of {cand.model.span.name} is not constant "
+                                      "over later blocks; its maximum is used (conservative)")
+                self.exact = False
+        return vec, base, D
+
+    def _block_choices(self, k: int) -> list[_Choice]:
+        arrs = self.ctx.arrays
+        cand = self.blocks[k]
+        pos = self._local_positions(k, k)
+        out = [_Choice(k, k, None, (), int(arrs.base_live[pos].max()), 0, 0.0)]
+        v0, base, d0 = self._eval(cand.base, cand, k, k)
+        J = len(cand.saveable)
+        if J == 0:
+            out.append(_Choice(k, k, cand, (), int((base + v0).max()), d0, cand.time_s))
+            return out
+        vj = np.empty((J, v0.size), dtype=np.int64)
+        dj = np.empty(J, dtype=np.int64)
+        tj = np.array([e.time_s for e in cand.op_effects], dtype=np.float64)
+        for q, eff in enumerate(cand.op_effects):
+            vj[q], _, dj[q] = self._eval(eff, cand, k, k)
+        if J <= ENUM_LIMIT:
+            masks = ((np.arange(2 ** J)[:, None] >> np.arange(J)[None, :]) & 1).astype(np.int64)
+        else:
+            # two (kept bytes, time) frontiers: weights = bytes kept on later blocks, and the
+            # largest local increase (peak-aware); plus recompute-all and each op alone
+            wj = np.maximum(dj, vj.max(axis=1))
+            masks = np.unique(np.concatenate([
+                _knapsack_masks(dj, tj), _knapsack_masks(wj, tj),
+                np.zeros((1, J), dtype=np.int64), np.eye(J, dtype=np.int64)]), axis=0)
+            if not self._noted_knapsack:
+                self.notes.append(f"chain: blocks with more than {ENUM_LIMIT} saveable ops choose "
+                                  "save sets on a (kept bytes, time) frontier")
+                self._noted_knapsack = True
+        M = (base[None, :] + v0[None, :] + masks @ vj).max(axis=1)
+        D = d0 + masks @ dj
+        T = cand.time_s + masks.astype(np.float64) @ tj
+        for q in _pareto3(M, D, T):
+            ops = tuple(cand.saveable[i] for i in np.nonzero(masks[q])[0])
+            out.append(_Choice(k, k, cand, ops, int(M[q]), int(D[q]), float(T[q])))
+        return out
+
+    _noted_knapsack = False
+
+
+def _pareto3(M: np.ndarray, D: np.ndarray, T: np.ndarray) -> list[int]:
+    """Indices of points not dominated in (M, D, T), all minimised."""
+    order = np.lexsort((D, M, T))
+    kept: list[int] = []
+    km = np.empty(0, dtype=np.int64)
+    kd = np.empty(0, dtype=np.int64)
+    for q in order:
+        if km.size and ((km <= M[q]) & (kd <= D[q])).any():
+            continue
+        kept.append(int(q))
+        km = np.append(km, M[q])
+        kd = np.append(kd, D[q])
+    return kept
+
+
+def _knapsack_masks(d: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Save sets on the Pareto frontier of (kept bytes, recompute time) (t are negative)."""
+    J = d.size
+    front = [(0, 0.0, 0)]
+    for q in range(J):
+        cand = front + [(D + int(d[q]), T + float(t[q]), m | (1 << q)) for D, T, m in front]
+        cand.sort(key=lambda x: (x[0], x[1]))
+        front = []
+        best = float("inf")
+        for D, T, m in cand:
+            if best > T:
+                front.append((D, T, m))
+                best = T
+        if len(front) > KNAPSACK_CAP:
+            idx = np.unique(np.linspace(0, len(front) - 1, KNAPSACK_CAP).round().astype(int))
+            front = [front[i] for i in idx]
+    return np.array([[(m >> q) & 1 for q in range(J)] for _, _, m in front], dtype=np.int64)
+
+
+def _prune(P: np.ndarray, V: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Keep rows not dominated in (P, V), both minimised (ties: the first)."""
+    order = np.lexsort((V, P))
+    P, V = P[order], V[order]
+    best = np.minimum.accumulate(V)
+    keep = np.ones(P.size, dtype=bool)
+    keep[1:] = V[1:] < best[:-1]
+    return (P[keep], V[keep], *(r[order][keep] for r in rest))
+
+
+def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], int, float]:
+    """Least-time choices under the budget, or (``budget_bytes=None``) the least peak.
+
+    Returns (choices, predicted peak, recompute seconds).
+    Raises:
+        Infeasible: no choice sequence fits the budget.
+    """
+    n = model.n
+    peak_mode = budget_bytes is None
+    B = np.iinfo(np.int64).max if peak_mode else int(budget_bytes)  # type: ignore[arg-type]
+    if not peak_mode and model.outside_peak > B:
+        raise Infeasible(run_dp(model, None)[1])
+    # states per boundary: P (kept bytes so far), V (time, or peak so far), back pointers
+    states: list[tuple[np.ndarray, ...]] = [(np.zeros(1, np.int64),
+                                             np.zeros(1, np.float64 if not peak_mode else np.int64),
+                                             np.full(1, -1), np.full(1, -1), np.full(1, -1))]
+    table: list[_Choice] = []
+    for j in range(n):
+        parts_P, parts_V, parts_b, parts_i, parts_c = [], [], [], [], []
+        by_k: dict[int, list[_Choice]] = {}
+        for ch in model.choices_by_end[j]:
+            by_k.setdefault(ch.k, []).append(ch)
+        for k, chs in by_k.items():
+            P, V = states[k][0], states[k][1]
+            if P.size == 0:
+                continue
+            M = np.array([c.M for c in chs], dtype=np.int64)
+            D = np.array([c.D for c in chs], dtype=np.int64)
+            T = np.array([c.T for c in chs], dtype=np.float64)
+            gid = np.arange(len(table), len(table) + len(chs))
+            table.extend(chs)
+            here = P[:, None] + M[None, :]
+            si, oi = np.nonzero(here <= B) if not peak_mode else np.nonzero(np.ones_like(here, bool))
+            if si.size == 0:
+                continue
+            parts_P.append(P[si] + D[oi])
+            parts_V.append(np.maximum(V[si], here[si, oi]) if peak_mode else V[si] + T[oi])
+            parts_b.append(np.full(si.size, k))
+            parts_i.append(si)
+            parts_c.append(gid[oi])
+        if not parts_P:
+            if peak_mode:
+                raise AssertionError("peak DP lost every state")
+            raise Infeasible(run_dp(model, None)[1])
+        states.append(_prune(np.concatenate(parts_P), np.concatenate(parts_V), np.concatenate(parts_b),
+                             np.concatenate(parts_i), np.concatenate(parts_c)))
+    P, V, sb, si, sc = states[n]
+    q = int(np.argmin(np.maximum(V, model.outside_peak))) if peak_mode else int(np.argmin(V))
+    chosen: list[_Choice] = []
+    b = n
+    peak = model.outside_peak
+    while b > 0:
+        ch = table[int(states[b][4][q])]
+        chosen.append(ch)
+        q, b = int(states[b][3][q]), int(states[b][2][q])
+    chosen.reverse()
+    Pacc = 0
+    total_t = 0.0
+    for ch in chosen:
+        peak = max(peak, Pacc + ch.M)
+        Pacc += ch.D
+        total_t += ch.T
+    return chosen, int(peak), float(total_t)
+
+
+def regions_of(chosen: list[_Choice]) -> tuple:
+    return tuple(ch.cand.region(ch.ops) for ch in chosen if ch.cand is not None)
+
+
+def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0,
+          chain: Chain | None = None) -> Solution:
+    """The least-recompute plan over the main chain whose predicted peak fits ``budget_bytes``.
+
+    Raises:
+        NotAChain: the profile has no chain the DP can use (use ``milp``).
+        Infeasible: no plan of the chain's plan space fits.
+    """
+    if chain is None:
+        if not ctx.chains:
+            raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
+                            "one after another) found in the profile; use solver='milp'")
+        chain = ctx.chains[0]
+    model = ChainModel(ctx, chain)
+    chosen, peak, t = run_dp(model, budget_bytes)
+    notes = [f"chain {chain.parent or '<root>'}: {model.n} blocks, segments up to {model.cap}"]
+    notes.extend(model.notes)
+    return Solution(regions_of(chosen), peak, t, "chain", tuple(notes))
+
+
+def min_peak(ctx: PlanningContext, chain: Chain | None = None) -> int:
+    """The smallest predicted peak any plan of the chain's plan space reaches."""
+    model = ChainModel(ctx, chain or ctx.chains[0])
+    return run_dp(model, None)[1]

@@ -1,0 +1,103 @@
+"""plan(): budgets, solver choice, InfeasibleBudget, Plan fields and JSON, and speed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from memfit.errors import InfeasibleBudget
+from memfit.planning.candidates import PlanningContext
+from memfit.planning.plan import Plan
+from memfit.planning.planner import plan
+from memfit.planning.simulate import simulate
+from memfit.planning.solvers import chain, milp
+from memfit.planning.testing import chain_profile, decoder_profile, residual_block, unet_profile
+
+
+@pytest.fixture(scope="module")
+def chain6():
+    return chain_profile([residual_block([256, 256], param_bytes=128) for _ in range(6)],
+                         head_param_bytes=128)
+
+
+@pytest.mark.parametrize("solver", ["auto", "chain", "milp", "greedy"])
+def test_plan_fits_and_fields_come_from_simulate(chain6, solver):
+    p = plan(chain6, budget=0.7, solver=solver)
+    sim = simulate(chain6, p)
+    assert p.budget_bytes == int(0.7 * chain6.peak_bytes)
+    assert p.predicted_peak_bytes == sim.peak_bytes <= p.budget_bytes
+    assert p.recompute_s == sim.recompute_s
+    assert [r.recompute_s for r in p.regions] == list(sim.region_recompute_s)
+    assert [r.saved_bytes for r in p.regions] == list(sim.region_saved_bytes)
+    assert p.plain_peak_bytes == chain6.peak_bytes and p.plain_step_s == chain6.step_time_s
+    assert p.profile_signature == chain6.signature and p.model == "chain"
+    assert p.extra["module_types"] == {m: "Block" for r in p.regions for m in r.modules}
+    assert p.solver == ("chain" if solver == "auto" else solver)
+
+
+def test_brute_matches_chain_on_a_tiny_chain():
+    prof = chain_profile([residual_block([256, 256], param_bytes=128) for _ in range(3)])
+    for frac in (0.75, 0.85, 0.95):
+        b, c = plan(prof, budget=frac, solver="brute"), plan(prof, budget=frac, solver="chain")
+        assert b.recompute_s == c.recompute_s and b.predicted_peak_bytes <= b.budget_bytes
+
+
+def test_auto_picks_chain_or_milp(chain6):
+    assert "auto: chain" in plan(chain6, budget=0.7).notes[0]
+    unet = unet_profile([(256, 512), (128, 256), (64, 128)])
+    lo = milp.min_peak(PlanningContext(unet))[0]
+    p = plan(unet, budget=(lo + unet.peak_bytes) // 2)
+    assert p.solver == "milp" and p.notes[0].startswith("auto: milp") and p.regions
+
+
+def test_infeasible_budget_names_the_minimum(chain6):
+    lo = chain.min_peak(PlanningContext(chain6))
+    assert plan(chain6, budget=lo).predicted_peak_bytes == lo
+    with pytest.raises(InfeasibleBudget) as info:
+        plan(chain6, budget=lo - 1)
+    assert info.value.min_feasible_bytes == lo == 1472
+    assert info.value.budget_bytes == lo - 1
+    assert "1472 bytes" in str(info.value) and "1.44 KiB" in str(info.value)
+
+
+def test_budget_above_plain_peak_plans_nothing(chain6):
+    p = plan(chain6, budget="100%")
+    assert p.regions == () and p.predicted_peak_bytes == chain6.peak_bytes and p.recompute_s == 0.0
+
+
+@pytest.mark.parametrize("solver,n_regions", [("none", 0), ("every_block", 6), ("sqrt", 2),
+                                              ("save_matmuls", 6)])
+def test_baselines(chain6, solver, n_regions):
+    p = plan(chain6, budget="10%", solver=solver)
+    assert len(p.regions) == n_regions
+    assert p.notes[-1].startswith("exceeds the budget")  # 10% is below any plan's peak
+    if solver == "save_matmuls":
+        assert all(r.save == ("aten.mm.default#0",) for r in p.regions)
+    if solver == "sqrt":
+        assert [r.modules for r in p.regions] == [("layers.0", "layers.1", "layers.2"),
+                                                  ("layers.3", "layers.4", "layers.5")]
+
+
+def test_unknown_solver(chain6):
+    with pytest.raises(ValueError, match="unknown solver 'best'; choose one of auto, chain"):
+        plan(chain6, budget=0.5, solver="best")
+
+
+def test_plan_json_round_trip(chain6, tmp_path):
+    p = plan(chain6, budget=0.7)
+    p.save(tmp_path / "plan.json")
+    q = Plan.load(tmp_path / "plan.json")
+    assert q == p and q.extra == p.extra and q.notes == p.notes
+    assert simulate(chain6, q).peak_bytes == p.predicted_peak_bytes
+
+
+@pytest.mark.slow
+def test_96_block_decoder_plans_in_under_5s():
+    prof = decoder_profile(96, param_bytes=512)  # 2,691 forward ops, 28 per block
+    assert len(prof.forward_ops) > 96 * 25
+    t0 = time.perf_counter()
+    p = plan(prof, budget=0.4)
+    took = time.perf_counter() - t0
+    assert p.solver == "chain" and p.predicted_peak_bytes <= p.budget_bytes
+    assert took < 5.0, f"planning took {took:.2f} s"

@@ -1,0 +1,137 @@
+"""simulate(): the no-plan timeline, hand-computed plans (exact bytes), and plan validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from memfit.planning.plan import Plan, Region
+from memfit.planning.rules import is_saveable, op_keys
+from memfit.planning.simulate import simulate
+from memfit.planning.testing import (
+    TICK,
+    StepBuilder,
+    chain_profile,
+    decoder_profile,
+    random_chain,
+    random_unet,
+    residual_block,
+)
+
+
+def _plan(*regions: Region) -> Plan:
+    return Plan(tuple(regions), 0, 0.0, None, "test", "")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: chain_profile([residual_block([64, 128])] * 3),
+    lambda: decoder_profile(3),
+    lambda: random_unet(random.Random(3), max_levels=3),
+    lambda: random_chain(random.Random(5)),
+], ids=["chain3", "decoder3", "unet", "random-chain"])
+def test_no_plan_reproduces_profile_timeline(make):
+    prof = make()
+    sim = simulate(prof, _plan())
+    assert sim.live_bytes == prof.live_bytes
+    assert sim.peak_bytes == prof.peak_bytes
+    assert sim.recompute_s == 0.0
+    assert sim.positions == tuple(range(len(prof.ops)))
+
+
+# Three residual blocks (mm 64 B -> gelu 128 B -> add 64 B), activations 64 B.
+# Ops: 0 embed, 1-3 layers.0, 4-6 layers.1, 7-9 layers.2, 10 head, 11 loss; 12-23 backward.
+# layers.0: h1 (mm output, 64 B, saved by gelu) is dropped after op 3 and recomputed before
+# op 21 (gelu backward, its first unpack); gelu's output h2 (128 B) is a transient; the add's
+# output x1 escapes into layers.1. Just before op 21, the live storages are x0 (64 B, saved by
+# layers.0's mm until op 22) and the gradient made by op 20 (64 B): 128 B.
+@pytest.fixture
+def chain3():
+    return chain_profile([residual_block([64, 128])] * 3)
+
+
+def test_hand_computed_recompute_all(chain3):
+    sim = simulate(chain3, _plan(Region(("layers.0",))))
+    plain = list(chain3.live_bytes)
+    expect = [v - 64 if 4 <= p <= 20 else v for p, v in enumerate(plain)]
+    expect[21:21] = [128 + 64, 128 + 64 + 128, 128 + 64 + 128 + 64]  # replay of ops 1, 2, 3
+    assert list(sim.live_bytes) == expect
+    assert sim.recompute_points == (21,)
+    assert sim.peak_bytes == 512 and chain3.peak_bytes == 576
+    assert sim.recompute_s == 3 * TICK
+    assert sim.region_saved_bytes == (64,)  # the input x0, held for the replay
+
+
+def test_hand_computed_save_the_matmul(chain3):
+    # mm saved: h1 stays (cached until its plain free at op 21), the replay skips op 1
+    sim = simulate(chain3, _plan(Region(("layers.0",), ("aten.mm.default#0",))))
+    expect = list(chain3.live_bytes)
+    expect[21:21] = [192, 192 + 128, 192 + 128 + 64]
+    assert list(sim.live_bytes) == expect
+    assert sim.recompute_s == 2 * TICK
+    assert sim.region_saved_bytes == (64 + 64,)
+
+
+def test_hand_computed_save_the_transient(chain3):
+    # gelu saved: its output (128 B, plainly freed after op 3) is cached until op 21
+    sim = simulate(chain3, _plan(Region(("layers.0",), ("aten.gelu.default#0",))))
+    plain = list(chain3.live_bytes)
+    expect = [v + 64 if 4 <= p <= 20 else v + 128 if p == 21 else v for p, v in enumerate(plain)]
+    expect[21:21] = [256 + 64, 256 + 64, 256 + 64 + 64]
+    assert list(sim.live_bytes) == expect
+    assert sim.recompute_s == 2 * TICK
+
+
+def test_segment_replays_all_blocks(chain3):
+    sim = simulate(chain3, _plan(Region(("layers.0", "layers.1", "layers.2"))))
+    assert sim.recompute_s == 9 * TICK
+    assert sim.recompute_points == (15,)  # layers.2's gelu backward
+    assert len(sim.live_bytes) == len(chain3.ops) + 9
+
+
+def test_nested_or_overlapping_regions_rejected(chain3):
+    with pytest.raises(ValueError, match="overlap or nest"):
+        simulate(chain3, _plan(Region(("layers.0",)), Region(("layers.0", "layers.1"))))
+
+
+def test_unknown_key_and_module_rejected(chain3):
+    with pytest.raises(ValueError, match="no such occurrence"):
+        simulate(chain3, _plan(Region(("layers.0",), ("aten.mm.default#1",))))
+    with pytest.raises(ValueError, match="does not have"):
+        simulate(chain3, _plan(Region(("layers.9",))))
+
+
+def _dropout_profile():
+    b = StepBuilder()
+    x = b.input(64)
+    with b.module("blk", "Block"):
+        (h,) = b.op("aten.mm.default", [x], 64, saves=[x])
+        (m,) = b.op("aten.bernoulli_.float", [h], inplace=True)
+        (d,) = b.op("aten.native_dropout.default", [h], 64, random=True, saves=[])
+        (v,) = b.op("aten.view.default", [d], view=True)
+        (y,) = b.op("aten.detach.default", [v], 64)
+        (z,) = b.op("aten.relu.default", [v], 64)
+        b._ops[-1].saves.append(z)
+    b.op("aten.sum.default", [z], 4, keep_until_backward=True)
+    return b.build()
+
+
+@pytest.mark.parametrize("key,why", [
+    ("aten.bernoulli_.float#0", "writes to an input"),
+    ("aten.native_dropout.default#0", "consumes the RNG"),
+    ("aten.view.default#0", "view or alias"),
+], ids=["inplace", "random", "view"])
+def test_unsaveable_ops_rejected(key, why):
+    prof = _dropout_profile()
+    with pytest.raises(ValueError, match=why):
+        simulate(prof, _plan(Region(("blk",), (key,))))
+
+
+def test_rules_and_keys():
+    prof = _dropout_profile()
+    keys = op_keys(prof, 0, 5)
+    assert keys == {0: "aten.mm.default#0", 1: "aten.bernoulli_.float#0",
+                    2: "aten.native_dropout.default#0", 3: "aten.view.default#0",
+                    5: "aten.relu.default#0"}  # detach gets no key (torch never asks about it)
+    assert [is_saveable(prof, op) for op in prof.ops[:6]] == [True, False, False, False, False, True]
+    assert not any(is_saveable(prof, op) for op in prof.backward_ops)
