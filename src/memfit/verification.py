@@ -1,0 +1,499 @@
+"""Prove a plan: one step of the planned model against its un-checkpointed twin.
+
+``memfit.verify`` lives in ``memfit.verification``: a module named ``memfit/verify.py`` would
+replace the function ``memfit.verify`` with itself as soon as anything imported it.
+
+``verify(model, x)`` runs one training step of the planned model and one of a plain deep copy,
+from the same RNG seed, and compares the loss, the outputs, every parameter and input
+gradient, the buffers (BatchNorm statistics) and the RNG state after the step; it also
+measures the planned step's peak memory against the plan's prediction and the budget.
+
+NOTE [verify leaves the model alone]
+    Both steps run on deep copies: the planned twin is a plain copy with the plan applied
+    afresh, the reference twin a plain copy. The user's model, its parameters, buffers and
+    ``.grad`` are never touched, and the global RNG state is forked and restored. Re-applying
+    the plan to a copy checks the plan itself (what ``model.memfit_plan`` says), which is
+    also what a fresh process loading the plan would run.
+
+NOTE [repeatable steps]
+    ``measure`` may run a step more than once. Each run therefore starts from the same state:
+    no parameter or input gradients (as after ``zero_grad(set_to_none=True)``), buffers copied
+    back in place from a snapshot, the RNG re-seeded. Gradients are dropped at the END of each
+    run (after the step's results are kept), never at the start: a run must not free memory
+    allocated before it, which the CPU allocator meter would subtract from its peak. Inputs
+    are copied once, before any run, so the copies are not counted in the peak either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.planning.plan import Plan
+from memfit.profiling.inputs import default_loss, iter_tensors, normalize_inputs
+from memfit.units import format_bytes
+
+__all__ = ["Check", "VerifyReport", "StepResult", "verify", "print_verify", "make_step", "plain_copy",
+           "model_device"]
+
+log = logging.getLogger(__name__)
+
+#: Peak memory may exceed the budget, or differ from the prediction, by this fraction.
+PEAK_RTOL = 0.03
+# Off CPU some kernels are not run-to-run deterministic (atomic adds in embedding and
+# index backward, split-K matmuls), so two plain steps can already differ in the last bits;
+# these bounds are a few float32 ulps of accumulated rounding, far below any real bug.
+DEVICE_RTOL = 1e-5
+DEVICE_ATOL = 1e-7
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison ``verify`` made: its name, whether it passed, and what it saw."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` found. ``ok`` is true only when every check passed.
+
+    Attributes:
+        ok: every check passed.
+        bitwise: loss, outputs, gradients and buffers are bit-for-bit equal to the plain step.
+        max_abs_diff: the largest absolute difference over all compared floating tensors.
+        max_rel_diff: the largest difference relative to the plain value.
+        peak_bytes: measured peak activation memory of the planned step.
+        plain_peak_bytes: measured peak of the un-checkpointed step.
+        predicted_peak_bytes: the plan's prediction (``None`` if there was no plan to apply).
+        budget_bytes: the budget checked against (argument, else the plan's), or ``None``.
+        bn_stats_equal: buffers (BatchNorm running statistics and counters) are equal.
+        checks: every comparison, in order.
+        device: where the steps ran.
+        solver: the plan's solver.
+        tracked_peak_bytes: the planned step's peak as the dispatch-level tracker saw it (the
+            meter the profile's prediction is built on; it misses kernel scratch buffers).
+    """
+
+    ok: bool
+    bitwise: bool
+    max_abs_diff: float
+    max_rel_diff: float
+    peak_bytes: int
+    plain_peak_bytes: int
+    predicted_peak_bytes: int | None
+    budget_bytes: int | None
+    bn_stats_equal: bool
+    checks: tuple[Check, ...]
+    device: str = "cpu"
+    solver: str = ""
+    tracked_peak_bytes: int = 0
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["checks"] = [dataclasses.asdict(c) for c in self.checks]
+        for k in ("max_abs_diff", "max_rel_diff"):  # JSON has no inf/nan
+            if not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return {"kind": "memfit.VerifyReport", **d}
+
+    def __str__(self) -> str:
+        head = "PASSED" if self.ok else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
+        lines = [f"memfit verify ({self.solver or 'plan'}, {self.device}): {head}"]
+        for c in self.checks:
+            lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+        return "\n".join(lines)
+
+
+@dataclass
+class StepResult:
+    """What one step left behind, for comparison (tensors detached)."""
+
+    loss: torch.Tensor
+    outputs: list[torch.Tensor]
+    param_grads: dict[str, torch.Tensor | None]
+    input_grads: list[torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    rng_after: torch.Tensor
+    peak_bytes: int = 0
+    tracked_peak_bytes: int = 0
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a model with neither."""
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` without its memfit plan; the model ends as it began.
+
+    A planned model is un-planned for the moment of the copy and its plan re-applied, so the
+    copy never carries checkpoint wrappers (their state is the runtime's business, and a copy
+    without them is what the reference step needs anyway).
+    """
+    plan = model.__dict__.get("memfit_plan")
+    if plan is None:
+        return copy.deepcopy(model)
+    from memfit.runtime.apply import apply, unapply
+
+    unapply(model)
+    try:
+        return copy.deepcopy(model)
+    finally:
+        apply(model, plan)
+
+
+def _clone_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+    """Fresh leaf copies of the input tensors (same requires_grad), and those that need grads."""
+    args, kwargs = normalize_inputs(example_inputs)
+    needs_grad: list[torch.Tensor] = []
+
+    def clone(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            c = v.detach().clone().requires_grad_(v.requires_grad)
+            if c.requires_grad:
+                needs_grad.append(c)
+            return c
+        if isinstance(v, (tuple, list)):
+            return type(v)(clone(x) for x in v)
+        if isinstance(v, dict):
+            return {k: clone(x) for k, x in v.items()}
+        return v
+
+    return clone(args), clone(kwargs), needs_grad
+
+
+def make_step(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    seed: int | None = 0,
+    keep: StepResult | None = None,
+) -> Callable[[], None]:
+    """A repeatable training step (see NOTE [repeatable steps]).
+
+    Args:
+        model: the module to run; its gradients are set to ``None`` now and after each call.
+        example_inputs: a tensor, a tuple of positional arguments or a dict of keyword ones.
+        loss_fn: output -> scalar loss; default ``memfit.profiling.inputs.default_loss``.
+        seed: re-seed the RNG with this at each call (``None``: leave the RNG alone).
+        keep: if given, filled with the step's loss, outputs and gradients after each call.
+
+    Example:
+        >>> step = make_step(torch.nn.Linear(2, 2), torch.ones(1, 2))
+        >>> step()
+    """
+    args, kwargs, grad_inputs = _clone_inputs(example_inputs)
+    lf = loss_fn or default_loss
+    buffers = [b for b in model.buffers()]
+    snapshot = [b.detach().clone() for b in buffers]
+    params = list(model.parameters())
+
+    for p in params:  # NOTE [repeatable steps]: start without gradients
+        p.grad = None
+    for t in grad_inputs:
+        t.grad = None
+
+    def step() -> None:
+        with torch.no_grad():
+            for b, s in zip(buffers, snapshot, strict=True):
+                b.copy_(s)
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model(*args, **kwargs)
+        loss = lf(out)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__}")
+        loss.backward()
+        if keep is not None:
+            keep.loss = loss.detach()
+            keep.outputs = [t.detach() for t in iter_tensors(out)]
+            keep.input_grads = [t.grad.detach() if t.grad is not None else None for t in grad_inputs]
+            keep.param_grads = {n: (p.grad.detach() if p.grad is not None else None)
+                                for n, p in model.named_parameters()}
+        del out, loss
+        # Drop the gradients at the end, after the peak: the next run then frees nothing that
+        # was allocated before it (the CPU allocator meter would count such frees as negative).
+        for p in params:
+            p.grad = None
+        for t in grad_inputs:
+            t.grad = None
+
+    return step
+
+
+@contextlib.contextmanager
+def _forked_rng(device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type not in ("cpu", "meta") else []
+    kwargs: dict[str, Any] = {"device_type": device.type} if devices else {}
+    with torch.random.fork_rng(devices=devices, **kwargs):
+        yield
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    state = torch.get_rng_state()
+    if device.type == "cuda":
+        state = torch.cat([state, torch.cuda.get_rng_state(device)])
+    return state
+
+
+def run_step(model: nn.Module, example_inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+             seed: int = 0, device: torch.device | None = None) -> StepResult:
+    """Run one measured step of ``model`` and collect what it left (the model is changed: its
+    buffers hold the step's results, its ``.grad`` are None)."""
+    from memfit.profiling.measure import measure
+
+    keep = StepResult(torch.empty(0), [], {}, [], {}, torch.empty(0))
+    step = make_step(model, example_inputs, loss_fn=loss_fn, seed=seed, keep=keep)
+    m = measure(step, device=device, repeats=1)
+    keep.peak_bytes = int(m.peak_bytes)
+    keep.tracked_peak_bytes = int(m.tracked_peak_bytes)
+    keep.buffers = {n: b.detach() for n, b in model.named_buffers()}
+    keep.rng_after = _rng_state(device or model_device(model))
+    return keep
+
+
+# ---- comparison -----------------------------------------------------------------------------
+@dataclass
+class _Diff:
+    bitwise: bool = True
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    close: bool = True
+    first_bad: str = ""
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point():  # NaNs compare unequal; compare the bits
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if bits is not None:
+            return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return False
+
+
+def _compare(diff: _Diff, what: str, a: torch.Tensor | None, b: torch.Tensor | None, bitwise_required: bool) -> None:
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            diff.bitwise = diff.close = False
+            diff.max_abs = diff.max_rel = math.inf
+            diff.first_bad = diff.first_bad or f"{what} (gradient missing in one step)"
+        return
+    if a.shape != b.shape or a.dtype != b.dtype:
+        diff.bitwise = diff.close = False
+        diff.max_abs = diff.max_rel = math.inf
+        diff.first_bad = diff.first_bad or f"{what} ({tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype})"
+        return
+    same = _bitwise_equal(a, b)
+    if same:
+        return
+    diff.bitwise = False
+    if a.is_floating_point() or a.is_complex():
+        d = (a.double() - b.double()).abs()
+        d = torch.where(torch.isnan(a.double()) & torch.isnan(b.double()), torch.zeros_like(d), d)
+        max_abs = float(d.max()) if d.numel() else 0.0
+        max_rel = float((d / b.double().abs().clamp_min(1e-30)).max()) if d.numel() else 0.0
+        if math.isnan(max_abs):
+            max_abs = max_rel = math.inf
+        diff.max_abs = max(diff.max_abs, max_abs)
+        diff.max_rel = max(diff.max_rel, max_rel)
+        close = not bitwise_required and bool(torch.allclose(a, b, rtol=DEVICE_RTOL, atol=DEVICE_ATOL, equal_nan=True))
+    else:
+        diff.max_abs = diff.max_rel = math.inf
+        close = False
+    if not close:
+        diff.close = False
+        diff.first_bad = diff.first_bad or what
+
+
+def _tensor_check(name: str, pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]],
+                  bitwise_required: bool, total: _Diff) -> Check:
+    diff = _Diff()
+    for what, a, b in pairs:
+        _compare(diff, what, a, b, bitwise_required)
+    total.bitwise &= diff.bitwise
+    total.close &= diff.close
+    total.max_abs = max(total.max_abs, diff.max_abs)
+    total.max_rel = max(total.max_rel, diff.max_rel)
+    n = len(pairs)
+    if diff.bitwise:
+        return Check(name, True, f"{n} tensor{'s' if n != 1 else ''} bitwise equal")
+    how = f"max abs diff {diff.max_abs:.3g}, max rel diff {diff.max_rel:.3g}"
+    if diff.close:
+        return Check(name, True, f"{n} tensors within rtol={DEVICE_RTOL:g}, atol={DEVICE_ATOL:g} ({how})")
+    need = "bitwise equality on CPU" if bitwise_required else f"rtol={DEVICE_RTOL:g}"
+    return Check(name, False, f"{diff.first_bad} differs from the plain step ({how}; need {need})")
+
+
+def _compare_steps(got: StepResult, ref: StepResult, bitwise_required: bool) -> tuple[list[Check], _Diff, bool]:
+    total = _Diff()
+    checks = [
+        _tensor_check("loss", [("loss", got.loss, ref.loss)], bitwise_required, total),
+        _tensor_check("outputs", [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(got.outputs, ref.outputs, strict=False))],
+                      bitwise_required, total),
+        _tensor_check("parameter gradients",
+                      [(f"{n}.grad", got.param_grads.get(n), ref.param_grads.get(n)) for n in ref.param_grads],
+                      bitwise_required, total),
+    ]
+    if len(got.outputs) != len(ref.outputs):
+        total.bitwise = total.close = False
+        checks[1] = Check("outputs", False, f"the planned step returned {len(got.outputs)} tensors, "
+                                            f"the plain step {len(ref.outputs)}")
+    if ref.input_grads:
+        checks.append(_tensor_check(
+            "input gradients",
+            [(f"input {i}.grad", a, b) for i, (a, b) in enumerate(zip(got.input_grads, ref.input_grads, strict=False))],
+            bitwise_required, total))
+    buf = _tensor_check("buffers (BatchNorm statistics, masks)",
+                        [(n, got.buffers.get(n), ref.buffers.get(n)) for n in ref.buffers], True, total)
+    if not ref.buffers:
+        buf = Check("buffers (BatchNorm statistics, masks)", True, "the model has no buffers")
+    checks.append(buf)
+    rng_same = torch.equal(got.rng_after, ref.rng_after)
+    checks.append(Check("RNG state after the step", rng_same,
+                        "same as the plain step" if rng_same else
+                        "differs from the plain step: recompute consumed random numbers again"))
+    return checks, total, buf.passed
+
+
+def _peak_checks(peak: int, plain_peak: int, predicted: int | None, budget: int | None,
+                 rtol: float, tracked: int = 0) -> list[Check]:
+    checks = []
+    if budget is not None:
+        limit = budget * (1 + rtol)
+        checks.append(Check(
+            "peak within budget", peak <= limit,
+            f"measured {format_bytes(peak)} {'<=' if peak <= limit else '>'} budget "
+            f"{format_bytes(budget)} (+{rtol:.0%})"))
+    if predicted is not None:
+        err = (peak - predicted) / predicted if predicted else (0.0 if peak == 0 else math.inf)
+        ok = abs(err) <= rtol
+        checks.append(Check(
+            "peak matches prediction", ok,
+            f"measured {format_bytes(peak)} vs predicted {format_bytes(predicted)} ({err:+.1%}, "
+            f"tolerance {rtol:.0%}; tensors alone {format_bytes(tracked)})"))
+    saved = 1 - peak / plain_peak if plain_peak else 0.0
+    checks.append(Check("peak vs plain step", True,
+                        f"{format_bytes(peak)} vs {format_bytes(plain_peak)} un-checkpointed ({saved:.0%} saved)"))
+    return checks
+
+
+def verify(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    plan: Plan | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
+    seed: int = 0,
+    peak_rtol: float = PEAK_RTOL,
+) -> VerifyReport:
+    """Check that a plan changes memory, not results: one step against the un-checkpointed twin.
+
+    The planned step (``plan``, else ``model.memfit_plan``) and a plain step run from the same
+    RNG seed on deep copies; loss, outputs, parameter and input gradients, buffers and the RNG
+    state after the step must be bitwise equal on CPU (within ``DEVICE_RTOL`` elsewhere), and the
+    measured peak must stay within ``peak_rtol`` of the prediction and under the budget. The
+    model, its parameters, buffers, ``.grad`` and the RNG state are left as they were (NOTE
+    [verify leaves the model alone]).
+
+    Args:
+        model: the model, planned (``memfit.fit``/``apply``) or plain with ``plan`` given.
+        example_inputs: the inputs the plan was made for (tensor, tuple or dict).
+        plan: the plan to check; default ``model.memfit_plan``.
+        loss_fn: output -> scalar loss; default the profiler's default loss.
+        budget_bytes: the budget to check the measured peak against, bytes; default the plan's.
+        seed: the RNG seed both steps start from.
+        peak_rtol: allowed relative excess over the budget and error of the prediction (0.03).
+
+    Returns:
+        A ``VerifyReport``; ``print(report)`` explains every check.
+
+    Example:
+        >>> model = memfit.fit(memfit.zoo.gpt(n_layer=2, d_model=64), x, budget="60%")  # doctest: +SKIP
+        >>> report = memfit.verify(model, x)                                            # doctest: +SKIP
+        >>> report.ok, report.bitwise                                                    # doctest: +SKIP
+        (True, True)
+    """
+    from memfit.runtime.apply import apply
+
+    plan = plan if plan is not None else getattr(model, "memfit_plan", None)
+    if plan is None:
+        raise ValueError("the model carries no plan (model.memfit_plan is not set); pass plan=..., "
+                         "or plan it first with memfit.fit(model, inputs, budget=...)")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a memfit.Plan, got {type(plan).__name__}")
+    device = model_device(model)
+    if device.type == "meta":
+        raise ValueError("cannot verify a model on the meta device (no weights): verification runs "
+                         "real steps; build the model on a real device")
+    budget = budget_bytes if budget_bytes is not None else plan.budget_bytes
+    bitwise_required = device.type == "cpu"
+
+    with _forked_rng(device):
+        plain = plain_copy(model)
+        ref = run_step(plain, example_inputs, loss_fn=loss_fn, seed=seed, device=device)
+        del plain
+        planned = plain_copy(model)
+        try:
+            apply(planned, plan)
+        except MemfitError as e:
+            checks = [Check("plan applies to the model", False, f"{type(e).__name__}: {e}")]
+            return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes,
+                                plan.predicted_peak_bytes, budget, False, tuple(checks), str(device),
+                                plan.solver)
+        try:
+            got = run_step(planned, example_inputs, loss_fn=loss_fn, seed=seed, device=device)
+        except MemfitError as e:
+            checks = [Check("plan applies to the model", True, f"{len(plan.regions)} regions"),
+                      Check("planned step runs", False, f"{type(e).__name__}: {e}")]
+            return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes,
+                                plan.predicted_peak_bytes, budget, False, tuple(checks), str(device),
+                                plan.solver)
+        del planned
+
+    checks = [Check("plan applies to the model", True,
+                    f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
+    tensor_checks, total, bn_ok = _compare_steps(got, ref, bitwise_required)
+    checks += tensor_checks
+    checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
+                           got.tracked_peak_bytes)
+    ok = all(c.passed for c in checks)
+    report = VerifyReport(
+        ok=ok, bitwise=total.bitwise, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,
+        peak_bytes=got.peak_bytes, plain_peak_bytes=ref.peak_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget, bn_stats_equal=bn_ok,
+        checks=tuple(checks), device=str(device), solver=plan.solver,
+        tracked_peak_bytes=got.tracked_peak_bytes,
+    )
+    log.info("%s", report)
+    return report
+
+
+def print_verify(report: VerifyReport) -> None:
+    """Print a ``VerifyReport`` (``verify`` returns data and prints nothing)."""
+    print(report)

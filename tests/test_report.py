@@ -1,0 +1,131 @@
+"""report: the Sweep data (table, JSON, plot) and sweep() on a small model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memfit import zoo
+from memfit.planning.plan import Plan, Region
+from memfit.report import RowKind, Sweep, SweepRow, print_sweep, sweep
+
+MIB = 1024**2
+
+
+def _plan(peak: int, solver: str = "chain") -> Plan:
+    return Plan(regions=(Region(("blocks.0",), ("aten.mm.default#0",), 0.01, 1000),), predicted_peak_bytes=peak,
+                recompute_s=0.01, budget_bytes=peak + 1, solver=solver, profile_signature="abc",
+                plain_peak_bytes=10 * MIB, plain_step_s=0.1, model="GPT")
+
+
+def _hand_sweep() -> Sweep:
+    rows = (
+        SweepRow("plain", RowKind.PLAIN, "none", predicted_peak_bytes=10 * MIB, measured_peak_bytes=10 * MIB,
+                 step_time_s=0.100, overhead=0.0),
+        SweepRow("60%", RowKind.MEMFIT, "chain", "60%", 6 * MIB, 6 * MIB - 10, 6 * MIB, 0.110, 0.10, 0.08, 1,
+                 None, _plan(6 * MIB - 10)),
+        SweepRow("40%", RowKind.MEMFIT, "chain", "40%", 4 * MIB,
+                 error="infeasible: smallest feasible 5.00 MiB"),
+        SweepRow("every_block", RowKind.BASELINE, "every_block", "", 10 * MIB, 5 * MIB, 5 * MIB + 7, 0.130, 0.30,
+                 0.3, 8, None, _plan(5 * MIB, "every_block")),
+    )
+    return Sweep(rows, "GPT", "cpu", 10 * MIB, 0.100, 3)
+
+
+def test_table_lists_every_row_with_units():
+    s = _hand_sweep()
+    md = s.table()
+    lines = md.splitlines()
+    assert len(lines) == 2 + len(s.rows)
+    assert lines[0].startswith("| config") and set(lines[1]) <= {"|", "-", ":"}
+    assert "| 60%" in lines[3] and "6.00 MiB" in lines[3] and "+10.0%" in lines[3] and "60%" in lines[3]
+    assert "infeasible: smallest feasible 5.00 MiB" in lines[4]
+    assert "every_block" in lines[5] and "+30.0%" in lines[5] and "50%" in lines[5]
+    plain = s.table("plain")
+    assert "|" not in plain and len(plain.splitlines()) == 2 + len(s.rows)
+    with pytest.raises(ValueError, match="'html'"):
+        s.table("html")
+
+
+def test_json_round_trip(tmp_path):
+    s = _hand_sweep()
+    path = s.to_json(tmp_path / "sweep.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "memfit.Sweep" and data["schema_version"] == 1
+    assert data["rows"][1]["measured_peak_bytes"] == 6 * MIB
+    assert data["rows"][1]["plan"]["kind"] == "memfit.Plan"
+    back = Sweep.load(path)
+    assert back == s
+    assert back.rows[1].plan == s.rows[1].plan
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = _hand_sweep().plot(tmp_path / "sweep.png")
+    head = path.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5000  # axes, curve and labels, not an empty canvas
+
+
+def test_print_sweep_prints_summary_and_table(capsys):
+    print_sweep(_hand_sweep())
+    out = capsys.readouterr().out
+    assert out.startswith("GPT on cpu: plain step 100.0 ms, peak 10.00 MiB")
+    assert "| every_block" in out
+
+
+@pytest.mark.slow
+def test_sweep_measures_budgets_and_baselines(tmp_path):
+    # activations dominate at this size: 70% of the plain peak is feasible
+    model = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
+    x = zoo.example_inputs(model, batch=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    s = sweep(model, x, (1.0, 0.7, "min"), baselines=("every_block",), repeats=1, progress=False)
+    # the model is left as it was: unplanned, same weights and buffers, no gradients
+    assert getattr(model, "memfit_plan", None) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert [r.label for r in s.rows] == ["plain", "100%", "70%", "min", "every_block"]
+    assert [r.kind for r in s.rows] == [RowKind.PLAIN, RowKind.MEMFIT, RowKind.MEMFIT, RowKind.MEMFIT,
+                                        RowKind.BASELINE]
+    plain = s.rows[0]
+    assert plain.measured_peak_bytes == s.plain_peak_bytes > 0 and plain.overhead == 0.0
+    for r in s.rows[1:]:
+        assert r.error is None, r
+        assert r.plan is not None and r.measured_peak_bytes is not None and r.step_time_s > 0
+        assert r.predicted_peak_bytes == r.plan.predicted_peak_bytes
+        assert r.n_regions == len(r.plan.regions)
+    row100, row70, rowmin, every = s.rows[1:]
+    assert row100.n_regions == 0 and row100.predicted_peak_bytes == plain.predicted_peak_bytes
+    assert row70.predicted_peak_bytes <= row70.budget_bytes == int(0.7 * plain.predicted_peak_bytes)
+    assert rowmin.predicted_peak_bytes <= row70.predicted_peak_bytes
+    assert every.budget_bytes is None and every.budget == ""
+    # the measured peaks are this machine's: metering the first step of each plan again on a
+    # fresh copy, as sweep does, gives the same bytes (the CPU allocator meter is exact and
+    # repeatable when no step frees memory allocated before it: NOTE [repeatable steps])
+    import copy
+
+    from memfit.profiling.measure import measure
+    from memfit.runtime.apply import apply
+    from memfit.verification import make_step
+
+    for r in (row70, rowmin, every):
+        twin = apply(copy.deepcopy(model), r.plan)
+        again = measure(make_step(twin, x)).peak_bytes
+        assert r.measured_peak_bytes == again, (r.label, r.measured_peak_bytes, again)
+        assert r.measured_peak_bytes < 0.8 * plain.measured_peak_bytes, r.label
+    s.to_json(tmp_path / "s.json")
+    s.plot(tmp_path / "s.png")
+    assert Sweep.load(tmp_path / "s.json") == s
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_reports_an_infeasible_budget_as_a_row():
+    model = zoo.gpt(n_layer=1, d_model=16, n_head=2, seq_len=8, vocab_size=32)
+    x = zoo.example_inputs(model, batch=1)
+    s = sweep(model, x, (100,), baselines=(), repeats=1, progress=False)  # 100 bytes
+    row = s.rows[1]
+    assert row.label == "100 B" and row.plan is None and row.measured_peak_bytes is None
+    assert row.error is not None and row.error.startswith("infeasible: smallest feasible ")
+    assert "infeasible" in s.table()
