@@ -201,3 +201,24 @@ def test_bad_arguments() -> None:
         profile(mlp(), 3)
     with pytest.raises(ValueError, match="measure"):
         profile(mlp(), torch.randn(2, 64), mode="simulate")
+
+
+def test_profile_leaves_input_grads_as_found():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    y = torch.randn(2, 3, requires_grad=True)
+    y.grad = torch.full((2, 3), 7.0)
+    profile(m, (x, ), repeats=1)
+    assert x.grad is None
+    profile(_TwoInputs(), (x, y), repeats=1)
+    assert x.grad is None
+    assert torch.equal(y.grad, torch.full((2, 3), 7.0))
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) * b

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -81,10 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False))
-    if not debug:
-        # The CPU memory meter runs torch.profiler, whose C++ side (kineto) logs two lines per
-        # use to stderr; level 6 is above every kineto level. Read when the profiler starts.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     from memfit.errors import InfeasibleBudget, MemfitError, PlanMismatch, SchemaError

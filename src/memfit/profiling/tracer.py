@@ -62,8 +62,11 @@ class _Preserved:
     moment ``profile`` was called.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, real: bool) -> None:
-        self.params = list(model.parameters())
+    def __init__(self, model: torch.nn.Module, device: torch.device, real: bool,
+                 inputs: Any = ()) -> None:
+        # Example inputs that require grad get a .grad from the traced step too.
+        leaves = [t for t in iter_tensors(inputs) if t.requires_grad and t.is_leaf]
+        self.params = list(model.parameters()) + leaves
         self.grads = [p.grad for p in self.params]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
@@ -202,7 +205,7 @@ def profile(
     su = _setup(model, example_inputs, mode, device)
     forward, state, args, kwargs, dev = su.forward, su.state, su.args, su.kwargs, su.device
     fake = mode is ProfileMode.FAKE
-    keep = _Preserved(model, dev, real=not fake)
+    keep = _Preserved(model, dev, real=not fake, inputs=(args, kwargs))
     op_times: list[list[float]] = []
     plain: list[float] = []
     try:
@@ -299,7 +302,8 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
     """
     mode = ProfileMode(profile.mode)
     su = _setup(model, example_inputs, mode, None)
-    keep = _Preserved(model, su.device, real=mode is ProfileMode.MEASURE)
+    keep = _Preserved(model, su.device, real=mode is ProfileMode.MEASURE,
+                      inputs=(su.args, su.kwargs))
     try:
         keep.reset()
         with _traced(model, su.forward, su.state, su.args, su.kwargs, loss_fn, time_ops=False,
