@@ -8,14 +8,34 @@ from __future__ import annotations
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.solvers import Infeasible, Solution
 
-__all__ = ["solve", "CHAIN_SHARE", "MILP_MAX_CELLS", "BOTH_MAX_CELLS"]
+__all__ = ["solve", "CHAIN_SHARE", "MILP_MAX_CELLS", "BOTH_MAX_CELLS", "milp_cells"]
 
-CHAIN_SHARE = 0.6           # chain if its regions can drop at least this share of droppable bytes
+CHAIN_SHARE = 0.6            # chain if its regions can drop at least this share of droppable bytes
 MILP_MAX_CELLS = 30_000_000  # points x variables above which the MILP is skipped
-BOTH_MAX_CELLS = 3_000_000   # below this, a chain profile is also solved by milp (sub-modules)
+# below this, a chain profile is also solved by milp (sub-modules). An 8-block zoo GPT has 4.8M
+# cells and its compressed MILP solves in 0.5-2.7 s here; a 32-block synthetic decoder (46M)
+# took 4-5 s. About 74k x blocks^2 cells on a GPT: up to 12 blocks run both.
+BOTH_MAX_CELLS = 12_000_000
+
+
+def milp_cells(ctx: PlanningContext) -> tuple[int, int]:
+    """(variables, points) of the MILP over all region candidates of ``ctx``."""
+    cands = ctx.region_candidates()
+    n_vars = len(cands) + sum(len(c.saveable) for c in cands)
+    n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in cands)
+    return n_vars, n_points
+
+
+def _tag(sol: Solution, solver: str, why: str) -> Solution:
+    return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, solver, (why, *sol.notes))
 
 
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0) -> Solution:
+    """The plan of the solver suited to the profile (see the module docstring).
+
+    Raises:
+        Infeasible: no plan of the solvers tried fits (``min_bytes``: the smallest peak found).
+    """
     from memfit.planning.solvers import chain, greedy, milp
 
     why = "no chain of blocks found"
@@ -25,45 +45,40 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
         share = ctx.chain_droppable_share(ch)
         why = (f"chain {ch.parent or '<root>'} ({len(ch.blocks)} blocks) can drop {share:.0%} of the "
                "activation bytes any region can drop")
-    cands = ctx.region_candidates()
-    n_vars = len(cands) + sum(len(c.saveable) for c in cands)
-    n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in cands)
+    n_vars, n_points = milp_cells(ctx)
+    cells = n_vars * n_points
     if ctx.chains and share >= CHAIN_SHARE:
         sol: Solution | None = None
-        usable = True
+        infeasible: Infeasible | None = None
         try:
             sol = chain.solve(ctx, budget_bytes, time_limit_s=time_limit_s, chain=ch)
         except chain.NotAChain as e:
             why = f"{why}, but {e}"
-            usable = False
-        except Infeasible:
-            if n_vars * n_points > BOTH_MAX_CELLS:
+        except Infeasible as e:
+            if cells > BOTH_MAX_CELLS:
                 raise
-            sol = None  # the MILP's wider plan space (sub-modules) may still fit
-        else:
-            if n_vars * n_points > BOTH_MAX_CELLS:
+            infeasible = e  # the MILP's wider plan space (sub-modules) may still fit
+        if sol is not None or infeasible is not None:
+            if cells > BOTH_MAX_CELLS:
                 assert sol is not None
-                return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, "chain",
-                                (f"auto: chain ({why})", *sol.notes))
-        if usable and n_vars * n_points <= BOTH_MAX_CELLS:
+                return _tag(sol, "chain", f"auto: chain ({why}; MILP of {n_vars} variables x "
+                                          f"{n_points} points too large to also try)")
             # small enough to also search sub-module regions: keep the faster plan
             try:
-                alt = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
+                alt: Solution | None = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
             except Infeasible:
                 if sol is None:
                     raise
                 alt = None
+            except TimeoutError:
+                if sol is None:
+                    raise infeasible from None  # type: ignore[misc]
+                alt = None
             if sol is not None and (alt is None or sol.recompute_s <= alt.recompute_s):
-                return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, "chain",
-                                (f"auto: chain ({why}; not slower than milp)", *sol.notes))
+                return _tag(sol, "chain", f"auto: chain ({why}; not slower than milp)")
             assert alt is not None
-            return Solution(alt.regions, alt.predicted_peak_bytes, alt.recompute_s, "milp",
-                            (f"auto: milp ({why}, but milp's plan over sub-modules is faster)", *alt.notes))
-    if n_vars * n_points > MILP_MAX_CELLS:
-        sol = greedy.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
-        return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, "greedy",
-                        (f"auto: greedy ({why}; MILP of {n_vars} variables x {n_points} points too large)",
-                         *sol.notes))
-    sol = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
-    return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, "milp",
-                    (f"auto: milp ({why})", *sol.notes))
+            return _tag(alt, "milp", f"auto: milp ({why}, but milp's plan over sub-modules is faster)")
+    if cells > MILP_MAX_CELLS:
+        return _tag(greedy.solve(ctx, budget_bytes, time_limit_s=time_limit_s), "greedy",
+                    f"auto: greedy ({why}; MILP of {n_vars} variables x {n_points} points too large)")
+    return _tag(milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s), "milp", f"auto: milp ({why})")
