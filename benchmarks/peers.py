@@ -1,0 +1,257 @@
+"""The methods compared: no checkpointing, torch's checkpointing tools, torch.compile, memfit.
+
+Every method gets its own deep copy of the case's seeded model and runs the same step (forward,
+loss, backward) on the same inputs. Peers are applied the way their users apply them:
+
+- ``every_block``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around each block
+  (for the HF model, its own ``activation_checkpointing_enable``, which does the same).
+- ``sqrt_sequential``: ``checkpoint_sequential`` with round(sqrt(n)) segments, where the blocks
+  sit in an ``nn.Sequential``.
+- ``selective``: per block, torch's selective checkpointing (``create_selective_checkpoint_contexts``)
+  saving the outputs of matmuls and convolutions and recomputing the rest.
+- ``compile_budget_<b>``: ``torch.compile`` (inductor) with
+  ``torch._functorch.config.activation_memory_budget = b`` set while the graph is partitioned.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+
+from benchmarks.models import Case
+
+__all__ = [
+    "Family",
+    "Method",
+    "NotApplicable",
+    "build_peers",
+    "plain",
+    "every_block",
+    "sqrt_sequential",
+    "selective",
+    "compiled",
+    "SAVED_BY_SELECTIVE",
+]
+
+
+class Family(str, enum.Enum):
+    NONE = "none"
+    PEER = "peer"
+    MEMFIT = "memfit"
+
+
+class NotApplicable(Exception):
+    """A method cannot be applied honestly to a model; the message says why."""
+
+
+@dataclass
+class Method:
+    """One way of running the case's step.
+
+    Attributes:
+        name: key in tables and JSON (``every_block``, ``memfit_0.50``, ...).
+        label: short text for the plot.
+        family: none, peer or memfit.
+        model: the module whose parameters receive the gradients (a deep copy per method).
+        forward_loss: ``forward_loss(*inputs) -> loss``; ``None`` when not applicable.
+        reason: why the method is not applicable (empty when it is).
+        info: method-specific numbers (compile seconds, planning seconds, budget, plan).
+    """
+
+    name: str
+    label: str
+    family: Family
+    model: nn.Module | None = None
+    forward_loss: Callable[..., torch.Tensor] | None = None
+    inputs: tuple[Any, ...] = ()
+    reason: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def applicable(self) -> bool:
+        return self.forward_loss is not None and not self.reason
+
+    def step(self) -> torch.Tensor:
+        """One training step: forward, loss, backward. Returns the (detached) loss."""
+        if self.forward_loss is None:
+            raise NotApplicable(f"{self.name}: {self.reason}")
+        loss = self.forward_loss(*self.inputs)
+        loss.backward()
+        return loss.detach()
+
+    def clear_grads(self) -> None:
+        if self.model is not None:
+            for p in self.model.parameters():
+                p.grad = None
+
+
+def _fresh(case: Case) -> nn.Module:
+    model = copy.deepcopy(case.model)
+    model.train()
+    return model
+
+
+def _method(case: Case, name: str, label: str, family: Family, model: nn.Module,
+            call: Callable[..., Any] | None = None, **info: Any) -> Method:
+    fn = call if call is not None else model
+    loss_fn = case.loss_fn
+
+    def forward_loss(*inputs: Any) -> torch.Tensor:
+        return loss_fn(fn(*inputs))
+
+    return Method(name, label, family, model, forward_loss, case.inputs, info=dict(info))
+
+
+def _not_applicable(name: str, label: str, reason: str) -> Method:
+    return Method(name, label, Family.PEER, reason=reason)
+
+
+def _wrap_blocks(model: nn.Module, paths: tuple[str, ...], **checkpoint_kwargs: Any) -> None:
+    """Run each block's ``forward`` under a non-reentrant checkpoint (module hooks stay outside)."""
+    for path in paths:
+        block = model.get_submodule(path)
+        forward = block.forward
+
+        def wrapped(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            return checkpoint(_forward, *args, use_reentrant=False, **checkpoint_kwargs, **kwargs)
+
+        block.forward = wrapped  # type: ignore[method-assign]
+
+
+# ---- the peers ---------------------------------------------------------------------------
+def plain(case: Case) -> Method:
+    """No checkpointing: every activation is kept."""
+    return _method(case, "none", "no checkpointing", Family.NONE, _fresh(case))
+
+
+def every_block(case: Case) -> Method:
+    """``checkpoint(use_reentrant=False)`` around every block (what HF's switch does)."""
+    model = _fresh(case)
+    if case.hf:
+        llama = model.get_submodule(case.blocks[0].split(".model.layers.")[0])
+        llama.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+        how = "HF activation_checkpointing_enable(use_reentrant=False)"
+    else:
+        _wrap_blocks(model, case.blocks)
+        how = f"checkpoint(use_reentrant=False) on {len(case.blocks)} blocks"
+    return _method(case, "every_block", "every block", Family.PEER, model, how=how)
+
+
+def sqrt_sequential(case: Case) -> Method:
+    """``checkpoint_sequential`` with round(sqrt(n)) segments over the model's ``nn.Sequential``."""
+    name, label = "sqrt_sequential", "checkpoint_sequential sqrt(n)"
+    if case.sequential is None:
+        return _not_applicable(name, label, case.sequential_reason or "not applicable: no nn.Sequential of blocks")
+    model = _fresh(case)
+    seq = model.get_submodule(case.sequential)
+    if not isinstance(seq, nn.Sequential):
+        return _not_applicable(name, label, f"not applicable: {case.sequential} is a {type(seq).__name__}")
+    segments = max(1, round(math.sqrt(len(seq))))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(seq, segments, x, use_reentrant=False)
+
+    seq.forward = forward  # type: ignore[method-assign]
+    return _method(case, name, label, Family.PEER, model, segments=segments, n_blocks=len(seq))
+
+
+aten = torch.ops.aten
+SAVED_BY_SELECTIVE = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.convolution.default, aten._convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+})
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective(case: Case) -> Method:
+    """Selective checkpointing per block: matmul and convolution outputs saved, the rest recomputed."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    model = _fresh(case)
+    if case.hf:
+        llama = model.get_submodule(case.blocks[0].split(".model.layers.")[0])
+        llama.activation_checkpointing_enable(  # type: ignore[operator]
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    else:
+        _wrap_blocks(model, case.blocks, context_fn=context_fn)
+    return _method(case, "selective", "selective (save matmul/conv)", Family.PEER, model,
+                   how="create_selective_checkpoint_contexts: MUST_SAVE mm/addmm/bmm/conv, PREFER_RECOMPUTE rest")
+
+
+def compiled(case: Case, budget: float) -> Method:
+    """``torch.compile`` whose partitioner keeps activations within ``budget`` (a fraction).
+
+    The budget is read when AOTAutograd partitions the joint graph, so it is set inside this
+    method's own backend; each compiled method has its own backend, hence its own dynamo cache
+    entry, and methods can be called in any order afterwards.
+    """
+    name, label = f"compile_budget_{budget:g}", f"torch.compile budget {budget:g}"
+    model = _fresh(case)
+    try:
+        import torch._functorch.config as functorch_config
+        from torch._inductor.compile_fx import compile_fx
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        return _not_applicable(name, label, f"cannot import inductor: {e}")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    loss_fn = case.loss_fn
+
+    def forward_loss(*inputs: Any) -> torch.Tensor:
+        return loss_fn(model(*inputs))
+
+    fn = torch.compile(forward_loss, backend=backend)
+    method = Method(name, label, Family.PEER, model, fn, case.inputs, info={"budget": budget})
+    return method
+
+
+def warm_compiled(method: Method) -> None:
+    """Run the first (compiling) step of a compiled method and record how long it took."""
+    from torch._dynamo.utils import counters
+
+    before = {k: dict(v) for k, v in counters.items()}
+    t0 = time.perf_counter()
+    try:
+        method.step()
+    except Exception as e:  # noqa: BLE001 - any compiler failure makes the peer not applicable here
+        method.forward_loss = None
+        method.reason = f"torch.compile failed here: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return
+    finally:
+        method.clear_grads()
+    method.info["first_call_s"] = time.perf_counter() - t0
+    after = {k: dict(v) for k, v in counters.items()}
+    hits = {k: after.get("inductor", {}).get(k, 0) - before.get("inductor", {}).get(k, 0)
+            for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+    hits.update({k: after.get("aot_autograd", {}).get(k, 0) - before.get("aot_autograd", {}).get(k, 0)
+                 for k in ("autograd_cache_hit", "autograd_cache_miss")})
+    method.info["compile_cache"] = hits
+
+
+def build_peers(case: Case, *, compile_budgets: tuple[float, ...] = (0.5, 0.2)) -> list[Method]:
+    """The plain step and every peer, each on its own copy of the case's model."""
+    methods = [plain(case), every_block(case), sqrt_sequential(case), selective(case)]
+    methods.extend(compiled(case, b) for b in compile_budgets)
+    return methods
