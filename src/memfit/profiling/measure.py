@@ -17,19 +17,17 @@ after ``reset_peak_memory_stats``.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import gc
 import logging
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from memfit._native_output import silenced_fd
 from memfit.profiling.tracker import StorageTracker
 
 __all__ = ["Meter", "Measurement", "measure", "allocator_peak"]
@@ -74,38 +72,18 @@ def allocator_peak(step: Callable[[], object]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
+    # The profiler's native side prints a line at each start and stop.
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with _native_stderr_silenced():
+    with silenced_fd(2):
         prof.start()
     try:
         step()
     finally:
-        with _native_stderr_silenced():
+        with silenced_fd(2):
             prof.stop()
     return _peak_of_events(prof)
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """Silence file descriptor 2 while the profiler starts or stops.
-
-    The CPU profiler's native library prints a "profiler_start"/"profiler_stop" line to the
-    process's stderr at each start and stop, which would litter every measurement's output.
-    Only the start and stop are silenced, never the user's step.
-    """
-    fd = 2  # the native library writes to the process's stderr, whatever sys.stderr is
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # sys.stderr replaced
-        sys.stderr.flush()
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
-            try:
-                yield
-            finally:
-                os.dup2(saved, fd)
-    finally:
-        os.close(saved)
 
 
 def _peak_of_events(prof: torch.profiler.profile) -> int:

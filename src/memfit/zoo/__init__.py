@@ -42,7 +42,7 @@ def example_inputs(model: nn.Module, *, batch: int = 2, size: int | None = None,
         return torch.randint(0, model.cfg.vocab_size, (batch, t), generator=g)
     if isinstance(model, UNet3D):
         s = size or 32
-        return torch.randn(batch, model.down[0].conv1.in_channels, s, s, s, generator=g)
+        return torch.randn(batch, model.in_channels, s, s, s, generator=g)
     if isinstance(model, ResNet):
         s = size or 32
         return torch.randn(batch, 3, s, s, generator=g)

@@ -27,6 +27,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # (seq_len, seq_len) bool, lower triangle
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -90,7 +92,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
-        if T > self.cfg.seq_len:
+        if self.cfg.seq_len < T:
             raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len {self.cfg.seq_len}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok(idx) + self.pos(pos))  # (B, T, C)

@@ -30,6 +30,7 @@ class UNet3D(nn.Module):
 
     def __init__(self, in_channels: int = 1, out_channels: int = 2, base: int = 8, depth: int = 3) -> None:
         super().__init__()
+        self.in_channels = in_channels
         chans = [base * 2**i for i in range(depth + 1)]
         self.down = nn.ModuleList()
         c = in_channels
@@ -40,7 +41,7 @@ class UNet3D(nn.Module):
         self.bottleneck = ConvBlock(chans[-2], chans[-1])
         self.upconv = nn.ModuleList()
         self.up = nn.ModuleList()
-        for ch_hi, ch_lo in zip(reversed(chans[1:]), reversed(chans[:-1])):
+        for ch_hi, ch_lo in zip(reversed(chans[1:]), reversed(chans[:-1]), strict=True):
             self.upconv.append(nn.ConvTranspose3d(ch_hi, ch_lo, 2, stride=2))
             self.up.append(ConvBlock(2 * ch_lo, ch_lo))
         self.head = nn.Conv3d(chans[0], out_channels, 1)
@@ -52,7 +53,7 @@ class UNet3D(nn.Module):
             skips.append(x)  # kept until the decoder level that concatenates it
             x = self.pool(x)
         x = self.bottleneck(x)
-        for upconv, block in zip(self.upconv, self.up):
+        for upconv, block in zip(self.upconv, self.up, strict=True):
             x = upconv(x)
             x = block(torch.cat([x, skips.pop()], dim=1))
         return self.head(x)  # (N, out_channels, D, H, W)

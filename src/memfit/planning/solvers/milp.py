@@ -54,6 +54,7 @@ from functools import reduce
 
 import numpy as np
 
+from memfit._native_output import silenced_fd
 from memfit.planning.candidates import PlanningContext, overlap_groups
 from memfit.planning.costs import LinearModel
 from memfit.planning.solvers import Infeasible, Solution
@@ -318,8 +319,9 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
         scale = float(np.abs(lm.var_time).max()) or 1.0
         c[:nv] = lm.var_time / scale * 1e3
     cons = [rows.constraint(n)] if rows.n else []
-    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
-               options={"time_limit": float(time_limit_s), "mip_rel_gap": 0.0, "presolve": PRESOLVE})
+    with silenced_fd(1):  # HiGHS may print progress lines to stdout from C++
+        res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
+                   options={"time_limit": float(time_limit_s), "mip_rel_gap": 0.0, "presolve": PRESOLVE})
     return res, n_mem
 
 
