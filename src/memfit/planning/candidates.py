@@ -112,9 +112,19 @@ class PlanningContext:
         saveable: tuple[int, ...] = ()
         if with_ops:
             saveable = tuple(i for i in range(rm.a, rm.stop + 1)
-                             if arrs.op_saveable[i] and arrs.op_time[i] > 0 and i in keys)
+                             if arrs.op_saveable[i] and arrs.op_time[i] > 0 and i in keys
+                             and not self._escapes(i, rm.b))
         return Candidate(index=-1, model=rm, base=rm.base_effect(), saveable=saveable,
                          op_effects=tuple(rm.op_effect(i) for i in saveable), keys=keys)
+
+    def _escapes(self, op: int, last_op: int) -> bool:
+        """Whether an output of ``op`` is read after the region's last op (NOTE [escaping
+        outputs] in ``memfit.planning.rules``)."""
+        for t in self.profile.ops[op].outputs:
+            use = self.profile.storages[t.storage].last_forward_use
+            if use is None or use > last_op:
+                return True
+        return False
 
     # -- module candidates ---------------------------------------------------------------------
     @cached_property

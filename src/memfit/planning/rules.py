@@ -10,6 +10,10 @@ NOTE [saveable ops]
       wrong gradients, see DESIGN.md);
     - it does not consume the random-number generator (``OpRecord.random``): skipping it during
       recomputation would shift every later random draw of the region.
+    The planner also never saves an op whose output escapes its region (is read after the
+    region's last op, e.g. a block's final residual add), NOTE [escaping outputs]: the
+    selective-checkpoint cache then holds that tensor until the region is recomputed, past the
+    point where the rest of the step releases it, for the time of one cheap op.
     ``aten.detach.default`` gets no key at all: torch's selective checkpoint never asks the
     policy about it (checkpointing adds detaches of its own), see ``memfit.runtime.policies``.
 """
