@@ -3,9 +3,17 @@
 The prediction (``simulate`` on the profile) and the measurement (the live-storage meter on
 the planned model's real step) are independent: one replays recorded storage lifetimes, the
 other watches the checkpointed step run. They agree to within a few hundred bytes.
+
+Kernel workspaces (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are invisible to
+the live-storage meter, so the tight comparison is between that meter and the prediction of
+the same profile with its workspaces zeroed: it checks storage lifetimes exactly. The full
+prediction, workspaces included, is compared with the CPU allocator meter of the same run (the
+ground truth budgets are judged by), within ``ALLOC_REL_TOL``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +31,11 @@ from memfit.runtime.apply import apply, unapply
 # on models whose peaks are MiBs. 0.1% bounds that with room and still catches any storage
 # that is predicted to be dropped but kept (each is KiBs here).
 REL_TOL = 1e-3
+# Allocator vs full prediction, measured here: exact on the plain steps, 0.4-0.7% low on the
+# checkpointed ones (a few KiB to tens of KiB the allocator sees around the replays; cause not
+# pinned down). 2% bounds that with room, and still fails without the workspaces: the
+# prediction without them reads 1-82% below the allocator on these small conv nets.
+ALLOC_REL_TOL = 2e-2
 
 CASES = {
     "gpt": (lambda: zoo.gpt(n_layer=3, d_model=64, n_head=2, seq_len=64, vocab_size=128), 2, None),
@@ -31,10 +44,20 @@ CASES = {
 }
 
 
-def _measured_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
+def _measured_peaks(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(live-storage meter, CPU allocator meter) peaks of one run of the step."""
     args, kwargs = normalize_inputs(x)
     step = make_step_fn(model, args, kwargs, None)
-    return measure(step, model=model, meter="dispatch").tracked_peak_bytes
+    m = measure(step, model=model, meter="both")
+    assert m.allocator_peak_bytes is not None
+    return m.tracked_peak_bytes, m.allocator_peak_bytes
+
+
+def _without_workspaces(p):
+    """The profile as the live-storage meter sees it: no kernel workspaces."""
+    ops = tuple(dataclasses.replace(op, workspace_bytes=0) for op in p.ops)
+    live = tuple(v - op.workspace_bytes for v, op in zip(p.live_bytes, p.ops, strict=True))
+    return dataclasses.replace(p, ops=ops, live_bytes=live, peak_bytes=max(live))
 
 
 def _smallest_peak(p) -> int:
@@ -69,16 +92,20 @@ def test_measured_peak_is_the_predicted_peak(name):
     model = factory()
     x = zoo.example_inputs(model, batch=batch, size=size)
     p = profile(model, x, repeats=1)
-    assert _measured_peak(model, x) == p.peak_bytes  # the plain step: exact
+    tensors_only = _without_workspaces(p)
+    tracked, _ = _measured_peaks(model, x)
+    assert tracked == tensors_only.peak_bytes  # the plain step: exact
     for label, plan in _plans(p, BLOCKS[name]).items():
         predicted = simulate(p, plan).peak_bytes
+        predicted_tensors = simulate(tensors_only, plan).peak_bytes
         if plan.regions:
             apply(model, plan)
         try:
-            measured = _measured_peak(model, x)
+            tracked, allocated = _measured_peaks(model, x)
         finally:
             if plan.regions:
                 unapply(model)
-        assert abs(measured - predicted) <= REL_TOL * predicted, (label, measured, predicted)
+        assert abs(tracked - predicted_tensors) <= REL_TOL * predicted_tensors, (label, tracked, predicted_tensors)
+        assert abs(allocated - predicted) <= ALLOC_REL_TOL * predicted, (label, allocated, predicted)
         if plan.regions:
-            assert measured < p.peak_bytes, label
+            assert tracked < tensors_only.peak_bytes, label

@@ -25,10 +25,11 @@ def _random_plan(rng: random.Random, cands):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]))
-def test_linear_model_equals_simulate(seed, kind):
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]), ws=st.booleans())
+def test_linear_model_equals_simulate(seed, kind, ws):
+    # ws: random kernel workspaces per op (counted at their op and at replayed, unsaved ops)
     rng = random.Random(seed)
-    prof = random_chain(rng) if kind == "chain" else random_unet(rng)
+    prof = random_chain(rng, workspace=ws) if kind == "chain" else random_unet(rng, workspace=ws)
     ctx = PlanningContext(prof)
     cands = ctx.region_candidates()
     lm = LinearModel(ctx, cands)

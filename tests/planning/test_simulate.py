@@ -135,3 +135,40 @@ def test_rules_and_keys():
                     5: "aten.relu.default#0"}  # detach gets no key (torch never asks about it)
     assert [is_saveable(prof, op) for op in prof.ops[:6]] == [True, False, False, False, False, True]
     assert not any(is_saveable(prof, op) for op in prof.backward_ops)
+
+
+# chain3 again, with a 32 B kernel workspace on each block's mm (ops 1, 4, 7) and on its
+# backward op (22, 19, 16): counted at those positions only, never "just before" a position,
+# and again in a replay that reruns the mm.
+@pytest.fixture
+def chain3_ws():
+    return chain_profile([residual_block([64, 128], workspaces=[32, 0])] * 3)
+
+
+def test_workspace_counts_at_its_ops_only(chain3, chain3_ws):
+    ws_at = {1, 4, 7, 16, 19, 22}
+    assert [op.index for op in chain3_ws.ops if op.workspace_bytes] == sorted(ws_at)
+    assert list(chain3_ws.live_bytes) == [v + 32 * (p in ws_at) for p, v in enumerate(chain3.live_bytes)]
+    sim = simulate(chain3_ws, _plan())
+    assert sim.live_bytes == chain3_ws.live_bytes
+    # the peak stays at op 9 (576 B), no workspace there; op 7 rises from 384 to 416
+    assert sim.peak_bytes == chain3_ws.peak_bytes == 576 and chain3_ws.live_bytes[7] == 384 + 32
+
+
+def test_hand_computed_recompute_all_with_workspace(chain3, chain3_ws):
+    sim = simulate(chain3_ws, _plan(Region(("layers.0",))))
+    ws_at = {1, 4, 7, 16, 19, 22}
+    expect = [v - 64 * (4 <= p <= 20) + 32 * (p in ws_at) for p, v in enumerate(chain3.live_bytes)]
+    # replay of ops 1 (mm reruns: its workspace again), 2, 3; just before op 21: 128 B
+    expect[21:21] = [128 + 64 + 32, 128 + 64 + 128, 128 + 64 + 128 + 64]
+    assert list(sim.live_bytes) == expect
+    assert sim.peak_bytes == 512  # at op 9; the replayed mm reaches 128 + 64 + 32 only
+
+
+def test_hand_computed_saved_op_skips_its_workspace(chain3, chain3_ws):
+    # mm saved: the replay returns its cached output without running the kernel
+    sim = simulate(chain3_ws, _plan(Region(("layers.0",), ("aten.mm.default#0",))))
+    ws_at = {1, 4, 7, 16, 19, 22}
+    expect = [v + 32 * (p in ws_at) for p, v in enumerate(chain3.live_bytes)]
+    expect[21:21] = [192, 192 + 128, 192 + 128 + 64]
+    assert list(sim.live_bytes) == expect

@@ -41,9 +41,9 @@ def _sim_peak(prof, sol):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
-def test_chain_equals_brute_on_random_chains(seed):
-    prof = random_chain(random.Random(seed), max_blocks=4, max_ops=2)
+@given(seed=st.integers(0, 2**32 - 1), ws=st.booleans())
+def test_chain_equals_brute_on_random_chains(seed, ws):
+    prof = random_chain(random.Random(seed), max_blocks=4, max_ops=2, workspace=ws)
     ctx = PlanningContext(prof)
     if not ctx.chains:
         return
@@ -59,10 +59,11 @@ def test_chain_equals_brute_on_random_chains(seed):
 
 @pytest.mark.slow
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]))
-def test_milp_equals_brute_on_random_graphs(seed, kind):
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]), ws=st.booleans())
+def test_milp_equals_brute_on_random_graphs(seed, kind, ws):
     rng = random.Random(seed)
-    prof = random_chain(rng, max_blocks=3, max_ops=3) if kind == "chain" else random_unet(rng, max_levels=2)
+    prof = (random_chain(rng, max_blocks=3, max_ops=3, workspace=ws) if kind == "chain"
+            else random_unet(rng, max_levels=2, workspace=ws))
     ctx = PlanningContext(prof)
     lo = brute.min_peak(ctx, "regions")
     assert milp.min_peak(ctx)[0] == lo
@@ -92,10 +93,10 @@ def test_peak_never_rises_as_budget_falls(seed):
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]))
-def test_greedy_plans_fit(seed, kind):
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]), ws=st.booleans())
+def test_greedy_plans_fit(seed, kind, ws):
     rng = random.Random(seed)
-    prof = random_chain(rng) if kind == "chain" else random_unet(rng)
+    prof = random_chain(rng, workspace=ws) if kind == "chain" else random_unet(rng, workspace=ws)
     ctx = PlanningContext(prof)
     lo = milp.min_peak(ctx)[0]
     for budget in _budgets(lo, prof.peak_bytes):
@@ -141,9 +142,10 @@ def test_unknown_solver_lists_known():
 
 
 def _graph(kind, rng, *, big=False):
+    ws = rng.random() < 0.5  # half the graphs carry kernel workspaces
     if kind == "chain":
-        return random_chain(rng, max_blocks=6 if big else 3, max_ops=4 if big else 3)
-    return random_unet(rng, max_levels=3 if big else 2)
+        return random_chain(rng, max_blocks=6 if big else 3, max_ops=4 if big else 3, workspace=ws)
+    return random_unet(rng, max_levels=3 if big else 2, workspace=ws)
 
 
 @settings(max_examples=25, deadline=None)

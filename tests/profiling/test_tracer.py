@@ -16,14 +16,15 @@ def _mlp_profile() -> tuple[nn.Module, torch.Tensor, Profile]:
 
 
 def _live_by_brute_force(p: Profile) -> list[int]:
-    # The simulator's contract, written independently of the library's difference array.
+    # The simulator's contract, written independently of the library's difference array:
+    # live storages plus the op's own kernel workspace (NOTE [storage lifetimes]).
     out = []
     for i in range(len(p.ops)):
         out.append(sum(
             s.nbytes for s in p.storages
             if s.kind in (StorageKind.ACTIVATION, StorageKind.GRADIENT)
             and s.created_by is not None and s.created_by <= i
-            and (s.freed_after is None or s.freed_after >= i)))
+            and (s.freed_after is None or s.freed_after >= i)) + p.ops[i].workspace_bytes)
     return out
 
 

@@ -15,6 +15,10 @@ NOTE [linear model]
     no two chosen regions share a recompute point (see NOTE [region memory model]). A shared
     input is counted once per region (an over-estimate). Replay points of regions not chosen are
     harmless: the memory just before op ``p`` never exceeds the memory at op ``p - 1``.
+
+    Kernel workspaces (NOTE [region memory model]) sit in the op points of ``base`` (never in
+    the "just before" values) and in each candidate's replay: ``Δ_r`` adds the workspace of
+    every op it reruns, ``B_{r,j}`` removes op ``j``'s, since a saved op is not rerun.
 """
 
 from __future__ import annotations

@@ -26,8 +26,14 @@ NOTE [region memory model]
     cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
     that is within ``a..L``, to the end of the replay otherwise; a dropped storage stays
     (its second lifetime). Memory at replay step ``i`` is the memory just before op ``rp``
-    (storages live at both ``rp - 1`` and ``rp``) plus the replayed storages live at ``i``.
+    (storages live at both ``rp - 1`` and ``rp``) plus the replayed storages live at ``i``,
+    plus op ``i``'s kernel workspace if op ``i`` is not saved (it runs again).
     Recompute time is the forward time of the non-saved ops ``a..L``.
+
+    Kernel workspaces (NOTE [kernel workspaces] in ``memfit.profiling.profile``) add
+    ``workspace_bytes[p]`` at op position ``p`` whatever the plan (forward ops run either way),
+    never "just before" a position, and at replay step ``i`` as above. In the linear model the
+    region's base effect carries the replay workspaces and saving op ``i`` removes op ``i``'s.
 
     The model is per storage, so the effects of regions that touch disjoint storages add up
     exactly. Two regions touch one storage only when it is an input of both (a tensor read by
@@ -90,6 +96,7 @@ class ProfileArrays:
         self.by_creator = ids[order]
         self.by_creator_op = self.creator[self.by_creator]
         self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
+        self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
         ptr = [0]
@@ -103,7 +110,7 @@ class ProfileArrays:
         c = self.creator[ids]
         f = self.freed[ids]
         nb = self.nbytes[ids]
-        self.base_live = dense(c, f, nb, 0, n - 1)
+        self.base_live = dense(c, f, nb, 0, n - 1) + self.workspace  # workspace at its op only
         self.base_before = dense(c + 1, f, nb, 0, n - 1)
 
     def created_in(self, a: int, b: int) -> np.ndarray:
@@ -244,6 +251,7 @@ class RegionModel:
         self.in_f = arrs.freed[self.inputs]
         self.in_nb = arrs.nbytes[self.inputs]
         self.op_time = arrs.op_time
+        self.workspace = arrs.workspace
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
         self.replayed = c <= self.stop
@@ -275,10 +283,21 @@ class RegionModel:
         end1 = np.where(drop, self.d, np.where(sv, np.maximum(self.f, rp), self.f))
         return end1, drop
 
-    def replay_pieces(self, sv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def replay_pieces(self, sv: np.ndarray, saved_ops: set[int] | list[int] | tuple[int, ...] = ()
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Replay pieces under a save set: replayed storages and the rerun ops' workspaces."""
         rep = self.replayed & ~sv
         end = np.where(self.dropped, self.stop, self.rend)
-        return self.c[rep], end[rep], self.nb[rep]
+        ws_ops = self._workspace_ops()
+        if saved_ops and ws_ops.size:
+            ws_ops = ws_ops[~np.isin(ws_ops, np.fromiter(saved_ops, dtype=np.int64))]
+        wv = self.workspace[ws_ops]
+        return _cat(self.c[rep], ws_ops), _cat(end[rep], ws_ops), _cat(self.nb[rep], wv)
+
+    def _workspace_ops(self) -> np.ndarray:
+        """Ops ``a..stop`` with a kernel workspace (each uses it again when replayed)."""
+        ops = np.arange(self.a, self.stop + 1, dtype=np.int64)
+        return ops[self.workspace[ops] > 0]
 
     # -- linear effects (used by the cost model) -------------------------------------------
     def _version_pieces(self, m: np.ndarray, saved: bool) -> tuple[np.ndarray, ...]:
@@ -311,6 +330,8 @@ class RegionModel:
         pe = _cat(pe, np.full(int(ext.sum()), rp, dtype=np.int64), self.in_f[ext])
         pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext])
         rs, re_, rv = self._recompute_replay(allm)
+        ws_ops = self._workspace_ops()
+        rs, re_, rv = _cat(rs, ws_ops), _cat(re_, ws_ops), _cat(rv, self.workspace[ws_ops])
         return Effect(ps, pe, pv, rs, re_, rv, time_s=self.time_s(set()))
 
     def op_effect(self, op: int) -> Effect:
@@ -319,5 +340,8 @@ class RegionModel:
         s_ps, s_pe, s_pv = self._version_pieces(m, saved=True)
         r_ps, r_pe, r_pv = self._version_pieces(m, saved=False)
         rs, re_, rv = self._recompute_replay(m)
+        if self.a <= op <= self.stop and self.workspace[op] > 0:  # a saved op does not rerun
+            w = np.array([op], dtype=np.int64)
+            rs, re_, rv = _cat(rs, w), _cat(re_, w), _cat(rv, self.workspace[w])
         t = float(self.op_time[op]) if op <= self.stop else 0.0
         return Effect(_cat(s_ps, r_ps), _cat(s_pe, r_pe), _cat(s_pv, -r_pv), rs, re_, -rv, time_s=-t)

@@ -2,7 +2,7 @@
 
 The model of what checkpointing does to each storage is NOTE [region memory model] in
 ``memfit.planning.effects``. ``simulate(profile, Plan(regions=()))`` reproduces
-``profile.live_bytes`` exactly.
+``profile.live_bytes`` exactly (kernel workspaces included).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         end1[rm.ids[drop]] = e1[drop]
         second[rm.ids[drop]] = rp
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rp)
-        replays.append((rp, rm, rm.replay_pieces(sv), int(rm.nb[drop].sum())))
+        replays.append((rp, rm, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
         rec_s.append(rm.time_s(set(saved)))
         saved_b.append(int(rm.nb[sv].sum() + rm.in_nb.sum()))
         rps.append(rp)
@@ -123,7 +123,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     starts = np.concatenate([c, s2[has2]])
     ends = np.concatenate([e, f[has2]])
     vals = np.concatenate([nb, nb[has2]])
-    live = dense(starts, ends, vals, 0, n - 1)
+    live = dense(starts, ends, vals, 0, n - 1) + arrs.workspace  # NOTE [region memory model]
     before = dense(starts + 1, ends, vals, 0, n - 1)
     # replays, grouped by recompute point; ones sharing a point run one after another
     bumps: dict[int, list[int]] = {}

@@ -37,6 +37,7 @@ __all__ = ["StepBuilder", "OpSpec", "chain_profile", "residual_block", "unet_pro
            "random_chain", "random_unet", "TICK"]
 
 TICK = 2.0 ** -10  # one time unit, exact in binary
+_WORKSPACES = (0, 0, 32, 256, 1024)  # random kernel workspaces, bytes
 
 
 @dataclass
@@ -52,6 +53,8 @@ class _Op:
     random: bool
     grad_bytes: int
     keep_until_backward: bool
+    workspace: int = 0
+    backward_workspace: int = 0
 
 
 class StepBuilder:
@@ -115,11 +118,14 @@ class StepBuilder:
     def op(self, name: str, inputs: Sequence[int], out: int | Sequence[int] = (), *,
            time_s: float = TICK, saves: Sequence[int] = (), params: Sequence[int] = (),
            inplace: bool = False, random: bool = False, view: bool = False,
-           keep_until_backward: bool = False) -> list[int]:
+           keep_until_backward: bool = False, workspace_bytes: int = 0,
+           backward_workspace_bytes: int | None = None) -> list[int]:
         """Record one forward op; returns its output storage ids.
 
         ``out``: bytes of each new output storage. ``view``/``inplace``: the op returns its
         first input's storage instead. ``saves``: storages (inputs or outputs) autograd saves.
+        ``workspace_bytes``: the op's kernel workspace (NOTE [kernel workspaces]);
+        ``backward_workspace_bytes`` its backward op's (default: the same).
         """
         idx = len(self._ops)
         if view or inplace:
@@ -130,7 +136,9 @@ class StepBuilder:
             outs = [self._new(s, StorageKind.ACTIVATION, idx) for s in sizes]
             grad = sum(sizes)
         self._ops.append(_Op(name, self._stack[-1], list(inputs) + list(params), outs, list(saves),
-                             list(params), float(time_s), inplace, random, grad, keep_until_backward))
+                             list(params), float(time_s), inplace, random, grad, keep_until_backward,
+                             int(workspace_bytes),
+                             int(workspace_bytes if backward_workspace_bytes is None else backward_workspace_bytes)))
         return outs
 
     # -- build -------------------------------------------------------------------------------
@@ -171,6 +179,7 @@ class StepBuilder:
                 inputs=tuple(dict.fromkeys(op.inputs)),
                 outputs=tuple(TensorMeta(s, (self._nbytes[s] // 4,), "float32") for s in op.outputs),
                 time_s=op.time_s, inplace=op.inplace, random=op.random,
+                workspace_bytes=op.workspace,
             ))
         grad_of_param: dict[int, int] = {}
         prev_grad: int | None = None
@@ -204,7 +213,7 @@ class StepBuilder:
                 index=b, name=f"{op.name}_backward",
                 module=op.module, phase=Phase.BACKWARD, inputs=tuple(reads),
                 outputs=tuple(TensorMeta(s, (self._nbytes[s] // 4,), "float32") for s in outs),
-                time_s=op.time_s * backward_time_factor,
+                time_s=op.time_s * backward_time_factor, workspace_bytes=op.backward_workspace,
             ))
         storages = tuple(
             StorageRecord(
@@ -215,7 +224,7 @@ class StepBuilder:
             )
             for s in range(len(self._nbytes))
         )
-        live = _live_bytes(storages, n)
+        live = _live_bytes(storages, n, [o.workspace_bytes for o in ops])
         modules = self._module_records(fwd, nf)
         baseline = sum(s.nbytes for s in storages if s.created_by is None)
         return Profile(
@@ -246,7 +255,7 @@ class StepBuilder:
         return tuple(out)
 
 
-def _live_bytes(storages: tuple[StorageRecord, ...], n: int) -> tuple[int, ...]:
+def _live_bytes(storages: tuple[StorageRecord, ...], n: int, workspace: Sequence[int]) -> tuple[int, ...]:
     delta = [0] * (n + 1)
     for s in storages:
         if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
@@ -256,7 +265,7 @@ def _live_bytes(storages: tuple[StorageRecord, ...], n: int) -> tuple[int, ...]:
     out, live = [], 0
     for i in range(n):
         live += delta[i]
-        out.append(live)
+        out.append(live + workspace[i])
     return tuple(out)
 
 
@@ -275,6 +284,7 @@ class OpSpec:
     inplace: bool = False
     random: bool = False
     view: bool = False
+    workspace_bytes: int = 0
 
 
 def _run_block(b: StepBuilder, x: int, specs: Sequence[OpSpec]) -> int:
@@ -285,7 +295,7 @@ def _run_block(b: StepBuilder, x: int, specs: Sequence[OpSpec]) -> int:
         saves_in = ins[:1] if sp.save in ("in", "both") else []
         (out,) = b.op(sp.name, ins, sp.out_bytes, time_s=sp.time_s, params=params,
                       inplace=sp.inplace, random=sp.random, view=sp.view,
-                      saves=saves_in + params)
+                      saves=saves_in + params, workspace_bytes=sp.workspace_bytes)
         if sp.save in ("out", "both"):
             b._ops[-1].saves.append(out)
         vals.append(out)
@@ -312,8 +322,10 @@ def chain_profile(blocks: Sequence[Sequence[OpSpec]], *, act_bytes: int = 64,
 
 def residual_block(sizes: Sequence[int], *, saves: Sequence[str] | None = None,
                    times: Sequence[float] | None = None, param_bytes: int = 0,
-                   names: Sequence[str] | None = None, act_bytes: int = 64) -> list[OpSpec]:
-    """A path of ops ``h = op_k(...op_1(x))`` followed by the residual ``x + h``."""
+                   names: Sequence[str] | None = None, act_bytes: int = 64,
+                   workspaces: Sequence[int] | None = None) -> list[OpSpec]:
+    """A path of ops ``h = op_k(...op_1(x))`` followed by the residual ``x + h``;
+    ``workspaces[j]``: op j's kernel workspace (default none)."""
     specs = []
     for j, sz in enumerate(sizes):
         specs.append(OpSpec(
@@ -321,13 +333,16 @@ def residual_block(sizes: Sequence[int], *, saves: Sequence[str] | None = None,
             out_bytes=sz, time_s=(times[j] if times else TICK),
             save=(saves[j] if saves else "in"),
             param_bytes=param_bytes if j == 0 else 0,
+            workspace_bytes=workspaces[j] if workspaces else 0,
         ))
     specs.append(OpSpec("aten.add.Tensor", act_bytes, inputs=(0, -1)))
     return specs
 
 
-def random_chain(rng: _random.Random, *, max_blocks: int = 4, max_ops: int = 3) -> Profile:
-    """A random small chain: block sizes, saves, times, parameter sizes all drawn from rng."""
+def random_chain(rng: _random.Random, *, max_blocks: int = 4, max_ops: int = 3,
+                 workspace: bool = False) -> Profile:
+    """A random small chain: block sizes, saves, times, parameter sizes (and with
+    ``workspace``, kernel workspaces) all drawn from rng."""
     n = rng.randint(1, max_blocks)
     act = rng.choice([32, 64, 128])
     blocks = []
@@ -338,18 +353,23 @@ def random_chain(rng: _random.Random, *, max_blocks: int = 4, max_ops: int = 3) 
             saves=[rng.choice(["in", "in", "out", "both", ""]) for _ in range(k)],
             times=[rng.randint(1, 8) * TICK for _ in range(k)],
             param_bytes=rng.choice([0, 64, 512, 2048]), act_bytes=act,
+            workspaces=[rng.choice(_WORKSPACES) for _ in range(k)] if workspace else None,
         ))
     return chain_profile(blocks, act_bytes=act, head_bytes=rng.choice([64, 512]),
                          head_param_bytes=rng.choice([0, 256]))
 
 
-def unet_profile(levels: Sequence[tuple[int, int]], *, model: str = "unet") -> Profile:
+def unet_profile(levels: Sequence[tuple[int, int]], *, model: str = "unet",
+                 conv_workspaces: Sequence[int] | None = None) -> Profile:
     """A UNet-like DAG: ``down.k`` blocks, a bottleneck, ``up.k`` blocks reading skip k.
 
     ``levels[k] = (activation bytes, inner bytes)`` of level k. Each down block is
     (conv (saves input) -> relu (saves output)) twice; each up block concatenates (saves nothing) the
     previous output with skip k, then conv (saves input) -> relu (saves output).
+    ``conv_workspaces[k]``: kernel workspace of level k's convolutions (and their backward ops;
+    the bottleneck's is the last level's).
     """
+    ws = list(conv_workspaces) if conv_workspaces is not None else [0] * len(levels)
     b = StepBuilder(model)
     x = b.input(levels[0][0])
     b.container("down", "ModuleList")
@@ -358,32 +378,39 @@ def unet_profile(levels: Sequence[tuple[int, int]], *, model: str = "unet") -> P
     for k, (act, inner) in enumerate(levels):
         with b.module(f"down.{k}", "Down", parent="down"):
             w = b.param(64)
-            (h,) = b.op("aten.convolution.default", [x, w], inner, saves=[x, w], params=[w], time_s=2 * TICK)
+            (h,) = b.op("aten.convolution.default", [x, w], inner, saves=[x, w], params=[w], time_s=2 * TICK,
+                        workspace_bytes=ws[k])
             (h,) = b.op("aten.relu.default", [h], inner)
             b._ops[-1].saves.append(h)
             w = b.param(64)
-            (h,) = b.op("aten.convolution.default", [h, w], act, saves=[h, w], params=[w], time_s=2 * TICK)
+            (h,) = b.op("aten.convolution.default", [h, w], act, saves=[h, w], params=[w], time_s=2 * TICK,
+                        workspace_bytes=ws[k])
             (x,) = b.op("aten.relu.default", [h], act)
             b._ops[-1].saves.append(x)
         skips.append(x)
     with b.module("mid", "Mid"):
         w = b.param(64)
-        (x,) = b.op("aten.convolution.default", [x, w], levels[-1][0], saves=[x, w], params=[w])
+        (x,) = b.op("aten.convolution.default", [x, w], levels[-1][0], saves=[x, w], params=[w],
+                    workspace_bytes=ws[-1])
     for k in reversed(range(len(levels))):
         act, inner = levels[k]
         with b.module(f"up.{k}", "Up", parent="up"):
             (cat,) = b.op("aten.cat.default", [x, skips[k]], 2 * act)
             w = b.param(64)
-            (h,) = b.op("aten.convolution.default", [cat, w], inner, saves=[cat, w], params=[w], time_s=2 * TICK)
+            (h,) = b.op("aten.convolution.default", [cat, w], inner, saves=[cat, w], params=[w], time_s=2 * TICK,
+                        workspace_bytes=ws[k])
             (x,) = b.op("aten.relu.default", [h], act)
             b._ops[-1].saves.append(x)
     b.op("aten.mse_loss.default", [x], 4, saves=[x], keep_until_backward=True)
     return b.build()
 
 
-def random_unet(rng: _random.Random, *, max_levels: int = 3) -> Profile:
+def random_unet(rng: _random.Random, *, max_levels: int = 3, workspace: bool = False) -> Profile:
+    """A random small UNet; with ``workspace``, random convolution workspaces (drawn last)."""
     n = rng.randint(1, max_levels)
-    return unet_profile([(rng.choice([32, 64, 128]), rng.choice([64, 128, 256])) for _ in range(n)])
+    levels = [(rng.choice([32, 64, 128]), rng.choice([64, 128, 256])) for _ in range(n)]
+    ws = [rng.choice(_WORKSPACES) for _ in range(n)] if workspace else None
+    return unet_profile(levels, conv_workspaces=ws)
 
 
 def decoder_profile(n_layers: int, *, d: int = 1024, seq_factor: int = 4,

@@ -15,7 +15,17 @@ NOTE [storage lifetimes]
     the step (parameters, inputs, buffers) have ``created_by = None`` and are not activation
     memory; storages still live after the step (parameter gradients) have ``freed_after =
     None``. ``Profile.live_bytes[i]`` is the activation memory live while op ``i``'s outputs
-    exist and its inputs are still held (its local peak); the step's peak is the maximum.
+    exist and its inputs are still held, plus ``ops[i].workspace_bytes`` (its local peak); the
+    step's peak is the maximum.
+
+NOTE [kernel workspaces]
+    ``OpRecord.workspace_bytes`` is memory an op's kernel allocates internally and frees before
+    returning, on top of its outputs (the im2col buffers of CPU convolutions). No dispatch mode
+    sees it; in measure mode on CPU the tracer measures it by running the op once more in
+    isolation under the CPU allocator meter (``allocator peak - new output bytes``, at least 0),
+    for ops whose name contains ``conv``, once per distinct argument signature. It counts at op
+    ``i`` only (not "just before" op ``i``), and again wherever a recompute replays op ``i``.
+    Fake-mode profiles and CUDA workspaces are not modelled yet: ``workspace_bytes`` is 0 there.
 
 NOTE [saved tensors]
     ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
@@ -106,6 +116,8 @@ class OpRecord:
         inplace: it mutates an input (name ends with ``_`` or the schema says so).
         random: it consumes the random-number generator (dropout's ``bernoulli_``).
         flops: floating-point operations, where a formula is known (else 0).
+        workspace_bytes: bytes the op's kernel allocates and frees inside itself, on top of its
+            outputs (NOTE [kernel workspaces]); 0 where not measured.
     """
 
     index: int
@@ -118,6 +130,7 @@ class OpRecord:
     inplace: bool = False
     random: bool = False
     flops: int = 0
+    workspace_bytes: int = 0
 
 
 @dataclass(frozen=True)

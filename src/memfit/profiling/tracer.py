@@ -89,10 +89,12 @@ class _Preserved:
             p.grad = g
 
 
-def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int) -> tuple[int, ...]:
-    """``live_bytes[i]``: bytes of activation/gradient storages live at op ``i`` (the contract
-    the simulator relies on: ``created_by <= i`` and not ``freed_after < i``)."""
-    return tuple(live_timeline(storages, n_ops))
+def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int,
+                  workspace: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
+    """``live_bytes[i]``: bytes of activation/gradient storages live at op ``i`` plus op ``i``'s
+    kernel workspace (the contract the simulator relies on: ``created_by <= i`` and not
+    ``freed_after < i``, plus ``workspace[i]``; NOTE [storage lifetimes])."""
+    return tuple(live_timeline(storages, n_ops, workspace))
 
 
 @dataclass
@@ -109,11 +111,13 @@ class _Setup:
 def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str, torch.Tensor] | None,
             args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None,
             time_ops: bool, count_flops: bool = True,
-            forward_only: bool = False, outer: Any = None) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
+            forward_only: bool = False, outer: Any = None,
+            measure_workspace: bool = False) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
     owners = param_owners(model)
     named = dict(model.named_parameters()) if state is None else {n: state[n] for n in owners}
     tracker = StorageTracker(time_ops=time_ops, count_flops=count_flops,
-                             param_owner={id(p): owners[n] for n, p in named.items()})
+                             param_owner={id(p): owners[n] for n, p in named.items()},
+                             measure_workspace=measure_workspace)
     rec = ModuleRecorder(model, tracker)
     tracker.module_of = rec.current
     for p in named.values():
@@ -210,8 +214,9 @@ def profile(
     plain: list[float] = []
     try:
         keep.reset()
+        # NOTE [kernel workspaces]: measured on CPU only (CUDA workspaces not modelled yet)
         with _traced(model, forward, state, args, kwargs, loss_fn, time_ops=not fake,
-                     outer=su.outer) as (tr, rec):
+                     outer=su.outer, measure_workspace=not fake and dev.type == "cpu") as (tr, rec):
             pass
         if not fake:
             op_times = [[op.time_s] for op in tr.ops]
@@ -251,13 +256,14 @@ def profile(
             index=i, name=op.name, module=op.module,
             phase=Phase.BACKWARD if i >= n_forward else Phase.FORWARD,
             inputs=op.inputs, outputs=tuple(TensorMeta(s, sh, dt) for s, sh, dt in op.outputs),
-            time_s=t, inplace=op.inplace, random=op.random, flops=op.flops))
+            time_s=t, inplace=op.inplace, random=op.random, flops=op.flops,
+            workspace_bytes=op.workspace_bytes))
     storages = tuple(
         StorageRecord(id=sid, nbytes=s.nbytes, kind=s.kind, created_by=s.created_by,
                       freed_after=s.freed_after, saved=s.saved, first_unpack=s.first_unpack,
                       last_forward_use=s.last_forward_use)
         for sid, s in enumerate(tr.storages))
-    live = live_bytes_of(storages, len(ops))
+    live = live_bytes_of(storages, len(ops), [op.workspace_bytes for op in ops])
     bwd: dict[str, float] = {}
     for rec_op in ops[n_forward:]:
         bwd[rec_op.module] = bwd.get(rec_op.module, 0.0) + rec_op.time_s
@@ -271,7 +277,8 @@ def profile(
         cost_model=f"roofline:{cost.name}" if cost is not None else "measured",
         signature=op_signature(ops, n_forward),
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
-               "repeats": repeats if not fake else 1},
+               "repeats": repeats if not fake else 1,
+               "workspace_runs": tr.workspace_runs, "workspace_s": tr.workspace_s},
     )
     log.info("profiled %s: %d ops (%d forward), peak %d bytes, %.3fs (%.1fx a step)",
              result.model, len(ops), n_forward, result.peak_bytes, cost_s,

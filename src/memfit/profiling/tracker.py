@@ -24,14 +24,28 @@ NOTE [op positions while tracing]
     ``i`` or between ``i`` and ``i + 1``) is recorded as ``freed_after = i``, so the storage
     counts as live at op ``i``. ``live_bytes[i]`` is thus the bytes live when op ``i`` started
     plus what op ``i`` created, the local peak the Profile promises.
+
+NOTE [workspace measurement]
+    A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
+    invisible here, so with ``measure_workspace=True`` an op whose name contains ``conv`` (and
+    that writes no input) is run once more right after its real call, inside this handler
+    (where the mode is already off, so the rerun is not recorded), under ``torch.no_grad`` and
+    the CPU allocator meter (``memfit.profiling.measure.allocator_peak``); its outputs are
+    dropped. ``workspace = max(0, allocator peak - bytes of its new output storages)`` is the
+    excess over its outputs at the op's local peak. The result is cached per op and argument
+    signature (shapes, strides, dtypes, devices, non-tensor arguments), so a network measures
+    each distinct convolution once. The rerun is outside the op's timed span. CPU only: on
+    CUDA workspaces come from the caching allocator (``torch.cuda.max_memory_allocated``), not
+    modelled yet.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +54,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.profiling.profile import StorageKind
 
-__all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "is_random_op", "is_inplace_op"]
+__all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "is_random_op", "is_inplace_op",
+           "uses_workspace", "measure_workspace", "live_timeline"]
+
+log = logging.getLogger(__name__)
+
+_WORKSPACE_PATTERNS = ("conv",)  # op names whose CPU kernels allocate internal buffers
 
 _RANDOM_NAMES = (
     "bernoulli", "rand", "randn", "randint", "randperm", "native_dropout", "normal", "uniform",
@@ -126,6 +145,7 @@ class TracedOp:
     flops: int
     bytes_moved: int
     forward_op: int | None = None  # for a backward op: the forward op whose node it runs
+    workspace_bytes: int = 0       # NOTE [workspace measurement]
 
 
 @dataclass
@@ -147,12 +167,19 @@ class StorageTracker(TorchDispatchMode):
         count_flops: count FLOPs with ``torch.utils.flop_counter``'s formulas.
         module_of: returns the path of the innermost module running now.
         param_owner: ``id(parameter) -> module path``, to attribute gradient accumulation.
+        measure_workspace: measure kernel workspaces of convolutions on CPU (NOTE [workspace
+            measurement]); needs ``record_ops``.
     """
 
     def __init__(self, *, record_ops: bool = True, time_ops: bool = False, count_flops: bool = True,
                  module_of: Callable[[], str] | None = None,
-                 param_owner: dict[int, str] | None = None) -> None:
+                 param_owner: dict[int, str] | None = None,
+                 measure_workspace: bool = False) -> None:
         super().__init__()
+        self.measure_workspace = measure_workspace
+        self._ws_cache: dict[Any, int] = {}
+        self.workspace_runs = 0        # isolated reruns done (cache misses)
+        self.workspace_s = 0.0         # seconds spent in them
         self.record_ops = record_ops
         self.time_ops = time_ops
         self.count_flops = count_flops
@@ -241,7 +268,8 @@ class StorageTracker(TorchDispatchMode):
         if self.n_forward is None:
             self.n_forward = self.pos + 1
         self._provisional.clear()
-        self.peak_bytes = max(live_timeline(self.storages, self.pos + 1), default=0)
+        self.peak_bytes = max(live_timeline(self.storages, self.pos + 1,
+                                            [op.workspace_bytes for op in self.ops]), default=0)
 
     # ---- saved tensors -------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -360,21 +388,98 @@ class StorageTracker(TorchDispatchMode):
         if inplace or not aliased or not outs:
             moved = sum(t.numel() * t.element_size() for t in ins) + sum(
                 t.numel() * t.element_size() for t in outs)
+        ws = 0
+        if self.measure_workspace and not inplace and uses_workspace(func):
+            ws = self._workspace(func, args, kwargs, ins)
         self.ops.append(TracedOp(
             name=str(func), module=module, backward=self.backward, inputs=tuple(in_sids),
             outputs=tuple(metas), time_s=dt, inplace=inplace, random=is_random_op(func),
-            flops=flops, bytes_moved=moved, forward_op=fwd))
+            flops=flops, bytes_moved=moved, forward_op=fwd, workspace_bytes=ws))
         return out
+
+    def _workspace(self, func: Any, args: Any, kwargs: dict[str, Any], ins: list[torch.Tensor]) -> int:
+        if any(t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in ins):
+            return 0  # CUDA workspaces are not modelled; subclasses (fake tensors) have none
+        try:
+            key = (str(func), _arg_key(args), _arg_key(kwargs))
+            hash(key)
+        except TypeError:
+            key = None
+        hit = self._ws_cache.get(key) if key is not None else None
+        if hit is None:
+            t0 = time.perf_counter()
+            try:
+                hit = measure_workspace(func, args, kwargs)
+            except RuntimeError as e:  # another profiler active: the meter cannot start
+                log.warning("workspace of %s not measured (%s); further ops are not measured", func, e)
+                self.measure_workspace = False
+                return 0
+            self.workspace_runs += 1
+            self.workspace_s += time.perf_counter() - t0
+            if key is not None:
+                self._ws_cache[key] = hit
+        return hit
 
     def _new_output(self, st: torch.UntypedStorage, i: int) -> int:
         kind = StorageKind.GRADIENT if self.backward else StorageKind.ACTIVATION
         return self._new(st, kind, i)
 
 
-def live_timeline(storages: Any, n_ops: int) -> list[int]:
+def uses_workspace(func: Any) -> bool:
+    """Whether the tracer measures an op's kernel workspace (NOTE [workspace measurement])."""
+    name = func._overloadpacket.__name__
+    return any(p in name for p in _WORKSPACE_PATTERNS)
+
+
+def measure_workspace(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+    """Bytes ``func`` allocates inside itself beyond its new outputs, per the CPU allocator.
+
+    Runs ``func(*args, **kwargs)`` once under ``torch.no_grad`` and the allocator meter; the
+    outputs are dropped. Call it where no dispatch mode would record the rerun.
+
+    Example:
+        >>> x, w = torch.randn(1, 2, 8, 8, 8), torch.randn(4, 2, 3, 3, 3)
+        >>> conv = torch.ops.aten.convolution.default
+        >>> measure_workspace(conv, (x, w, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1), {}) > 0
+        True
+    """
+    from memfit.profiling.measure import allocator_peak
+
+    held = {st._cdata for t in iter_arg_tensors(args, kwargs) if (st := _storage(t)) is not None}
+    out_bytes: list[int] = []
+
+    def rerun() -> None:
+        out = func(*args, **kwargs)
+        seen: set[int] = set()
+        total = 0
+        for t in _out_tensors(out):
+            st = _storage(t)
+            if st is not None and st._cdata not in held and st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
+        out_bytes.append(total)
+
+    with torch.no_grad():
+        peak = allocator_peak(rerun)
+    return max(0, peak - out_bytes[0])
+
+
+def _arg_key(x: Any) -> Any:
+    """A hashable signature of op arguments: tensors by shape, strides, dtype and device."""
+    if isinstance(x, torch.Tensor):
+        strides = x.stride() if x.layout is torch.strided else ()
+        return ("T", tuple(x.shape), tuple(strides), x.dtype, x.device.type, x.layout)
+    if isinstance(x, (list, tuple)):
+        return tuple(_arg_key(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((str(k), _arg_key(v)) for k, v in x.items()))
+    return x
+
+
+def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:
     """Bytes of activation/gradient storages live at each op: ``created_by <= i`` and not
-    ``freed_after < i`` (the Profile's ``live_bytes`` contract). Takes ``StorageRecord``s or
-    ``TracedStorage``s."""
+    ``freed_after < i``, plus ``workspace[i]`` (the Profile's ``live_bytes`` contract, NOTE
+    [storage lifetimes]). Takes ``StorageRecord``s or ``TracedStorage``s."""
     delta = [0] * (n_ops + 1)
     for s in storages:
         if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
@@ -385,7 +490,7 @@ def live_timeline(storages: Any, n_ops: int) -> list[int]:
     out, live = [], 0
     for i in range(n_ops):
         live += delta[i]
-        out.append(live)
+        out.append(live + (workspace[i] if workspace is not None and i < len(workspace) else 0))
     return out
 
 

@@ -1,0 +1,94 @@
+"""Kernel workspaces: measured per convolution, counted in live_bytes, matching the allocator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.profiling.inputs import make_step_fn, normalize_inputs
+from memfit.profiling.measure import measure
+from memfit.profiling.profile import Profile, StorageKind
+from memfit.profiling.tracer import profile
+from memfit.profiling.tracker import live_timeline
+
+
+def _conv_net() -> nn.Module:
+    """Conv3d(2->4) -> ReLU -> Conv3d(4->4) -> ReLU -> Conv3d(4->4), 3^3 kernels, padding 1."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 4, 3, padding=1),
+                         nn.ReLU(), nn.Conv3d(4, 4, 3, padding=1))
+
+
+@pytest.fixture(scope="module")
+def conv_case() -> tuple[nn.Module, torch.Tensor, Profile]:
+    model, x = _conv_net(), torch.randn(1, 2, 8, 8, 8)
+    with _one_thread():  # the kernels' buffers depend on the thread count: fix it
+        p = profile(model, x, repeats=1)
+    return model, x, p
+
+
+class _one_thread:
+    def __enter__(self) -> None:
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.n)
+
+
+def test_convolution_workspaces_are_the_im2col_buffers(conv_case) -> None:
+    # CPU slow_conv3d unfolds its input into a (C_in * 27) x (8*8*8) float buffer: 2*27*512*4 =
+    # 110592 B for the first conv, 4*27*512*4 = 221184 B for the others. Backward unfolds the
+    # same way; the last conv's backward also makes its expanded (stride-0) incoming gradient
+    # contiguous: 4*512*4 = 8192 B more.
+    _, _, p = conv_case
+    got = [(op.name.split(".")[1], op.workspace_bytes) for op in p.ops if op.workspace_bytes]
+    assert got == [("convolution", 110592), ("convolution", 221184), ("convolution", 221184),
+                   ("convolution_backward", 221184 + 8192), ("convolution_backward", 221184),
+                   ("convolution_backward", 110592)]
+    assert all(op.workspace_bytes == 0 for op in p.ops if "conv" not in op.name)
+    # 6 convolutions, 5 distinct argument signatures (convs 2 and 3 share one): measured once each
+    assert p.extra["workspace_runs"] == 5
+
+
+def test_live_bytes_include_the_workspace_and_match_the_allocator(conv_case) -> None:
+    model, x, p = conv_case
+    plain = live_timeline(p.storages, len(p.ops))
+    assert list(p.live_bytes) == [v + op.workspace_bytes for v, op in zip(plain, p.ops, strict=True)]
+    assert p.peak_bytes == max(p.live_bytes) == p.extra["tracked_peak_bytes"]
+    args, kwargs = normalize_inputs(x)
+    with _one_thread():
+        r = measure(make_step_fn(model, args, kwargs, None), model=model, meter="both")
+    # the allocator sees the workspaces; the profile now predicts its peak to the byte, the
+    # dispatch meter (blind to them) reads the tensors only
+    assert r.allocator_peak_bytes == p.peak_bytes
+    assert r.tracked_peak_bytes == max(plain)
+    assert r.tracked_peak_bytes < p.peak_bytes
+
+
+def test_workspace_survives_json(conv_case, tmp_path: Path) -> None:
+    _, _, p = conv_case
+    path = tmp_path / "p.json"
+    p.save(path)
+    back = Profile.load(path)
+    assert back == p
+    assert [o.workspace_bytes for o in back.ops] == [o.workspace_bytes for o in p.ops]
+    # a profile written before the field existed reads as "no workspace"
+    data = json.loads(path.read_text())
+    for o in data["ops"]:
+        del o["workspace_bytes"]
+    old = Profile.from_dict(data)
+    assert all(o.workspace_bytes == 0 for o in old.ops)
+
+
+def test_fake_mode_models_no_workspace(conv_case) -> None:
+    model, x, real = conv_case
+    fake = profile(model, x, mode="fake")
+    assert all(o.workspace_bytes == 0 for o in fake.ops)
+    assert fake.extra["workspace_runs"] == 0
+    counted = [s for s in real.storages if s.kind in (StorageKind.ACTIVATION, StorageKind.GRADIENT)]
+    assert max(fake.live_bytes) == max(live_timeline(counted, len(real.ops)))
