@@ -17,7 +17,14 @@ from functools import cached_property
 
 import numpy as np
 
-from memfit.planning.effects import Effect, ProfileArrays, RegionModel, RegionSpan, resolve_span
+from memfit.planning.effects import (
+    REGION_OVERHEAD_S,
+    Effect,
+    ProfileArrays,
+    RegionModel,
+    RegionSpan,
+    resolve_span,
+)
 from memfit.planning.plan import Region
 from memfit.planning.rules import op_keys
 from memfit.profiling.profile import Profile
@@ -67,7 +74,9 @@ class Candidate:
 
     @property
     def time_s(self) -> float:
-        return self.base.time_s
+        """Recompute-all seconds, plus the fixed cost of one more checkpointed region (NOTE
+        [region overhead] in ``memfit.planning.effects``)."""
+        return self.base.time_s + REGION_OVERHEAD_S
 
     def region(self, saved_ops: tuple[int, ...] | list[int] = ()) -> Region:
         return Region(self.modules, tuple(self.keys[i] for i in sorted(saved_ops)))

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.planning.effects import ProfileArrays, RegionModel, dense, resolve_span
+from memfit.planning.effects import (
+    REGION_OVERHEAD_S,
+    ProfileArrays,
+    RegionModel,
+    dense,
+    resolve_span,
+)
 from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import keys_to_ops
 from memfit.profiling.profile import Profile
@@ -25,7 +31,8 @@ class Simulation:
 
     Attributes:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
-        recompute_s: seconds of forward ops rerun in backward.
+        recompute_s: seconds of forward ops rerun in backward, plus the fixed cost of each
+            checkpointed region (NOTE [region overhead] in ``memfit.planning.effects``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -98,7 +105,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     replays = []
     for rm, saved in models:
         if not rm.useful:
-            rec_s.append(0.0)
+            rec_s.append(REGION_OVERHEAD_S)
             saved_b.append(0)
             rps.append(None)
             continue
@@ -111,7 +118,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         second[rm.ids[drop]] = rp
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rp)
         replays.append((rp, rm, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
-        rec_s.append(rm.time_s(set(saved)))
+        rec_s.append(rm.time_s(set(saved)) + REGION_OVERHEAD_S)
         saved_b.append(int(rm.nb[sv].sum() + rm.in_nb.sum()))
         rps.append(rp)
     c = arrs.creator[ids]
