@@ -329,3 +329,15 @@ def test_misuse_errors():
         checkpoint(torch.sin, torch.randn(2), policy="aten.mm")
     with pytest.raises(ValueError, match="use_reentrant"):
         checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
+
+
+@pytest.mark.parametrize("policy", [P.save_matmuls(), P.save_keys(["aten.addmm.default#0"])],
+                         ids=["save_matmuls", "save_keys"])
+def test_divergence_detected_when_the_policy_feeds_the_recorder(policy):
+    # With a policy the recorder is fed by the SAC policy function, not a dispatch mode.
+    x = torch.randn(4, 8, requires_grad=True)
+    flaky = _Flaky()
+    y = checkpoint(flaky, x, policy=policy)
+    with pytest.raises(RecomputeMismatch, match=r"op 2: the forward ran aten.sin.default.*"
+                                                r"recomputation ran aten.cos.default"):
+        y.sum().backward()

@@ -5,11 +5,13 @@ A checkpointed call runs under two context managers that torch's ``context_fn`` 
 the forward context (entered while the region runs the first time) and the recompute context
 (entered each time backward recomputes it). memfit composes into them, bottom to top:
 
-- forward:   selective-checkpoint caching mode (if a policy), op recorder, buffer watcher
+- forward:   selective-checkpoint caching mode (if a policy; its policy function also feeds
+             the op recorder), op recorder (if no policy), buffer watcher
 - recompute: buffer restore, selective-checkpoint cached mode (if a policy), op checker
 
-The recorder and checker sit above the selective-checkpoint modes so that they see every op,
-also those whose saved outputs the cached mode returns without running them.
+The checker sits above the cached mode so that it sees every op, also those whose saved
+outputs the cached mode returns without running them; torch consults the policy for every
+forward op (not just the saved ones), so the recorder sees them all too.
 """
 
 from __future__ import annotations
@@ -123,15 +125,16 @@ class RegionContexts:
             _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
         ]
         if self.policy is not None:
-            region_policy = _policies.RegionPolicy(self.policy)
+            # The policy feeds the recorder: one dispatch mode less per forward op.
+            region_policy = _policies.RegionPolicy(self.policy, self.recorder)
             caching, cached = create_selective_checkpoint_contexts(region_policy)
             region_policy.caching_mode = caching
             forward.append(caching)
             recompute.append(cached)
-        if self.recorder is not None:
+        elif self.recorder is not None:
             forward.append(self.recorder)
-            if self.check:
-                recompute.append(OpChecker(self.recorder, self.name))
+        if self.recorder is not None and self.check:
+            recompute.append(OpChecker(self.recorder, self.name))
         forward.append(_Hooks(self.guard.forward_enter, self.guard.forward_exit))
         return _Composite(forward), _Composite(recompute)
 

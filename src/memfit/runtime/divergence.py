@@ -25,8 +25,11 @@ from memfit.errors import RecomputeMismatch
 
 __all__ = ["OpRecorder", "OpChecker"]
 
-# Ops that checkpointing itself adds in different numbers during forward and recompute.
-IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+# Ops that checkpointing itself adds in different numbers during forward and recompute; the
+# same set torch's selective checkpoint never consults the policy for, so that a recorder fed
+# by the policy (memfit.runtime.policies.RegionPolicy) and the checker agree.
+IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default,
+                         *getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ())})
 
 
 def _meta(out: Any) -> Any:
@@ -64,6 +67,12 @@ class OpRecorder(TorchDispatchMode):
             if self.record:
                 self.ops.append((func, _meta(out)))
         return out
+
+    def note(self, func: Any, out: Any) -> None:
+        """Count (and record) one op without dispatching it (called by the region policy)."""
+        self.count += 1
+        if self.record:
+            self.ops.append((func, _meta(out)))
 
 
 class OpChecker(TorchDispatchMode):

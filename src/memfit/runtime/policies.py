@@ -76,6 +76,11 @@ class Policy:
     def saves(self, op: _internals.OpOverload, key: str, args: tuple, kwargs: dict) -> bool:
         raise NotImplementedError
 
+    def decide(self, op: Any, name: str, k: int, args: tuple, kwargs: dict) -> bool:
+        """``saves`` for occurrence ``k`` of ``op`` (named ``name``); subclasses that do not
+        read the key override it to skip building the key string."""
+        return self.saves(op, f"{name}#{k}", args, kwargs)
+
     def __or__(self, other: Policy) -> Policy:
         if not isinstance(other, Policy):
             return NotImplemented
@@ -97,8 +102,11 @@ class _SaveOps(Policy):
     packets: frozenset[str]    # "aten.mm" (every overload)
 
     def saves(self, op, key, args, kwargs) -> bool:
-        name = str(op)
-        return name in self.overloads or name.rsplit(".", 1)[0] in self.packets
+        name = op_name(op)
+        return name in self.overloads or _packet_name(op) in self.packets
+
+    def decide(self, op, name, k, args, kwargs) -> bool:
+        return name in self.overloads or _packet_name(op) in self.packets
 
     def __repr__(self) -> str:
         return f"save_ops({', '.join(repr(n) for n in sorted(self.overloads | self.packets))})"
@@ -111,6 +119,18 @@ class _SaveKeys(Policy):
     def saves(self, op, key, args, kwargs) -> bool:
         return key in self.keys
 
+    def decide(self, op, name, k, args, kwargs) -> bool:
+        index = self.__dict__.get("_by_name")
+        if index is None:
+            by_name: dict[str, set[int]] = defaultdict(set)
+            for key in self.keys:
+                overload, _, occurrence = key.rpartition("#")
+                by_name[overload].add(int(occurrence))
+            index = {n: frozenset(ks) for n, ks in by_name.items()}
+            object.__setattr__(self, "_by_name", index)
+        found = index.get(name)
+        return found is not None and k in found
+
     def __repr__(self) -> str:
         return f"save_keys(<{len(self.keys)} keys>)"
 
@@ -122,6 +142,10 @@ class _Either(Policy):
 
     def saves(self, op, key, args, kwargs) -> bool:
         return self.first.saves(op, key, args, kwargs) or self.second.saves(op, key, args, kwargs)
+
+    def decide(self, op, name, k, args, kwargs) -> bool:
+        return (self.first.decide(op, name, k, args, kwargs)
+                or self.second.decide(op, name, k, args, kwargs))
 
     def __repr__(self) -> str:
         return f"{self.first!r} | {self.second!r}"
@@ -299,23 +323,30 @@ class RegionPolicy:
     per checkpointed call, so counts restart at 0 for each call.
     """
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, recorder: Any = None) -> None:
         self.policy = policy
-        self.counts: defaultdict[str, int] = defaultdict(int)
+        # The forward's op recorder (memfit.runtime.divergence.OpRecorder), fed here instead
+        # of by a dispatch mode of its own: torch consults the policy for every op the
+        # recorder would see, in the same order, with the op's output.
+        self.recorder = recorder
+        self.counts: dict[str, int] = {}
         # The caching mode this policy decides for (set by the caller), and the saved
         # entries by the storage their tensors live in: data_ptr -> [(op, index)].
         self.caching_mode: Any = None
         self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        name = str(op)
-        k = self.counts[name]
-        self.counts[name] = k + 1
+        if self.recorder is not None:
+            self.recorder.note(op, getattr(ctx, "op_output", None))
+        name = _NAMES.get(op) or op_name(op)
+        counts = self.counts
+        k = counts.get(name, 0)
+        counts[name] = k + 1
         if must_recompute(op):
             if self._saved and _internals.op_writes_inputs(op):
                 self._forget_written(op, args, kwargs)
             return CheckpointPolicy.MUST_RECOMPUTE
-        if self.policy.saves(op, f"{name}#{k}", args, kwargs):
+        if self.policy.decide(op, name, k, args, kwargs):
             if self.caching_mode is not None:
                 for t in _tensors(getattr(ctx, "op_output", None)):
                     ptr = t.untyped_storage().data_ptr()
@@ -341,6 +372,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 _FORCED: dict[Any, bool] = {}
+_NAMES: dict[Any, str] = {}
+_PACKETS: dict[Any, str] = {}
+
+
+def op_name(op: Any) -> str:
+    """``str(op)`` ("aten.mm.default"), cached per op."""
+    name = _NAMES.get(op)
+    if name is None:
+        name = _NAMES[op] = str(op)
+    return name
+
+
+def _packet_name(op: Any) -> str:
+    packet = _PACKETS.get(op)
+    if packet is None:
+        packet = _PACKETS[op] = op_name(op).rsplit(".", 1)[0]
+    return packet
 
 
 def must_recompute(op: Any) -> bool:

@@ -18,10 +18,19 @@ NOTE [chain segments]
     That replay is exact only if the parent ran no op between two blocks. memfit counts the
     ops the region dispatches; if the parent ran ops between blocks i-1 and i (``h = h * 2``,
     logging a norm), the segment is cut there for this call (the ops run after block i-1
-    end the first checkpoint, which the replay does not redo; torch raises if they saved
-    tensors for backward), a warning is logged, and from then on the segment is closed at
+    end the first checkpoint, which the replay does not redo; what they save for backward is
+    saved outside it, NOTE [between blocks]), a warning is logged, and from then on the segment is closed at
     block i-1's forward hook, so that the parent's code runs outside any checkpoint. A block
     called out of order is handled the same way.
+
+    NOTE [between blocks]: the ops the parent runs after block i-1, before block i's pre-hook
+    sees that it must cut, run inside the open checkpoint. The tensors they save for backward
+    would be packed by the checkpoint, which the replay (blocks only) never recomputes: torch
+    would raise "a different number of tensors was saved" in backward. So between two
+    blocks the segment puts the saved-tensor hooks of the code outside the checkpoint back on
+    top (autograd's default when there were none), and takes them off at the next block's
+    pre-hook: what the parent saves between blocks is saved as without the segment, and the
+    cut step's backward is correct (only its memory is what the cut segment would have).
 
     The hooks do nothing while a replay runs. Blocks whose forward raises close the
     checkpoint (``always_call`` forward hooks). Limitations: every block of the segment must
@@ -99,6 +108,12 @@ def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
     return True
 
 
+def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) saved-tensor hooks in effect now (None: autograd's default)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write)."""
     return t._version
@@ -161,6 +176,14 @@ class _Open:
     input_ids: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, tuple[weakref.ref, int, int | str | None]] = field(default_factory=dict)
     held: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    # The saved-tensor hooks in effect outside the checkpoint, and the context that puts them
+    # back in effect between two blocks (NOTE [between blocks]).
+    outer_hooks: tuple[Any, Any] | None = None
+    between: Any = None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _map(value: Any, fn: Any) -> Any:
@@ -264,7 +287,7 @@ class SegmentHandle:
         assert _generator is not None
         contexts = RegionContexts(self.policy, check=self.check, name=self.name,
                                   modules=self.blocks[pos:], count_ops=True)
-        op = _Open(gen=None, contexts=contexts, start=pos)
+        op = _Open(gen=None, contexts=contexts, start=pos, outer_hooks=outer_saved_tensors_hooks())
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             if id(t) not in op.input_ids:
@@ -278,6 +301,18 @@ class SegmentHandle:
         next(op.gen)
         self._open = op
         self._add_call(op, pos, module, args, kwargs)
+
+    @staticmethod
+    def _enter_between(op: _Open) -> None:
+        pack, unpack = op.outer_hooks if op.outer_hooks is not None else (_keep, _keep)
+        op.between = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        op.between.__enter__()
+
+    @staticmethod
+    def _leave_between(op: _Open) -> None:
+        if op.between is not None:
+            between, op.between = op.between, None
+            between.__exit__(None, None, None)
 
     def _add_call(self, op: _Open, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         op.calls.append(_Call(module, self._encode(op, args), self._encode(op, kwargs)))
@@ -299,6 +334,7 @@ class SegmentHandle:
         op = self._open
         self._open = None
         if op is not None:
+            self._leave_between(op)
             op.gen.close()
 
     def _cut(self, pos: int, why: str) -> None:
@@ -309,9 +345,8 @@ class SegmentHandle:
             self.cuts.add(pos)
             log.warning(
                 "memfit segment %s: %s before block %d; the segment is cut there (one "
-                "checkpoint ends after block %d, another starts at block %d). If the code "
-                "between the blocks saved tensors for backward, this first step's backward "
-                "raises a CheckpointError; later steps close the checkpoint before that code.",
+                "checkpoint ends after block %d, another starts at block %d); later steps "
+                "close the checkpoint before that code.",
                 self.name, why, pos, pos - 1, pos,
             )
 
@@ -320,6 +355,7 @@ class SegmentHandle:
             return
         op = self._open
         if op is not None:
+            self._leave_between(op)
             if pos == 0:
                 log.warning("memfit segment %s: the previous forward did not reach the last "
                             "block; closing its checkpoint", self.name)
@@ -361,6 +397,8 @@ class SegmentHandle:
         op.boundary = op.contexts.recorder.count
         if pos == len(self.blocks) - 1 or (pos + 1) in self.cuts:
             self._close()
+        else:
+            self._enter_between(op)
 
 
 class _PreHook:
