@@ -26,7 +26,7 @@ from memfit.planning.effects import (
     resolve_span,
 )
 from memfit.planning.plan import Region
-from memfit.planning.rules import op_keys
+from memfit.planning.rules import UNKEYED_OPS, op_keys
 from memfit.profiling.profile import Profile
 
 __all__ = ["Candidate", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
@@ -122,9 +122,25 @@ class PlanningContext:
         if with_ops:
             saveable = tuple(i for i in range(rm.a, rm.stop + 1)
                              if arrs.op_saveable[i] and arrs.op_time[i] > 0 and i in keys
-                             and not self._escapes(i, rm.b))
+                             and not self._escapes(i, rm.b)
+                             and not self._written_later(i))
         return Candidate(index=-1, model=rm, base=rm.base_effect(), saveable=saveable,
                          op_effects=tuple(rm.op_effect(i) for i in saveable), keys=keys)
+
+    def _parent_ops_between(self, prev_last: int, next_first: int) -> bool:
+        """Whether an op other than torch's ignored ones ran between two sibling blocks."""
+        return any(self.profile.ops[i].name not in UNKEYED_OPS
+                   for i in range(prev_last + 1, next_first))
+
+    @cached_property
+    def _written_in_place(self) -> frozenset[int]:
+        """Storages a forward in-place op read (and perhaps wrote): every input, to be safe."""
+        return frozenset(sid for op in self.profile.forward_ops if op.inplace for sid in op.inputs)
+
+    def _written_later(self, op: int) -> bool:
+        """Whether an output of ``op`` is later written in place: the runtime then recomputes it
+        anyway (a cached tensor must not change), so offering it would count memory twice."""
+        return any(t.storage in self._written_in_place for t in self.profile.ops[op].outputs)
 
     def _escapes(self, op: int, last_op: int) -> bool:
         """Whether an output of ``op`` is read after the region's last op (NOTE [escaping
@@ -173,6 +189,11 @@ class PlanningContext:
                     prev = run[-1]
                     if k.first_op <= prev.last_op:  # type: ignore[operator]
                         ok = False
+                    elif self._parent_ops_between(prev.last_op, k.first_op):  # type: ignore[arg-type]
+                        # NOTE [chains]: a segment's replay reruns its blocks only, so the
+                        # parent's code between two blocks (a UNet's pooling) ends the run
+                        found.append(run)
+                        run = []
                     else:
                         # what prev-of-prev created must not be read after this block... checked
                         # as: storages created from prev's start up to k's start end by k's end

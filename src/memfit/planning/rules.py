@@ -14,6 +14,8 @@ NOTE [saveable ops]
     region's last op, e.g. a block's final residual add), NOTE [escaping outputs]: the
     selective-checkpoint cache then holds that tensor until the region is recomputed, past the
     point where the rest of the step releases it, for the time of one cheap op.
+    Nor does it save an op whose output a later forward op writes in place: the runtime
+    recomputes such an output anyway (a cached tensor must not change under it).
     ``aten.detach.default`` gets no key at all: torch's selective checkpoint never asks the
     policy about it (checkpointing adds detaches of its own), see ``memfit.runtime.policies``.
 """
@@ -26,8 +28,17 @@ from memfit.profiling.profile import OpRecord, Profile
 
 __all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul"]
 
-# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]).
-UNKEYED_OPS = frozenset({"aten.detach.default"})
+# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]): torch's
+# ``SAC_IGNORED_OPS`` in torch 2.13 (detach, prim.device and the tensor-metadata queries), by
+# name, since planning imports no torch. ``tests/runtime`` checks the runtime skips the same.
+UNKEYED_OPS = frozenset({
+    "aten.detach.default", "prim.device.default", "aten.dim.default",
+    "aten.is_contiguous.default", "aten.is_contiguous.memory_format",
+    "aten.is_non_overlapping_and_dense.default", "aten.is_strides_like_format.default",
+    "aten.numel.default", "aten.size.default", "aten.storage_offset.default",
+    "aten.stride.default", "aten.sym_numel.default", "aten.sym_size.default",
+    "aten.sym_storage_offset.default", "aten.sym_stride.default",
+})
 
 # Op packets the save_matmuls baseline keeps (the same set as memfit.runtime.policies).
 MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
