@@ -73,9 +73,8 @@ def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | flo
     for attempt in range(MAX_RETRIES):
         try:
             sol = solve(ctx, target, time_limit_s=time_limit_s)
-        except Infeasible as e:
-            slack = budget_bytes - target
-            raise _infeasible(budget_bytes, e.min_bytes + slack, profile.peak_bytes, solver) from None
+        except Infeasible:
+            break
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), _arrays=ctx.arrays)
         if sim.peak_bytes <= budget_bytes:
             if attempt:
@@ -85,7 +84,35 @@ def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | flo
         excess = sim.peak_bytes - budget_bytes
         log.info("plan for %d bytes simulates to %d; tightening by %d", budget_bytes, sim.peak_bytes, excess)
         target -= excess
-    raise _infeasible(budget_bytes, sim.peak_bytes, profile.peak_bytes, solver)
+    # NOTE [smallest feasible] Tightening found nothing: the budget is at or below the smallest
+    # peak. The smallest-peak plan, checked by the simulator, is returned if it fits, else its
+    # simulated peak is the minimum the error names -- a peak some plan really reaches.
+    smallest = _smallest_plan(ctx, solve, time_limit_s)
+    if smallest is not None and smallest[1].peak_bytes <= budget_bytes:
+        sol, sim = smallest
+        return _finish(profile, sol, budget_bytes,
+                       [*sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
+    min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
+    raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
+
+
+def _smallest_plan(ctx: PlanningContext, solve: Any, time_limit_s: float) -> tuple[Solution, Any] | None:
+    """The solver's smallest-peak plan and its simulation, or None if it finds none."""
+    try:
+        sol = solve(ctx, 1, time_limit_s=time_limit_s)
+    except Infeasible as e:
+        low = e.min_bytes
+        sol = None
+        # the solver's own minimum may sit a rounding error below what it can then meet
+        for slack in (0, low // 100_000 + 1, low // 10_000 + 1, low // 1000 + 1):
+            try:
+                sol = solve(ctx, low + slack, time_limit_s=time_limit_s)
+                break
+            except Infeasible:
+                continue
+        if sol is None:
+            return None
+    return sol, simulate(ctx.profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), _arrays=ctx.arrays)
 
 
 def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> InfeasibleBudget:
