@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, pair
@@ -71,3 +73,20 @@ def test_conflict_with_manual_wrap_rolls_back():
     assert not is_wrapped(model.blocks[0]) and is_wrapped(model.blocks[2])
     with pytest.raises(PlanMismatch, match="no memfit plan"):
         unapply(model)
+
+
+def test_apply_without_the_divergence_check_is_still_bitwise():
+    from memfit import zoo
+
+    model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=40)
+    twin = copy.deepcopy(model)
+    plan = Plan((Region(("blocks.0",), ("aten.addmm.default#0",)), Region(("blocks.1",))),
+                0, 0.0, None, "hand", "")
+    apply(model, plan, check=False)
+    x = zoo.example_inputs(model, batch=2)
+    torch.manual_seed(3)
+    model(x).sum().backward()
+    torch.manual_seed(3)
+    twin(x).sum().backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), n
