@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import pairwise
 
 import numpy as np
 
@@ -108,6 +109,13 @@ class PlanningContext:
         if hit is not None or key in self._cands:
             return hit
         span = resolve_span(self.profile, modules, self._index)
+        # A segment's replay reruns its blocks only, so no segment spans parent code between
+        # two blocks (a UNet's pooling): the runtime would cut it there (NOTE [chains]).
+        recs = [self.profile.modules[self._index[m]] for m in modules]
+        if any(self._parent_ops_between(a.last_op, b.first_op)  # type: ignore[arg-type]
+               for a, b in pairwise(recs)):
+            self._cands[key] = None  # type: ignore[index]
+            return None
         cand = self._build(span, with_ops)
         self._cands[key] = cand  # type: ignore[index]
         return cand
@@ -189,11 +197,6 @@ class PlanningContext:
                     prev = run[-1]
                     if k.first_op <= prev.last_op:  # type: ignore[operator]
                         ok = False
-                    elif self._parent_ops_between(prev.last_op, k.first_op):  # type: ignore[arg-type]
-                        # NOTE [chains]: a segment's replay reruns its blocks only, so the
-                        # parent's code between two blocks (a UNet's pooling) ends the run
-                        found.append(run)
-                        run = []
                     else:
                         # what prev-of-prev created must not be read after this block... checked
                         # as: storages created from prev's start up to k's start end by k's end
