@@ -5,6 +5,8 @@ Llama built from a small config."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -69,5 +71,5 @@ def test_measured_peak_within_budget_and_monotone(name):
             unapply(model)
         assert peak <= budget * BUDGET_TOL, (frac, peak, budget)
         measured.append(peak)
-    for hi, lo in zip(measured, measured[1:]):
+    for hi, lo in itertools.pairwise(measured):
         assert lo <= hi + MONOTONE_SLACK * plain, measured
