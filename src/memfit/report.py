@@ -20,7 +20,6 @@ import json
 import logging
 import platform
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,18 +351,13 @@ def _meter_config(model: nn.Module, cfg: _Config, example_inputs: Any,
 
 def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], device: torch.device) -> None:
     """Apply the config's plan to the model, time one step, remove the plan."""
+    from memfit.profiling.measure import time_step
     from memfit.runtime.apply import apply, unapply
 
     if cfg.plan is not None:
         apply(model, cfg.plan)
     try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        cfg.times_s.append(time.perf_counter() - t0)
+        cfg.times_s.append(time_step(step, device))
     finally:
         if cfg.plan is not None:
             unapply(model)

@@ -30,7 +30,7 @@ import torch
 from memfit._native_output import silenced_fd
 from memfit.profiling.tracker import StorageTracker
 
-__all__ = ["Meter", "Measurement", "measure", "allocator_peak"]
+__all__ = ["Meter", "Measurement", "measure", "allocator_peak", "time_step"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,17 @@ class Measurement:
     allocator_peak_bytes: int | None = None
     times_s: tuple[float, ...] = ()
     device: str = "cpu"
+
+
+def time_step(step: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one call of ``step``, CUDA work included (synchronised before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def allocator_peak(step: Callable[[], object]) -> int:
@@ -184,13 +195,7 @@ def measure(
     if dev.type != "meta":
         for _ in range(repeats):
             def timed() -> None:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                step()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                times.append(time.perf_counter() - t0)
+                times.append(time_step(step, dev))
             run(timed)
     result = Measurement(
         peak_bytes=int(peak),
