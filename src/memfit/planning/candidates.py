@@ -19,7 +19,6 @@ from itertools import pairwise
 import numpy as np
 
 from memfit.planning.effects import (
-    REGION_OVERHEAD_S,
     Effect,
     ProfileArrays,
     RegionModel,
@@ -76,8 +75,13 @@ class Candidate:
     @property
     def time_s(self) -> float:
         """Recompute-all seconds, plus the fixed cost of one more checkpointed region (NOTE
-        [region overhead] in ``memfit.planning.effects``)."""
-        return self.base.time_s + REGION_OVERHEAD_S
+        [region overhead] and NOTE [dispatch overhead] in ``memfit.planning.effects``)."""
+        return self.base.time_s + self.model.fixed_s(selective=False)
+
+    @property
+    def selective_s(self) -> float:
+        """Extra seconds when the region saves at least one op (NOTE [dispatch overhead])."""
+        return self.model.fixed_s(selective=True) - self.model.fixed_s(selective=False)
 
     def region(self, saved_ops: tuple[int, ...] | list[int] = ()) -> Region:
         return Region(self.modules, tuple(self.keys[i] for i in sorted(saved_ops)))

@@ -9,7 +9,8 @@ NOTE [linear model]
     column ``B_{r,j}`` (its outputs kept until ``rp_r`` instead of dropped or replayed). A plan
     (disjoint regions ``r`` with save sets ``S_r``) is predicted to peak at
     ``max_t base(t) + Σ_r (Δ_r(t) + Σ_{j ∈ S_r} B_{r,j}(t))`` and to cost
-    ``Σ_r (T_r - Σ_{j ∈ S_r} t_j)`` seconds.
+    ``Σ_r (T_r - Σ_{j ∈ S_r} t_j + [S_r ≠ ∅] c_r)`` seconds, ``c_r`` the selective-mode charge of
+    NOTE [dispatch overhead].
 
     Exactness: equal to ``simulate`` whenever no storage is an input of two chosen regions and
     no two chosen regions share a recompute point (see NOTE [region memory model]). A shared
@@ -59,6 +60,8 @@ class LinearModel:
         self.n_vars = len(self.var_owner)
         self.var_time = np.array([c.time_s for c in self.cands]
                                  + [e.time_s for c in self.cands for e in c.op_effects], dtype=np.float64)
+        # the fixed charge of a region that saves any op (NOTE [dispatch overhead])
+        self.selective_time = np.array([c.selective_s for c in self.cands], dtype=np.float64)
         self._col_cache: dict[int, np.ndarray] = {}
         self._op_var = {(c.index, j): len(self.cands) + k for k, (c, j) in
                         enumerate((c, j) for c in self.cands for j in c.saveable)}
@@ -115,4 +118,7 @@ class LinearModel:
         return int(self.timeline(choices).max()) if self.n_points else 0
 
     def time_s(self, choices: Sequence[tuple[int, Sequence[int]]]) -> float:
-        return float(sum(self.var_time[v] for v in self.vars_of(choices)))
+        """Predicted recompute seconds: the variables' times plus, for each region that saves
+        an op, its selective-mode charge (NOTE [dispatch overhead])."""
+        extra = sum(self.selective_time[r] for r, ops in choices if len(ops))
+        return float(sum(self.var_time[v] for v in self.vars_of(choices)) + extra)

@@ -58,7 +58,21 @@ from memfit.profiling.profile import Profile, StorageKind
 # a power of two, so that sums of dyadic test times stay exact.
 REGION_OVERHEAD_S = 2.0**-12
 
-__all__ = ["REGION_OVERHEAD_S", "ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span"]
+# NOTE [dispatch overhead] Checkpointed regions also pay per op, in Python: the divergence
+# check (memfit.runtime.divergence) records every forward op of a region and compares every
+# replayed one, and a region that saves ops runs torch's selective-checkpoint dispatch modes,
+# which see every op of both passes. Measured on this project's 2-core CPU machine
+# (2026-11-30, torch 2.13, a region of 200 tiny ops, per forward op of the region, forward
+# plus replay): check +17.8 us, selective modes +21.4 us without the check and +13.9 us on top
+# of it. Modelled as 2**-16 s (15.3 us) per forward op for each: OP_OVERHEAD_S for every
+# region (apply's default check=True), SAC_OP_OVERHEAD_S when the region saves any op. The
+# second is a fixed charge, paid once per region whatever the number of saved ops: the
+# solvers weigh it against the recompute that saving ops avoids (a block of 60 ops pays
+# about 0.9 ms).
+OP_OVERHEAD_S = 2.0**-16
+SAC_OP_OVERHEAD_S = 2.0**-16
+
+__all__ = ["REGION_OVERHEAD_S", "OP_OVERHEAD_S", "SAC_OP_OVERHEAD_S", "ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span"]
 
 _COUNTED_KINDS = (StorageKind.ACTIVATION, StorageKind.GRADIENT)
 _NEVER = np.iinfo(np.int64).max // 4
@@ -263,6 +277,17 @@ class RegionModel:
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
         self.replayed = c <= self.stop
+
+    @property
+    def n_forward_ops(self) -> int:
+        """Forward ops of the region (each pays NOTE [dispatch overhead])."""
+        return self.b - self.a + 1
+
+    def fixed_s(self, selective: bool) -> float:
+        """Seconds a checkpointed call costs beyond the ops it reruns (NOTE [region overhead],
+        NOTE [dispatch overhead]); ``selective``: the region saves some op."""
+        per_op = OP_OVERHEAD_S + (SAC_OP_OVERHEAD_S if selective else 0.0)
+        return REGION_OVERHEAD_S + self.n_forward_ops * per_op
 
     @property
     def useful(self) -> bool:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.planning.effects import (
-    REGION_OVERHEAD_S,
     ProfileArrays,
     RegionModel,
     dense,
@@ -32,7 +31,8 @@ class Simulation:
     Attributes:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
         recompute_s: seconds of forward ops rerun in backward, plus the fixed cost of each
-            checkpointed region (NOTE [region overhead] in ``memfit.planning.effects``).
+            checkpointed region (NOTE [region overhead] and NOTE [dispatch overhead] in
+            ``memfit.planning.effects``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -105,7 +105,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     replays = []
     for rm, saved in models:
         if not rm.useful:
-            rec_s.append(REGION_OVERHEAD_S)
+            rec_s.append(rm.fixed_s(selective=False))
             saved_b.append(0)
             rps.append(None)
             continue
@@ -118,7 +118,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         second[rm.ids[drop]] = rp
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rp)
         replays.append((rp, rm, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
-        rec_s.append(rm.time_s(set(saved)) + REGION_OVERHEAD_S)
+        rec_s.append(rm.time_s(set(saved)) + rm.fixed_s(selective=bool(len(saved))))
         saved_b.append(int(rm.nb[sv].sum() + rm.in_nb.sum()))
         rps.append(rp)
     c = arrs.creator[ids]

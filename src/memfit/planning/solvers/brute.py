@@ -93,7 +93,7 @@ def enumerate_plans(ctx: PlanningContext, mode: str) -> tuple[LinearModel, list[
             raise ValueError("brute force: more than 2,000,000 plans; use it on tiny profiles only")
         vs = lm.vars_of(choices)
         total = lm.base + A[:, vs].sum(axis=1) if vs else lm.base
-        out.append((choices, int(total.max()), float(lm.var_time[vs].sum()) if vs else 0.0))
+        out.append((choices, int(total.max()), lm.time_s(choices)))
     cache[mode] = (lm, out)
     return lm, out
 

@@ -153,7 +153,7 @@ class ChainModel:
                 self._noted_knapsack = True
         M = (base[None, :] + v0[None, :] + masks @ vj).max(axis=1)
         D = d0 + masks @ dj
-        T = cand.time_s + masks.astype(np.float64) @ tj
+        T = cand.time_s + masks.astype(np.float64) @ tj + masks.any(axis=1) * cand.selective_s
         for q in _pareto3(M, D, T):
             ops = tuple(cand.saveable[i] for i in np.nonzero(masks[q])[0])
             out.append(_Choice(k, k, cand, ops, int(M[q]), int(D[q]), float(T[q])))

@@ -97,6 +97,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             chosen[key] = ops
     regions = tuple(byid[k].region(ops) for k, ops in sorted(chosen.items(), key=lambda kv: byid[kv[0]].a))
     t = sum(byid[k].time_s + sum(byid[k].op_effects[byid[k].saveable.index(j)].time_s for j in ops)
+            + (byid[k].selective_s if ops else 0.0)
             for k, ops in chosen.items())
     return Solution(regions, st.peak(chosen), float(t), "greedy",
                     (f"greedy: {len(cands)} candidates, {len(chosen)} chosen (heuristic, not optimal)",))

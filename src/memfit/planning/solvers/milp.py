@@ -1,7 +1,8 @@
 """Mixed-integer program (SciPy ``milp``, HiGHS) on the linear model, for any graph.
 
-Variables: ``y_r`` (checkpoint candidate ``r``, recompute-all) and ``s_{r,j} <= y_r`` (also save
-op ``j`` of ``r``), all binary. Minimise ``Σ T_r y_r - Σ t_j s_{r,j}`` subject to, at every
+Variables: ``y_r`` (checkpoint candidate ``r``, recompute-all), ``s_{r,j} <= y_r`` (also save
+op ``j`` of ``r``) and ``z_r >= s_{r,j}`` (``r`` saves some op), all binary. Minimise
+``Σ T_r y_r - Σ t_j s_{r,j} + Σ c_r z_r`` (``c_r``: NOTE [dispatch overhead]) subject to, at every
 point of the timeline that can bind, ``base(t) + Σ Δ_r(t) y_r + Σ B_{r,j}(t) s_{r,j} <= budget``
 (NOTE [linear model]); candidates sharing a forward op are mutually exclusive (nesting). The
 smallest peak is one MILP too: minimise ``P`` subject to ``base(t) + (row t) x <= P``.
@@ -42,7 +43,9 @@ NOTE [fixed variables]
     (``Δ_r + Σ_j min(0, B_{r,j}) >= 0`` everywhere) is fixed off: removing it from a plan lowers
     no row and its recompute time is ``>= 0``. A save that raises no row (``B_{r,j} <= 0``
     everywhere) is tied to its candidate (``s_{r,j} = y_r``): adding it lowers no row and saves
-    the op's time (saveable ops take time ``> 0``).
+    the op's time (saveable ops take time ``> 0``), provided the free saves of that candidate
+    together save at least its selective charge (NOTE [dispatch overhead]); ``z_r`` is never
+    fixed on.
 """
 
 from __future__ import annotations
@@ -246,6 +249,19 @@ def _fixings(lm: LinearModel, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return useless, free_save
 
 
+def _paying_free_saves(lm: LinearModel, free_save: np.ndarray) -> np.ndarray:
+    """Keep a candidate's free saves tied to it only where, together, they save at least its
+    selective charge (NOTE [dispatch overhead]): then any plan checkpointing it does no worse
+    with all of them saved; otherwise saving none may be faster."""
+    nc = len(lm.cands)
+    owners = np.array(lm.var_owner[nc:], dtype=np.int64)
+    if not owners.size:
+        return free_save
+    gain = np.zeros(nc)
+    np.add.at(gain, owners[free_save], -lm.var_time[nc:][free_save])
+    return free_save & (gain[owners] >= lm.selective_time[owners])
+
+
 def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float,
          n_forward: int, *, compress: bool = True) -> tuple[object, int]:
     """Solve for least time under ``budget`` or (``None``) least peak.
@@ -286,6 +302,7 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
         else:
             ub[nv + bd] = np.minimum(ub[nv + bd], (int(budget) - mr.base[bd]) // g)  # type: ignore[arg-type]
         useless, free_save = _fixings(lm, R[mr.bounded])
+        free_save = _paying_free_saves(lm, free_save)
     else:
         n_mem = A.shape[0]
         g = _gcd(A.ravel()) if A.size else 1
@@ -308,16 +325,31 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
         rows.add(1, np.zeros(len(grp), dtype=np.int64), np.array(grp, dtype=np.int64), np.ones(len(grp)), -np.inf, 1.0)
     ub[:nc][useless] = 0.0
     ub[nc:nv][useless[owner_s]] = 0.0
-    integrality = np.zeros(n)
+    # z_r >= s_{r,j}: region r saves some op and pays its selective charge (NOTE [dispatch
+    # overhead]); one binary per candidate that has saveable ops, after every other column
+    charged = np.unique(owner_s[lm.selective_time[owner_s] > 0]) if owner_s.size else owner_s
+    z_of = {int(r): n + q for q, r in enumerate(charged)}
+    if charged.size:
+        zcol = np.array([z_of[int(r)] for r in owner_s if int(r) in z_of], dtype=np.int64)
+        sk = ks[np.isin(owner_s, charged)]
+        rows.add(sk.size, np.concatenate([np.arange(sk.size)] * 2), np.concatenate([nc + sk, zcol]),
+                 np.concatenate([np.ones(sk.size), -np.ones(sk.size)]), -np.inf, 0.0)
+    nz = charged.size
+    lb, ub = np.concatenate([lb, np.zeros(nz)]), np.concatenate([ub, np.ones(nz)])
+    ub[n: n + nz][useless[charged]] = 0.0
+    integrality = np.zeros(n + nz)
     integrality[:nv] = 1
-    c = np.zeros(n)
+    integrality[n:] = 1
+    c = np.zeros(n + nz)
     if peak_mode:
         c[n - 1] = 1.0
         lb[n - 1] = lower / g if compress else -np.inf
         ub[n - 1] = np.inf
     else:
-        scale = float(np.abs(lm.var_time).max()) or 1.0
+        scale = float(max(np.abs(lm.var_time).max(), lm.selective_time.max(initial=0.0))) or 1.0
         c[:nv] = lm.var_time / scale * 1e3
+        c[n:] = lm.selective_time[charged] / scale * 1e3
+    n += nz
     cons = [rows.constraint(n)] if rows.n else []
     with silenced_fd(1):  # HiGHS may print progress lines to stdout from C++
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
