@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, pair
+from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net, pair
 
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import Plan, Region
@@ -90,3 +90,25 @@ def test_apply_without_the_divergence_check_is_still_bitwise():
     twin(x).sum().backward()
     for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), n
+
+
+def test_nested_regions_bitwise_and_inner_recomputed_twice():
+    # NOTE [nested regions]: blocks.0 with its attention's dropout inside it, a segment with a
+    # sub-module of its first block inside it; dropout on, two steps
+    model, twin = pair(TinyGPT)
+    plan = _plan(Region(("blocks.0",)), Region(("blocks.0.attn.drop",)),
+                 Region(("blocks.1", "blocks.2")), Region(("blocks.1.attn",)))
+    apply(model, plan)
+    inner = CallCounter(model.blocks[1].attn.qkv)
+    outer = CallCounter(model.blocks[2].attn.qkv)
+    assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
+    # per step: forward, the segment's replay, the inner replay; a plain segment member twice
+    assert inner.count == 2 * 3 and outer.count == 2 * 2
+
+
+def test_nested_regions_update_batchnorm_once():
+    model, twin = pair(conv_net)
+    plan = _plan(Region(("0",)), Region(("0.bn",)), Region(("1", "2")), Region(("2.conv",)))
+    apply(model, plan)
+    assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12),), steps=2)
+    assert int(model[0].bn.num_batches_tracked) == 2

@@ -33,6 +33,7 @@ __all__ = ["Candidate", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_
            "overlap_groups"]
 
 CONTAINER_TYPES = ("ModuleList", "Sequential")
+INNER_LIMIT = 6  # sub-modules per block tried as nested regions (most bytes dropped first)
 
 
 def segment_cap(n: int) -> int:
@@ -105,6 +106,7 @@ class PlanningContext:
         self.arrays = ProfileArrays(profile)
         self._index = {m.path: k for k, m in enumerate(profile.modules)}
         self._cands: dict[tuple[str, ...], Candidate | None] = {}
+        self._inner: dict[str, list[RegionModel]] = {}
 
     def candidate(self, modules: tuple[str, ...], *, with_ops: bool = True) -> Candidate | None:
         """The candidate for a module or segment, or ``None`` if checkpointing it drops nothing."""
@@ -261,6 +263,26 @@ class PlanningContext:
                 c = self.candidate(chain.blocks[k: j + 1], with_ops=False)
                 if c is not None:
                     out.append(c)
+        return out
+
+    def inner_candidates(self, path: str) -> list[RegionModel]:
+        """Sub-modules of ``path`` worth checkpointing inside it (NOTE [nested regions] in
+        ``memfit.planning.nesting``): each ran once, drops something, and is among the
+        ``INNER_LIMIT`` that drop the most bytes."""
+        hit = self._inner.get(path)
+        if hit is not None:
+            return hit
+        prefix = path + "." if path else ""
+        found = []
+        for m in self.profile.modules:
+            if not m.path.startswith(prefix) or m.path == path or m.calls != 1 or m.first_op is None:
+                continue
+            rm = RegionModel(self.arrays, resolve_span(self.profile, (m.path,), self._index))
+            if rm.useful:
+                found.append((int(rm.nb[rm.dropped].sum()), rm.a, rm))
+        found.sort(key=lambda x: (-x[0], x[1]))
+        out = [rm for _, _, rm in found[:INNER_LIMIT]]
+        self._inner[path] = out
         return out
 
     def region_candidates(self, *, segments: bool = True) -> list[Candidate]:

@@ -17,6 +17,7 @@ from memfit.planning.effects import (
     dense,
     resolve_span,
 )
+from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import keys_to_ops
 from memfit.profiling.profile import Profile
@@ -56,7 +57,8 @@ class Simulation:
 
 def region_models(profile: Profile, arrs: ProfileArrays,
                   regions: tuple[Region, ...]) -> list[tuple[RegionModel, list[int]]]:
-    """Resolve regions to models and saved op indices; reject nested or overlapping ones."""
+    """Resolve regions to models and saved op indices (in plan order); reject overlapping
+    ones and nesting other than NOTE [nested regions] allows."""
     index = {m.path: k for k, m in enumerate(profile.modules)}
     out = []
     for r in regions:
@@ -64,14 +66,43 @@ def region_models(profile: Profile, arrs: ProfileArrays,
         rm = RegionModel(arrs, span)
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         out.append((rm, saved))
-    spans = sorted(((rm.a, rm.b, rm.span.name) for rm, _ in out))
-    for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:], strict=False):
-        if a1 <= b0:
-            raise ValueError(
-                f"regions {n0!r} (ops {a0}..{b0}) and {n1!r} (ops {a1}..{b1}) overlap or nest; "
-                "a plan's regions must be disjoint (checkpoint the outer one, or the inner ones)"
-            )
+    nesting(regions, [rm for rm, _ in out])
     return out
+
+
+def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]:
+    """For each region, the index of the region it is nested in (-1: top level).
+
+    Raises:
+        ValueError: regions that overlap without nesting, or nesting NOTE [nested regions] does
+            not allow (more than one level, saved ops, an inner segment).
+    """
+    parent = [-1] * len(regions)
+    order = sorted(range(len(regions)), key=lambda q: (models[q].a, -models[q].b))
+    open_: list[int] = []
+    for q in order:
+        rm = models[q]
+        while open_ and models[open_[-1]].b < rm.a:
+            open_.pop()
+        if open_:
+            o = open_[-1]
+            outer, inner = regions[o], regions[q]
+            ok = (rm.b <= models[o].b and not inner.is_segment
+                  and any(inner.modules[0].startswith(m + ".") or m == "" for m in outer.modules))
+            if not ok:
+                raise ValueError(
+                    f"regions {outer.name!r} (ops {models[o].a}..{models[o].b}) and {inner.name!r} "
+                    f"(ops {rm.a}..{rm.b}) overlap or nest; a plan's regions must be disjoint, or one "
+                    "module nested in a region that contains it")
+            if parent[o] >= 0:
+                raise ValueError(f"region {inner.name!r} is nested two levels deep (in {outer.name!r}, "
+                                 f"itself in {regions[parent[o]].name!r}); one level is supported")
+            if outer.save or inner.save:
+                raise ValueError(f"nested regions {outer.name!r} and {inner.name!r} must save no ops "
+                                 "(recompute-all); drop the save keys or the nesting")
+            parent[q] = o
+        open_.append(q)
+    return parent
 
 
 def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = None) -> Simulation:
@@ -85,8 +116,9 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         A :class:`Simulation`.
 
     Raises:
-        ValueError: regions that overlap or nest, unknown modules, or save keys that name no
-            op or an op that may not be saved.
+        ValueError: regions that overlap or nest other than NOTE [nested regions] in
+            ``memfit.planning.nesting`` allows, unknown modules, or save keys that name no op
+            or an op that may not be saved.
 
     Example:
         >>> sim = simulate(profile, plan)              # doctest: +SKIP
@@ -96,18 +128,44 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     arrs = _arrays if _arrays is not None else ProfileArrays(profile)
     n = arrs.n_ops
     models = region_models(profile, arrs, plan.regions)
+    parent = nesting(plan.regions, [rm for rm, _ in models])
     ids = arrs.by_creator
     end1 = arrs.freed.copy()
     second = np.full(arrs.freed.shape, -1, dtype=np.int64)  # start of a second lifetime
-    rec_s: list[float] = []
-    saved_b: list[int] = []
-    rps: list[int | None] = []
-    replays = []
-    for rm, saved in models:
+    end2 = arrs.freed.copy()
+    nr = len(models)
+    rec_s: list[float] = [0.0] * nr
+    saved_b: list[int] = [0] * nr
+    rps: list[int | None] = [None] * nr
+    replays = []  # (rp, order key, a, stop, pieces, second bytes)
+    for q in range(nr):  # inside a region that drops nothing: on its own
+        if parent[q] >= 0 and not models[parent[q]][0].useful:
+            parent[q] = -1
+    for q, (rm, saved) in enumerate(models):
+        if parent[q] >= 0:
+            continue
+        inner_q = [i for i in range(nr) if parent[i] == q]
         if not rm.useful:
-            rec_s.append(rm.fixed_s(selective=False))
-            saved_b.append(0)
-            rps.append(None)
+            rec_s[q] = rm.fixed_s(selective=False)
+            continue
+        if inner_q:
+            nm = NestedModel(arrs, rm, [models[i][0] for i in inner_q])
+            has2 = nm.start2 >= 0
+            end1[nm.ids[has2]] = nm.end1[has2]
+            end1[nm.ids[~has2]] = np.maximum(end1[nm.ids[~has2]], nm.end1[~has2])
+            second[nm.ids[has2]] = nm.start2[has2]
+            end2[nm.ids[has2]] = nm.end2[has2]
+            end1[nm.input_ids] = np.maximum(end1[nm.input_ids], nm.input_end)
+            for r in nm.replays:
+                replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
+            rec_s[q] = nm.outer_time_s
+            saved_b[q] = nm.saved_bytes
+            rps[q] = nm.rp
+            for i, rp_i in zip(inner_q, nm.inner_rps, strict=True):
+                irm = models[i][0]
+                rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
+                saved_b[i] = int(irm.in_nb.sum())
+                rps[i] = rp_i
             continue
         rp = int(rm.rp)  # type: ignore[arg-type]
         sv = rm.saved_mask(saved)
@@ -117,27 +175,28 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         end1[rm.ids[drop]] = e1[drop]
         second[rm.ids[drop]] = rp
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rp)
-        replays.append((rp, rm, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
-        rec_s.append(rm.time_s(set(saved)) + rm.fixed_s(selective=bool(len(saved))))
-        saved_b.append(int(rm.nb[sv].sum() + rm.in_nb.sum()))
-        rps.append(rp)
+        replays.append((rp, (-rm.a, 0), rm.a, rm.stop, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
+        rec_s[q] = rm.time_s(set(saved)) + rm.fixed_s(selective=bool(len(saved)))
+        saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum())
+        rps[q] = rp
     c = arrs.creator[ids]
     e = end1[ids]
     nb = arrs.nbytes[ids]
     s2 = second[ids]
     has2 = s2 >= 0
-    f = arrs.freed[ids]
+    f = end2[ids]
     starts = np.concatenate([c, s2[has2]])
     ends = np.concatenate([e, f[has2]])
     vals = np.concatenate([nb, nb[has2]])
     live = dense(starts, ends, vals, 0, n - 1) + arrs.workspace  # NOTE [region memory model]
     before = dense(starts + 1, ends, vals, 0, n - 1)
-    # replays, grouped by recompute point; ones sharing a point run one after another
+    # replays, grouped by recompute point; ones sharing a point run one after another (later
+    # regions first, as backward reaches them; an outer region before its inner ones)
     bumps: dict[int, list[int]] = {}
     done_at: dict[int, int] = {}
-    for rp, rm, (rs, re_, rv), second_bytes in sorted(replays, key=lambda x: (x[0], -x[1].a)):
+    for rp, _, a, stop, (rs, re_, rv), second_bytes in sorted(replays, key=lambda x: (x[0], x[1])):
         extra = done_at.get(rp, 0)
-        steps = dense(rs, re_, rv, rm.a, rm.stop) + int(before[rp]) + extra
+        steps = dense(rs, re_, rv, a, stop) + int(before[rp]) + extra
         bumps.setdefault(rp, []).extend(int(v) for v in steps)
         done_at[rp] = extra + second_bytes
     timeline: list[int] = []

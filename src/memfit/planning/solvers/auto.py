@@ -65,10 +65,12 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
                                           f"{n_points} points too large to also try)")
             # small enough to also search sub-module regions: keep the faster plan
             try:
-                alt: Solution | None = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
-            except Infeasible:
-                if sol is None:
-                    raise
+                alt: Solution | None = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s,
+                                                  report_min=sol is None)
+            except Infeasible as e:
+                if sol is None:  # neither fits: the smaller of their smallest peaks
+                    assert infeasible is not None
+                    raise e if e.min_bytes < infeasible.min_bytes else infeasible from None
                 alt = None
             except TimeoutError:
                 if sol is None:

@@ -4,12 +4,17 @@ NOTE [chain DP]
     Zones of the timeline, for blocks ``0..n-1`` with forward ranges ``[a_k, b_k]`` and
     single-block recompute points ``rp_0 > rp_1 > ... > rp_{n-1} > b_{n-1}``: block ``k``'s
     forward zone is ``[a_k, a_{k+1} - 1]`` (the last one ends at ``b_{n-1}``), its backward zone
-    ``(rp_{k+1}, rp_k]`` (the last one starts after ``b_{n-1}``: head and loss belong to it).
-    A *choice* covers blocks ``k..j``: keep block ``k``; checkpoint it with a save set; or
-    checkpoint the segment ``k..j`` (recompute-all). Its effect (NOTE [linear model]) is
-    - local: on the forward zones ``k..j``, the backward zones ``j..k`` and its own replay;
-    - a constant ``D`` (kept bytes, usually negative) on the zones of every later block;
-    - zero elsewhere.
+    ``[rp_k, rp_{k-1} - 1]`` (block 0's runs to the end of the step). Before ``a_0`` is the
+    prefix, untouched by any plan; between ``b_{n-1}`` and ``rp_{n-1}`` the tail (head and
+    loss, forward and backward), where every block's constant applies.
+    A *choice* covers blocks ``k..j``: keep block ``k``; checkpoint it with a save set, or with
+    one sub-module checkpointed inside it (NOTE [nested regions]); or checkpoint the segment
+    ``k..j`` (recompute-all). Its effect (NOTE [linear model]) is
+    - local: on the forward zones ``k..j``, the backward zones ``j..k`` and its own replays;
+    - a constant ``D`` (kept bytes, usually negative) on the zones of every later block and on
+      the tail;
+    - zero elsewhere (after a region's recompute point its storages live as in the plain step;
+      a nesting's changes end before block ``k - 1``'s recompute point or it is not offered).
     So with ``P`` the sum of ``D`` over the choices before, a choice fits the budget iff
     ``P + M <= budget`` with ``M`` the maximum of plain memory plus its local effect over its
     local points. The DP runs over block boundaries with states ``(P, time)``, exact integers,
@@ -29,7 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.planning.candidates import Candidate, Chain, PlanningContext, segment_cap
-from memfit.planning.effects import Effect
+from memfit.planning.effects import Effect, dense
+from memfit.planning.nesting import NestedModel
+from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution
 
 __all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
@@ -53,12 +60,14 @@ class _Choice:
     M: int
     D: int
     T: float
+    inner: tuple[str, ...] = ()  # modules checkpointed inside the block (NOTE [nested regions])
 
 
 class ChainModel:
     """Per-choice local peaks, constants and times of one chain (NOTE [chain DP])."""
 
-    def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None) -> None:
+    def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None,
+                 nested: bool = True) -> None:
         self.ctx = ctx
         self.chain = chain
         arrs = ctx.arrays
@@ -76,15 +85,19 @@ class ChainModel:
         if not all(self.rp[k] > self.rp[k + 1] for k in range(n - 1)) or self.rp[-1] <= b_last:
             raise NotAChain(f"chain {chain.parent!r}: recompute points {self.rp} are not in reverse "
                             "block order, so its backward is not a reversed chain")
-        self.fwd_hi = [self.a[k + 1] - 1 for k in range(n - 1)] + [b_last]
-        self.bwd_lo = [self.rp[k + 1] + 1 for k in range(n - 1)] + [b_last + 1]
         nops = arrs.n_ops
-        outside = np.concatenate([arrs.base_live[: self.a[0]], arrs.base_live[self.rp[0] + 1: nops]])
-        self.outside_peak = int(outside.max()) if outside.size else 0
+        self.fwd_hi = [self.a[k + 1] - 1 for k in range(n - 1)] + [b_last]
+        self.bwd_hi = [nops - 1] + [self.rp[k - 1] - 1 for k in range(1, n)]
+        prefix = arrs.base_live[: self.a[0]]
+        self.outside_peak = int(prefix.max()) if prefix.size else 0
+        tail = arrs.base_live[b_last + 1: self.rp[-1]]
+        self.tail_peak = int(tail.max()) if tail.size else 0
         self.cap = segment_cap(n) if cap is None else cap
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
+            if nested:
+                self.choices_by_end[k].extend(self._nested_choices(k))
         for k in range(n):
             for j in range(k + 1, min(n, k + self.cap)):
                 seg = ctx.candidate(chain.blocks[k: j + 1], with_ops=False)
@@ -97,31 +110,19 @@ class ChainModel:
     # -- local evaluation ----------------------------------------------------------------------
     def _local_positions(self, k: int, j: int) -> np.ndarray:
         return np.concatenate([np.arange(self.a[k], self.fwd_hi[j] + 1),
-                               np.arange(self.bwd_lo[j], self.rp[k] + 1)])
+                               np.arange(self.rp[j], self.bwd_hi[k] + 1)])
 
     def _eval(self, eff: Effect, cand: Candidate, k: int, j: int) -> tuple[np.ndarray, np.ndarray, int]:
         """(local effect vector, plain memory at those points, constant on later zones)."""
         arrs = self.ctx.arrays
-        lo, hi = self.a[k], self.rp[k]
+        lo, hi = self.a[k], self.bwd_hi[k]
         live = eff.live(lo, hi)
         before = eff.before(lo, hi)
         pos = self._local_positions(k, j)
         nb = cand.stop - cand.a + 1
         vec = np.concatenate([live[pos - lo], before[cand.rp - lo] + eff.replay(cand.a, cand.stop)])
         base = np.concatenate([arrs.base_live[pos], np.full(nb, arrs.base_before[cand.rp], dtype=np.int64)])
-        D = 0
-        if j < self.n - 1:
-            l2, h2 = self.a[j + 1], self.rp[j + 1]
-            later_live = live[l2 - lo: h2 - lo + 1]
-            later_before = before[l2 + 1 - lo: h2 - lo + 1]
-            D = int(later_live[0])
-            if not ((later_live == D).all() and (later_before == D).all()):
-                D = int(max(later_live.max(), later_before.max() if later_before.size else D))
-                if self.exact:
-                    self.notes.append(f"chain: the effect of {cand.model.span.name} is not constant "
-                                      "over later blocks; its maximum is used (conservative)")
-                self.exact = False
-        return vec, base, D
+        return vec, base, self._later_constant(live, before, lo, j, cand)
 
     def _block_choices(self, k: int) -> list[_Choice]:
         arrs = self.ctx.arrays
@@ -160,6 +161,53 @@ class ChainModel:
         return out
 
     _noted_knapsack = False
+
+    def _nested_choices(self, k: int) -> list[_Choice]:
+        """Block ``k`` checkpointed with one of its sub-modules checkpointed inside it (NOTE
+        [nested regions]). The nesting changes memory past the block's recompute point, until
+        the inner replay, inside the block's backward zone; one reaching block ``k - 1``'s
+        recompute point is not offered."""
+        arrs = self.ctx.arrays
+        cand = self.blocks[k]
+        hi = self.bwd_hi[k]
+        lo = self.a[k]
+        pos = self._local_positions(k, k)
+        out = []
+        for inner in self.ctx.inner_candidates(cand.modules[0]):
+            nm = NestedModel(arrs, cand.model, [inner])
+            if nm.last_point > hi:
+                continue
+            eff, replays = nm.effect()
+            live, before = eff.live(lo, hi), eff.before(lo, hi)
+            vec = [live[pos - lo]]
+            base = [arrs.base_live[pos]]
+            for r in replays:
+                vec.append(before[r.rp - lo] + dense(r.rs, r.re, r.rv, r.a, r.stop))
+                base.append(np.full(r.stop - r.a + 1, arrs.base_before[r.rp], dtype=np.int64))
+            M = int((np.concatenate(base) + np.concatenate(vec)).max())
+            D = self._later_constant(live, before, lo, k, cand)
+            out.append(_Choice(k, k, cand, (), M, D, nm.time_s, inner=(inner.span.modules[0],)))
+        return out
+
+    def _later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
+        """The effect on the zones of blocks after ``j`` and the tail (constant on a chain, else
+        its maximum there)."""
+        if j < self.n - 1:
+            l2, h2 = self.a[j + 1], self.rp[j + 1]
+        else:
+            l2, h2 = self.fwd_hi[-1] + 1, self.rp[-1] - 1
+            if h2 < l2:
+                return 0
+        later_live = live[l2 - lo: h2 - lo + 1]
+        later_before = before[l2 + 1 - lo: h2 - lo + 1]
+        D = int(later_live[0])
+        if not ((later_live == D).all() and (later_before == D).all()):
+            D = int(max(later_live.max(), later_before.max() if later_before.size else D))
+            if self.exact:
+                self.notes.append(f"chain: the effect of {cand.model.span.name} is not constant "
+                                  "over later blocks; its maximum is used (conservative)")
+            self.exact = False
+        return D
 
 
 def _pareto3(M: np.ndarray, D: np.ndarray, T: np.ndarray) -> list[int]:
@@ -253,7 +301,14 @@ def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], 
         states.append(_prune(np.concatenate(parts_P), np.concatenate(parts_V), np.concatenate(parts_b),
                              np.concatenate(parts_i), np.concatenate(parts_c)))
     P, V, sb, si, sc = states[n]
-    q = int(np.argmin(np.maximum(V, model.outside_peak))) if peak_mode else int(np.argmin(V))
+    tail = P + model.tail_peak  # head and loss: every block's constant applies
+    if peak_mode:
+        q = int(np.argmin(np.maximum(np.maximum(V, tail), model.outside_peak)))
+    else:
+        ok = np.nonzero(tail <= B)[0]
+        if ok.size == 0:
+            raise Infeasible(run_dp(model, None)[1])
+        q = int(ok[np.argmin(V[ok])])
     chosen: list[_Choice] = []
     b = n
     peak = model.outside_peak
@@ -268,15 +323,21 @@ def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], 
         peak = max(peak, Pacc + ch.M)
         Pacc += ch.D
         total_t += ch.T
+    peak = max(peak, Pacc + model.tail_peak)
     return chosen, int(peak), float(total_t)
 
 
 def regions_of(chosen: list[_Choice]) -> tuple:
-    return tuple(ch.cand.region(ch.ops) for ch in chosen if ch.cand is not None)
+    out: list[Region] = []
+    for ch in chosen:
+        if ch.cand is not None:
+            out.append(ch.cand.region(ch.ops))
+            out.extend(Region((m,)) for m in ch.inner)
+    return tuple(out)
 
 
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0,
-          chain: Chain | None = None) -> Solution:
+          chain: Chain | None = None, nested: bool = True) -> Solution:
     """The least-recompute plan over the main chain whose predicted peak fits ``budget_bytes``.
 
     Raises:
@@ -288,14 +349,15 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
                             "one after another) found in the profile; use solver='milp'")
         chain = ctx.chains[0]
-    model = ChainModel(ctx, chain)
+    model = ChainModel(ctx, chain, nested=nested)
     chosen, peak, t = run_dp(model, budget_bytes)
     notes = [f"chain {chain.parent or '<root>'}: {model.n} blocks, segments up to {model.cap}"]
     notes.extend(model.notes)
     return Solution(regions_of(chosen), peak, t, "chain", tuple(notes))
 
 
-def min_peak(ctx: PlanningContext, chain: Chain | None = None) -> int:
-    """The smallest predicted peak any plan of the chain's plan space reaches."""
-    model = ChainModel(ctx, chain or ctx.chains[0])
+def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool = True) -> int:
+    """The smallest predicted peak any plan of the chain's plan space reaches (``nested``:
+    with NOTE [nested regions] in it)."""
+    model = ChainModel(ctx, chain or ctx.chains[0], nested=nested)
     return run_dp(model, None)[1]

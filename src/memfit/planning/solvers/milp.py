@@ -327,7 +327,7 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
     ub[nc:nv][useless[owner_s]] = 0.0
     # z_r >= s_{r,j}: region r saves some op and pays its selective charge (NOTE [dispatch
     # overhead]); one binary per candidate that has saveable ops, after every other column
-    charged = np.unique(owner_s[lm.selective_time[owner_s] > 0]) if owner_s.size else owner_s
+    charged = np.unique(owner_s[lm.selective_time[owner_s] > 0]) if owner_s.size and not peak_mode else owner_s[:0]
     z_of = {int(r): n + q for q, r in enumerate(charged)}
     if charged.size:
         zcol = np.array([z_of[int(r)] for r in owner_s if int(r) in z_of], dtype=np.int64)
@@ -404,7 +404,7 @@ def min_peak(ctx: PlanningContext, *, time_limit_s: float = 10.0, compress: bool
 
 
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0,
-          compress: bool = True) -> Solution:
+          compress: bool = True, report_min: bool = True) -> Solution:
     """The least-recompute plan over all candidates whose linear-model peak fits the budget.
 
     Args:
@@ -414,6 +414,9 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             returned with a note, or ``TimeoutError`` raised when none was found.
         compress: compress the memory rows (default ``True``; NOTE [compressed memory rows]);
             ``False`` builds the dense model, for tests.
+        report_min: on infeasibility, solve for the smallest peak to report (default
+            ``True``); ``False`` raises at once with ``min_bytes`` 0 (a caller that has a plan
+            from another solver only needs to know this one has none).
 
     Raises:
         Infeasible: no plan fits (``min_bytes``: the smallest peak found).
@@ -434,7 +437,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     A = lm.matrix()
     neg = np.where(A < 0, A, 0).sum(axis=1)
     if (lm.base + neg > budget_bytes).any():
-        raise Infeasible(min_peak(ctx, time_limit_s=time_limit_s, compress=compress)[0])
+        raise Infeasible(min_peak(ctx, time_limit_s=time_limit_s, compress=compress)[0] if report_min else 0)
     res, n_rows = _run(lm, A, budget_bytes, time_limit_s, nf, compress=compress)
     notes = [f"milp: {len(cands)} candidate regions, {lm.n_vars} variables, "
              f"{n_rows} of {lm.n_points} memory rows"]
@@ -447,9 +450,9 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             # plan (a 3-block zoo GPT, 2026-11-30); until that is found, infeasibility is only
             # believed from the dense model.
             log.info("compressed milp infeasible at %d bytes; checking with the dense model", budget_bytes)
-            return solve(ctx, budget_bytes, time_limit_s=time_limit_s, compress=False)
+            return solve(ctx, budget_bytes, time_limit_s=time_limit_s, compress=False, report_min=report_min)
         if status == 2:
-            raise Infeasible(min_peak(ctx, time_limit_s=time_limit_s, compress=compress)[0])
+            raise Infeasible(min_peak(ctx, time_limit_s=time_limit_s, compress=compress)[0] if report_min else 0)
         raise TimeoutError(f"milp found no plan within its time limit of {time_limit_s:g} s")
     if status != 0:
         notes.append(f"milp: time limit {time_limit_s:g} s hit; returning the best plan found "

@@ -1,0 +1,180 @@
+"""Nested regions: checkpointed modules inside a checkpointed block or segment.
+
+NOTE [nested regions]
+    A plan may checkpoint a module ``I`` inside a region ``O`` (``blocks.3`` and
+    ``blocks.3.attn``); both are recompute-all (no saved ops) and nesting is one level deep.
+    What torch's non-reentrant checkpoint then does, per storage (the terms of NOTE [region
+    memory model] in ``memfit.planning.effects``):
+
+    - ``I``'s call saves its inputs for its own replay (``_NoopSaveInputs``) under the hooks of
+      the enclosing checkpoint: in ``O``'s frame, dropped in forward like ``O``'s other saved
+      tensors. Storages created in ``I`` and not escaping it are saved in ``I``'s frame.
+    - Backward recomputes ``I`` at ``rp_I``, the first unpack of a storage ``I`` drops. That
+      replay needs ``I``'s inputs from ``O``'s frame, so ``O`` is recomputed first if it was
+      not yet: ``rp_O = min(first unpack of O's own dropped storages, rp_I)``, which equals the
+      recompute point of ``O`` alone.
+    - ``O``'s replay (at ``rp_O``) reruns ``I`` as a checkpointed call again: ``I``'s storages
+      are transients there, gone when ``I``'s forward returns; they come back at ``rp_I``
+      with ``I``'s own replay. So a storage dropped in ``I``'s frame lives ``[c, d]``, then
+      ``[rp_I, freed_after]``; one in ``O``'s frame ``[c, d]``, then ``[rp_O, freed_after]``.
+    - ``I``'s inputs created in ``O`` are held by ``O``'s frame from ``rp_O`` until ``rp_I``
+      at least; inputs created before ``O`` (the checkpoint's inputs) until ``rp_O`` and
+      every ``rp_I``.
+    - ``O``'s replay runs as far as ``O``'s alone (its stop op). Torch stops it early once
+      ``O``'s frame is refilled, which with an inner region at the end of a block can be
+      sooner; which op saved a storage is not in the profile (a block's output is saved by
+      the block's last op and by the next block's first), so the model keeps the later,
+      conservative stop.
+
+    The memory this saves: while a block's backward runs the part after ``I`` (in reverse
+    order: before it in forward), ``I``'s activations are not held; a GPT block's attention
+    maps are absent during its MLP's backward. The price: ``I`` runs twice in backward.
+    Modelled time: both replays, both regions' fixed costs (NOTE [region overhead]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit.planning.effects import Effect, ProfileArrays, RegionModel, _cat
+
+__all__ = ["NestedModel", "Replay"]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One replay of a nested group: before op ``rp``, ops ``a..stop`` rerun.
+
+    ``rs, re, rv``: pieces at replay steps; ``second_bytes``: bytes whose second lifetime starts
+    at ``rp`` (they stay after this replay, for a later one at the same point).
+    """
+
+    rp: int
+    a: int
+    stop: int
+    rs: np.ndarray
+    re: np.ndarray
+    rv: np.ndarray
+    second_bytes: int
+    depth: int
+
+
+class NestedModel:
+    """An outer region with inner regions (NOTE [nested regions]), as storage lifetimes.
+
+    Attributes:
+        ids: the outer region's storages (``outer.ids``).
+        end1: the end of each one's first lifetime.
+        start2: the start of its second lifetime (-1: none).
+        end2: the end of its second lifetime.
+        input_ids, input_end: storages created before the outer region and the op until which
+            the checkpoints hold them.
+        replays: the outer replay, then one per useful inner region.
+        time_s: recompute seconds of all replays and the regions' fixed costs.
+    """
+
+    def __init__(self, arrs: ProfileArrays, outer: RegionModel, inners: Sequence[RegionModel]) -> None:
+        if outer.rp is None:
+            raise ValueError(f"nested regions: {outer.span.name} drops nothing")
+        self.outer = outer
+        self.inners = list(inners)
+        out = outer
+        pos = {int(s): k for k, s in enumerate(out.ids)}
+        owner = np.full(out.ids.shape, -1, dtype=np.int64)
+        useful = [q for q, inner in enumerate(self.inners) if inner.rp is not None]
+        for q in useful:
+            inner = self.inners[q]
+            for s in inner.ids[inner.dropped]:
+                owner[pos[int(s)]] = q
+        rp_o = int(out.rp)  # type: ignore[arg-type]
+        rp_i = {q: int(self.inners[q].rp) for q in useful}  # type: ignore[arg-type]
+        self.rp = rp_o
+        self.inner_rps = tuple(rp_i.get(q) for q in range(len(self.inners)))
+        own = out.dropped & (owner < 0)
+        self.end1 = np.where(out.dropped, out.d, out.f)
+        self.start2 = np.where(own, rp_o, -1)
+        for q in useful:
+            inner = self.inners[q]
+            self.start2[owner == q] = rp_i[q]
+            # Python locals of an inner forward live until it returns, not until O's member's
+            ks = np.array([pos[int(s)] for s in inner.ids[inner.dropped]], dtype=np.int64)
+            self.end1[ks] = inner.d[inner.dropped]
+        self.end2 = out.f.copy()
+        self.ids = out.ids
+        # inputs of each inner region: held by the outer frame until its replay
+        in_ext: dict[int, int] = {int(s): max(int(f), rp_o) for s, f in zip(out.inputs, out.in_f, strict=True)}
+        held = np.zeros(out.ids.shape, dtype=bool)  # created in out, held by O's frame after rp_O
+        for q in useful:
+            for s in self.inners[q].inputs:
+                k = pos.get(int(s))
+                if k is None:
+                    in_ext[int(s)] = max(in_ext.get(int(s), int(arrs.freed[s])), rp_i[q])
+                    continue
+                if self.start2[k] < 0 and out.f[k] < rp_o:  # plain transient: held from rp_O
+                    self.start2[k] = rp_o
+                    self.end2[k] = max(rp_i[q], int(out.f[k]))
+                elif self.start2[k] >= 0:
+                    self.end2[k] = max(int(self.end2[k]), rp_i[q])
+                else:  # still live at rp_O
+                    self.end1[k] = max(int(self.end1[k]), rp_i[q])
+                held[k] = True
+        self.input_ids = np.array(sorted(in_ext), dtype=np.int64)
+        self.input_end = np.array([in_ext[s] for s in sorted(in_ext)], dtype=np.int64)
+        # the outer replay stops where O's alone does (NOTE [nested regions])
+        self.stop = out.stop
+        # storages of inner frames end with their inner forward's last op
+        inner_b = np.array([self.inners[q].b for q in range(len(self.inners))] + [0], dtype=np.int64)
+        rep = out.c <= self.stop
+        end = np.where(own | held, self.stop, np.minimum(out.f, self.stop))
+        end = np.where(owner >= 0, np.minimum(out.f, inner_b[owner]), end)
+        end = np.minimum(end, self.stop)
+        ops = np.arange(out.a, self.stop + 1, dtype=np.int64)
+        ws = ops[out.workspace[ops] > 0]
+        replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws), _cat(end[rep], ws),
+                          _cat(out.nb[rep], out.workspace[ws]),
+                          int(out.nb[(self.start2 == rp_o) & (owner < 0)].sum()), 0)]
+        for q in useful:
+            inner = self.inners[q]
+            rs, re_, rv = inner.replay_pieces(np.zeros(inner.c.shape, dtype=bool))
+            replays.append(Replay(rp_i[q], inner.a, inner.stop, rs, re_, rv,
+                                  int(inner.nb[inner.dropped].sum()), 1))
+        self.replays = tuple(replays)
+        self.outer_time_s = float(out.op_time[out.a: self.stop + 1].sum()) + out.fixed_s(selective=False)
+        self.time_s = (self.outer_time_s
+                       + sum(inner.time_s(set()) + inner.fixed_s(selective=False)
+                             for inner in self.inners if inner.rp is not None)
+                       + sum(inner.fixed_s(selective=False) for inner in self.inners if inner.rp is None))
+        self.arrs = arrs
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes held from forward to backward: the outer region's inputs."""
+        return int(self.outer.in_nb.sum())
+
+    def effect(self) -> tuple[Effect, tuple[Replay, ...]]:
+        """The change from plain as position pieces (``Effect``, without a replay) and the
+        replays; the chain DP evaluates both on its local points."""
+        out = self.outer
+        has2 = self.start2 >= 0
+        ps = _cat(out.c, out.c, self.start2[has2])
+        pe = _cat(out.f, self.end1, self.end2[has2])
+        pv = _cat(-out.nb, out.nb, out.nb[has2])
+        f_in = self.arrs.freed[self.input_ids]
+        ext = self.input_end > f_in
+        ps = _cat(ps, f_in[ext] + 1)
+        pe = _cat(pe, self.input_end[ext])
+        pv = _cat(pv, self.arrs.nbytes[self.input_ids[ext]])
+        empty = np.zeros(0, dtype=np.int64)
+        return Effect(ps, pe, pv, empty, empty, empty, time_s=self.time_s), self.replays
+
+    @property
+    def last_point(self) -> int:
+        """The last op position the nesting changes (beyond the outer recompute point)."""
+        ends = [int(self.end2[self.start2 >= 0].max(initial=self.rp))]
+        ends.extend(r.rp for r in self.replays)
+        if self.input_end.size:
+            ends.append(int(self.input_end.max()))
+        return max(ends)
