@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from benchmarks.exhaustive import CHOICES, block_options, search
+
 from memfit import zoo
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region
