@@ -14,7 +14,7 @@ Order of a run, per model:
 3. peak memory of each, in a separate untimed run (memfit's allocator meter);
 4. memfit: profile once, plan for the budget sweep and for each peer's measured peak, apply,
    then 2 and 3 for each distinct plan;
-5. all methods timed together, interleaved (A B C A B C ...), medians.
+5. all methods timed together, interleaved (A B C, B C A, C A B, ...), medians.
 """
 
 from __future__ import annotations

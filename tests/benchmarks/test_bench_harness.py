@@ -17,7 +17,8 @@ from benchmarks import harness, peers, plot, tables, tradeoff
 
 # ---- interleaving ------------------------------------------------------------------------
 def test_interleaved_order_is_round_robin() -> None:
-    assert harness.interleaved_order(["a", "b", "c"], 2) == ["a", "b", "c", "a", "b", "c"]
+    # each round starts one method later: every method in every position
+    assert harness.interleaved_order(["a", "b", "c"], 3) == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert harness.interleaved_order(["a"], 0) == []
     with pytest.raises(ValueError, match="rounds"):
         harness.interleaved_order(["a"], -1)
@@ -40,11 +41,11 @@ def test_time_interleaved_runs_round_robin_and_drops_warmup() -> None:
     times = harness.time_interleaved({n: make(n) for n in "abc"}, warmup=1, repeats=2,
                                      before=cleared.append, clock=lambda: now[0],
                                      cpu_clock=lambda: now[0] / 4, cpu_times=cpu)
-    assert calls == ["a", "b", "c"] * 3
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert cleared == calls
     # call k (1-based) costs cost * (k + 1); warm-up calls 1-3 are dropped
-    assert times == {"a": [5.0, 8.0], "b": [60.0, 90.0], "c": [700.0, 1000.0]}
-    assert cpu == {"a": [1.25, 2.0], "b": [15.0, 22.5], "c": [175.0, 250.0]}
+    assert times == {"a": [7.0, 9.0], "b": [50.0, 100.0], "c": [600.0, 800.0]}
+    assert cpu == {"a": [1.75, 2.25], "b": [12.5, 25.0], "c": [150.0, 200.0]}
     assert harness.median([3.0, 1.0, 2.0]) == 2.0
 
 

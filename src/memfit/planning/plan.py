@@ -165,6 +165,17 @@ class Plan:
             raise SchemaError(f"{path}: not valid JSON ({e}); is it a memfit plan?") from None
         return cls.from_dict(data)
 
+    def outer_of(self, region: Region) -> Region | None:
+        """The region ``region`` is nested in (NOTE [nested regions] in
+        ``memfit.planning.nesting``), or None."""
+        if region.is_segment:
+            return None
+        path = region.modules[0]
+        for r in self.regions:
+            if r is not region and any(path.startswith(m + ".") or (m == "" and path) for m in r.modules):
+                return r
+        return None
+
     # ---- display -------------------------------------------------------------------------
     def __str__(self) -> str:
         from memfit.units import format_bytes, format_seconds
@@ -180,12 +191,14 @@ class Plan:
         if not self.regions:
             lines.append("  no checkpointing: every activation is kept")
         else:
-            w = max(len(r.name) for r in self.regions)
+            # an inner region (NOTE [nested regions] in memfit.planning.nesting) is indented
+            names = [("  " if self.outer_of(r) else "") + r.name for r in self.regions]
+            w = max(len(n) for n in names)
             lines.append(f"  {'region'.ljust(w)}  {'kept ops':>8}  {'saved':>10}  {'recompute':>10}")
-            for r in self.regions:
+            for r, name in zip(self.regions, names, strict=True):
                 kept = f"{len(r.save)}" if r.save else "none"
                 lines.append(
-                    f"  {r.name.ljust(w)}  {kept:>8}  {format_bytes(r.saved_bytes):>10}  "
+                    f"  {name.ljust(w)}  {kept:>8}  {format_bytes(r.saved_bytes):>10}  "
                     f"{format_seconds(r.recompute_s):>10}"
                 )
         lines.extend(f"  note: {n}" for n in self.notes)

@@ -41,7 +41,8 @@ class Simulation:
         peak_at: the op position of the peak (for a replay entry, its recompute point).
         region_recompute_s: per region of the plan, its recompute seconds.
         region_saved_bytes: per region, bytes it holds from forward to backward (outputs of
-            saved ops plus the region's inputs, held for the replay).
+            saved ops plus the region's inputs, held for the replay; 0 for a nested region,
+            whose outer region drops them).
         recompute_points: per region, its recompute point (``None``: nothing to recompute).
     """
 
@@ -164,7 +165,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
             for i, rp_i in zip(inner_q, nm.inner_rps, strict=True):
                 irm = models[i][0]
                 rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
-                saved_b[i] = int(irm.in_nb.sum())
+                saved_b[i] = 0  # its outer region drops its inputs in forward
                 rps[i] = rp_i
             continue
         rp = int(rm.rp)  # type: ignore[arg-type]
