@@ -25,7 +25,7 @@ DEMO_MODELS = {
     "resnet": "resnet:blocks_per_stage=(2,2,2),width=32,batch=16,size=32",
     "unet3d": "unet3d:base=8,depth=3,batch=1,size=32",
 }
-DEMO_BUDGETS: tuple[Any, ...] = (0.7, 0.5, "min")
+DEMO_BUDGETS: tuple[Any, ...] = (0.7, 0.5, 0.3, "min")
 DEMO_BASELINES = ("every_block", "sqrt", "save_matmuls")
 
 
