@@ -38,7 +38,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt",
                    help=f"a zoo model ({', '.join(DEMO_MODELS)}: demo sizes) or any MODEL spec (default gpt)")
     p.add_argument("--out", default="memfit-demo", metavar="DIR", help="output folder (default ./memfit-demo)")
-    p.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per configuration, interleaved (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
