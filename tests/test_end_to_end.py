@@ -73,13 +73,12 @@ BLOCKS = {
 }
 
 
-# Regions nested in checkpointed blocks (NOTE [nested regions] in memfit.planning.nesting):
-# (outer, inner) pairs on top of every block; an outer of several modules is a segment.
+# Modules checkpointed inside their checkpointed blocks (NOTE [nested regions] in
+# memfit.planning.nesting), on top of every block; SEGMENT_NESTED: a segment with inner ones.
 NESTED = {
-    "gpt": [(("blocks.0",), "blocks.0.attn"), (("blocks.1",), "blocks.1.attn.attn_drop"),
-            (("blocks.1",), "blocks.1.mlp"), (("blocks.2",), "blocks.2.mlp.fc")],
-    "resnet": [(("layers.0",), "layers.0.bn1"), (("layers.1",), "layers.1.conv2")],
-    "unet3d": [(("down.0",), "down.0.bn1"), (("up.1",), "up.1.conv2"), (("bottleneck",), "bottleneck.act")],
+    "gpt": ["blocks.0.attn", "blocks.1.attn.attn_drop", "blocks.1.mlp", "blocks.2.mlp.fc"],
+    "resnet": ["layers.0.bn1", "layers.1.conv2"],
+    "unet3d": ["down.0.bn1", "up.1.conv2", "bottleneck.act"],
 }
 SEGMENT_NESTED = {
     "gpt": ((("blocks.0", "blocks.1")), ("blocks.0.attn", "blocks.1.mlp")),
@@ -88,7 +87,7 @@ SEGMENT_NESTED = {
 
 
 def _nested(blocks: list[str], name: str) -> list[Region]:
-    return [Region((b,)) for b in blocks] + [Region((i,)) for _, i in NESTED[name]]
+    return [Region((b,)) for b in blocks] + [Region((i,)) for i in NESTED[name]]
 
 
 def _plans(p, blocks: list[str], name: str = "") -> dict[str, Plan]:

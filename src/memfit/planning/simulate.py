@@ -56,10 +56,11 @@ class Simulation:
     recompute_points: tuple[int | None, ...] = ()
 
 
-def region_models(profile: Profile, arrs: ProfileArrays,
-                  regions: tuple[Region, ...]) -> list[tuple[RegionModel, list[int]]]:
-    """Resolve regions to models and saved op indices (in plan order); reject overlapping
-    ones and nesting other than NOTE [nested regions] allows."""
+def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, ...]
+                  ) -> tuple[list[tuple[RegionModel, list[int]]], list[int]]:
+    """Resolve regions to models and saved op indices (in plan order), and each one's outer
+    region (``nesting``); reject overlapping ones and nesting other than NOTE [nested
+    regions] allows."""
     index = {m.path: k for k, m in enumerate(profile.modules)}
     out = []
     for r in regions:
@@ -67,8 +68,7 @@ def region_models(profile: Profile, arrs: ProfileArrays,
         rm = RegionModel(arrs, span)
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         out.append((rm, saved))
-    nesting(regions, [rm for rm, _ in out])
-    return out
+    return out, nesting(regions, [rm for rm, _ in out])
 
 
 def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]:
@@ -128,8 +128,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     """
     arrs = _arrays if _arrays is not None else ProfileArrays(profile)
     n = arrs.n_ops
-    models = region_models(profile, arrs, plan.regions)
-    parent = nesting(plan.regions, [rm for rm, _ in models])
+    models, parent = region_models(profile, arrs, plan.regions)
     ids = arrs.by_creator
     end1 = arrs.freed.copy()
     second = np.full(arrs.freed.shape, -1, dtype=np.int64)  # start of a second lifetime
