@@ -37,19 +37,21 @@ MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.convol
 
 
 def block_options(ctx: Any, block: str) -> list[tuple[str, tuple[int, ...] | None]]:
-    """The four choices of one block as (name, saved op indices; None = keep)."""
+    """The four choices of one block as (name, positions in its candidate's ``choices``, all
+    SAVE; None = keep)."""
     cand = ctx.candidate((block,))
     prof = ctx.profile
     def square(t: Any) -> bool:
         return len(t.shape) >= 3 and t.shape[-1] == t.shape[-2]
 
-    side = max((t.shape[-1] for i in cand.saveable for t in prof.ops[i].outputs if square(t)), default=0)
+    ops = [(j, ch.op) for j, ch in enumerate(cand.choices)]
+    side = max((t.shape[-1] for _, i in ops for t in prof.ops[i].outputs if square(t)), default=0)
 
     def core(i: int) -> bool:  # an output of T x T per head: attention scores and what follows
         return any(square(t) and t.shape[-1] == side for t in prof.ops[i].outputs)
 
-    matmuls = tuple(i for i in cand.saveable if prof.ops[i].name.startswith(MATMULS))
-    all_but_core = tuple(i for i in cand.saveable if not core(i))
+    matmuls = tuple(j for j, i in ops if prof.ops[i].name.startswith(MATMULS))
+    all_but_core = tuple(j for j, i in ops if not core(i))
     return [("keep", None), ("save_matmuls", matmuls), ("save_all_but_core", all_but_core),
             ("recompute_all", ())]
 
@@ -110,7 +112,7 @@ def _regions(options: list, blocks: tuple[str, ...], combo: tuple[int, ...], ctx
         if ops is None:
             continue
         cand = ctx.candidate((blocks[k],))
-        out.append([blocks[k], [cand.keys[i] for i in sorted(ops)]])
+        out.append([blocks[k], [cand.keys[i] for i in sorted(cand.choices[j].op for j in ops)]])
     return out
 
 
@@ -135,7 +137,7 @@ def run(name: str, budget_spec: str, rounds: int) -> dict[str, Any]:
     methods = {"none": plain(case), "every_block": every_block(case)}
     plans = {"memfit": mf}
     for q, b in enumerate(found["best"]):
-        plans[f"exhaustive_{q + 1}"] = Plan(tuple(Region((m,), tuple(keys)) for m, keys in b["regions"]),
+        plans[f"exhaustive_{q + 1}"] = Plan(tuple(Region.saving((m,), keys) for m, keys in b["regions"]),
                                             0, 0.0, budget, "exhaustive", prof.signature)
     models = {}
     for label, p in plans.items():

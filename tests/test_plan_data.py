@@ -2,13 +2,13 @@ import json
 
 import pytest
 
-from memfit import Plan, Region, SchemaError
+from memfit import OpPolicy, Plan, Region, SchemaError
 
 
 def _plan() -> Plan:
     return Plan(
         regions=(
-            Region(("blocks.0",), save=("aten.mm.default#0", "aten.addmm.default#1"), recompute_s=0.01, saved_bytes=4096),
+            Region.saving(("blocks.0",), ("aten.mm.default#0", "aten.addmm.default#1"), recompute_s=0.01, saved_bytes=4096),
             Region(("blocks.1", "blocks.2"), recompute_s=0.02, saved_bytes=1024),
         ),
         predicted_peak_bytes=123_456,
@@ -75,4 +75,34 @@ def test_region_needs_a_module():
 
 def test_plan_json_is_plain_data():
     data = json.loads(json.dumps(_plan().to_dict()))
-    assert data["regions"][0]["save"] == ["aten.mm.default#0", "aten.addmm.default#1"]
+    assert data["regions"][0]["ops"] == {"aten.mm.default#0": "save", "aten.addmm.default#1": "save"}
+
+
+def test_version_1_plan_reads_as_save_decisions(tmp_path):
+    """A plan written before per-op decisions (NOTE [plan schema]) reads as the same plan."""
+    data = _plan().to_dict()
+    data["schema_version"] = 1
+    for r in data["regions"]:
+        r["save"] = [k for k, v in r.pop("ops").items() if v == "save"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    assert Plan.load(path) == _plan()
+
+
+def test_unknown_decision_is_refused(tmp_path):
+    data = _plan().to_dict()
+    data["regions"][0]["ops"]["aten.mm.default#0"] = "swap"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=r"unknown op decision\(s\) \['swap'\]"):
+        Plan.load(path)
+
+
+def test_region_ops_take_decisions_not_bare_keys():
+    r = Region(("b",), {"aten.mm.default#0": OpPolicy.SAVE, "aten.gelu.default#0": OpPolicy.RECOMPUTE})
+    assert r.ops == (("aten.mm.default#0", OpPolicy.SAVE),)   # RECOMPUTE is the default: not listed
+    assert r.save == ("aten.mm.default#0",) and r == Region.saving(("b",), ["aten.mm.default#0"])
+    with pytest.raises(TypeError, match="Region.saving"):
+        Region(("b",), ("aten.mm.default#0",))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not a memfit.OpPolicy"):
+        Region(("b",), {"aten.mm.default#0": "save"})  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ MIB = 1024**2
 
 
 def _plan(peak: int, solver: str = "chain") -> Plan:
-    return Plan(regions=(Region(("blocks.0",), ("aten.mm.default#0",), 0.01, 1000),), predicted_peak_bytes=peak,
+    return Plan(regions=(Region.saving(("blocks.0",), ("aten.mm.default#0",), recompute_s=0.01, saved_bytes=1000),), predicted_peak_bytes=peak,
                 recompute_s=0.01, budget_bytes=peak + 1, solver=solver, profile_signature="abc",
                 plain_peak_bytes=10 * MIB, plain_step_s=0.1, model="GPT")
 

@@ -23,7 +23,9 @@ def test_block_options_are_the_four_hand_choices(tiny_gpt_profile):
     ctx = PlanningContext(tiny_gpt_profile)
     opts = block_options(ctx, "blocks.0")
     assert [name for name, _ in opts] == list(CHOICES)
-    keep, matmuls, but_core, recompute = (ops for _, ops in opts)
+    cand = ctx.candidate(("blocks.0",))
+    keep, matmuls, but_core, recompute = (
+        ops if ops is None else tuple(cand.choices[j].op for j in ops) for _, ops in opts)
     prof = tiny_gpt_profile
     assert keep is None and recompute == ()
     assert matmuls and all(prof.ops[i].name.split(".")[1] in ("mm", "addmm", "bmm") for i in matmuls)
@@ -42,7 +44,7 @@ def test_search_is_exact_and_never_beats_memfit(tiny_gpt_profile):
     times = [b["recompute_s"] for b in found["best"]]
     assert times == sorted(times)
     for b in found["best"]:
-        plan = Plan(tuple(Region((m,), tuple(keys)) for m, keys in b["regions"]), 0, 0.0, None, "t", "")
+        plan = Plan(tuple(Region.saving((m,), keys) for m, keys in b["regions"]), 0, 0.0, None, "t", "")
         sim = simulate(prof, plan)
         # disjoint block regions: the linear model is the simulator
         assert sim.peak_bytes == b["predicted_peak_bytes"] <= every.peak_bytes

@@ -19,7 +19,7 @@ def _random_plan(rng: random.Random, cands):
     for c in rng.sample(cands, len(cands)):
         if any(not (c.b < a or c.a > b) for a, b in used) or rng.random() < 0.5:
             continue
-        chosen.append((c.index, tuple(j for j in c.saveable if rng.random() < 0.4)))
+        chosen.append((c.index, tuple(j for j in range(len(c.choices)) if rng.random() < 0.4)))
         used.append((c.a, c.b))
     return chosen
 

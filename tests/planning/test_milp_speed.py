@@ -131,14 +131,14 @@ def test_outputs_that_escape_their_region_are_never_saveable():
     assert cands
     for c in cands:
         last = c.model.b
-        for i in c.saveable:
+        for i in (ch.op for ch in c.choices):
             for t in prof.ops[i].outputs:
                 use = prof.storages[t.storage].last_forward_use
                 assert use is not None and use <= last, (c.keys.get(i), use, last)
     block = ctx.candidate(("layers.0",))
     assert block is not None
     add_keys = [k for i, k in block.keys.items() if k.startswith("aten.add.Tensor")]
-    saveable_keys = {block.keys[i] for i in block.saveable}
+    saveable_keys = {block.keys[ch.op] for ch in block.choices}
     assert add_keys and add_keys[-1] not in saveable_keys
 
 

@@ -51,8 +51,8 @@ def test_planner_reaches_the_nested_floor():
 
 @pytest.mark.parametrize("regions, message", [
     ((Region(("layers.0",)), Region(("layers.0.attn",)), Region(("layers.0.attn.drop",))), "two levels"),
-    ((Region(("layers.0",), save=("aten.mm.default#0",)), Region(("layers.0.attn",))), "must save no ops"),
-    ((Region(("layers.0",)), Region(("layers.0.attn",), save=("aten.mm.default#0",))), "must save no ops"),
+    ((Region.saving(("layers.0",), ("aten.mm.default#0",)), Region(("layers.0.attn",))), "must save no ops"),
+    ((Region(("layers.0",)), Region.saving(("layers.0.attn",), ("aten.mm.default#0",))), "must save no ops"),
     ((Region(("layers.0", "layers.1")), Region(("layers.1", "layers.2"))), "overlap or nest"),
     ((Region(("layers.0.attn",)), Region(("layers.0.mlp",)), Region(("layers.0", "layers.1"))), None),
 ])

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
-from memfit.planning.plan import Plan, Region
+from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import is_saveable, op_keys
 from memfit.planning.simulate import simulate
 from memfit.planning.testing import (
@@ -66,7 +66,7 @@ def test_hand_computed_recompute_all(chain3):
 
 def test_hand_computed_save_the_matmul(chain3):
     # mm saved: h1 stays (cached until its plain free at op 21), the replay skips op 1
-    sim = simulate(chain3, _plan(Region(("layers.0",), ("aten.mm.default#0",))))
+    sim = simulate(chain3, _plan(Region.saving(("layers.0",), ("aten.mm.default#0",))))
     expect = list(chain3.live_bytes)
     expect[21:21] = [192, 192 + 128, 192 + 128 + 64]
     assert list(sim.live_bytes) == expect
@@ -79,7 +79,7 @@ def test_hand_computed_save_the_transient(chain3):
     # gelu saved: its output (128 B, plainly freed after op 3) stays in the cache until the
     # replay before op 21, which takes it out and frees it after op 3's replay step, its last
     # use there (NOTE [cached transients]): not live at op 21 itself
-    sim = simulate(chain3, _plan(Region(("layers.0",), ("aten.gelu.default#0",))))
+    sim = simulate(chain3, _plan(Region.saving(("layers.0",), ("aten.gelu.default#0",))))
     plain = list(chain3.live_bytes)
     expect = [v + 64 if 4 <= p <= 20 else v for p, v in enumerate(plain)]
     expect[21:21] = [256 + 64, 256 + 64, 256 + 64 + 64]
@@ -101,7 +101,7 @@ def test_nested_or_overlapping_regions_rejected(chain3):
 
 def test_unknown_key_and_module_rejected(chain3):
     with pytest.raises(ValueError, match="no such occurrence"):
-        simulate(chain3, _plan(Region(("layers.0",), ("aten.mm.default#1",))))
+        simulate(chain3, _plan(Region.saving(("layers.0",), ("aten.mm.default#1",))))
     with pytest.raises(ValueError, match="does not have"):
         simulate(chain3, _plan(Region(("layers.9",))))
 
@@ -129,7 +129,7 @@ def _dropout_profile():
 def test_unsaveable_ops_rejected(key, why):
     prof = _dropout_profile()
     with pytest.raises(ValueError, match=why):
-        simulate(prof, _plan(Region(("blk",), (key,))))
+        simulate(prof, _plan(Region.saving(("blk",), (key,))))
 
 
 def test_rules_and_keys():
@@ -172,8 +172,15 @@ def test_hand_computed_recompute_all_with_workspace(chain3, chain3_ws):
 
 def test_hand_computed_saved_op_skips_its_workspace(chain3, chain3_ws):
     # mm saved: the replay returns its cached output without running the kernel
-    sim = simulate(chain3_ws, _plan(Region(("layers.0",), ("aten.mm.default#0",))))
+    sim = simulate(chain3_ws, _plan(Region.saving(("layers.0",), ("aten.mm.default#0",))))
     ws_at = {1, 4, 7, 16, 19, 22}
     expect = [v + 32 * (p in ws_at) for p, v in enumerate(chain3.live_bytes)]
     expect[21:21] = [192, 192 + 128, 192 + 128 + 64]
     assert list(sim.live_bytes) == expect
+
+
+def test_offload_is_not_simulated_yet(chain3):
+    """OFFLOAD is a decision the plan can carry; simulate refuses it until it models it."""
+    region = Region(("layers.0",), {"aten.mm.default#0": OpPolicy.OFFLOAD})
+    with pytest.raises(ValueError, match="offload is not planned yet"):
+        simulate(chain3, _plan(region))

@@ -9,7 +9,7 @@ import torch
 from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net, pair
 
 from memfit.errors import PlanMismatch, WrapError
-from memfit.planning.plan import Plan, Region
+from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime.apply import apply, unapply
 from memfit.runtime.segment import segment_of
 from memfit.runtime.wrap import is_wrapped, wrap
@@ -23,8 +23,8 @@ def _plan(*regions: Region, types: dict | None = None) -> Plan:
 def test_apply_wraps_and_segments_bitwise():
     model, twin = pair(TinyGPT)
     plan = _plan(
-        Region(("blocks.0",), save=("aten.addmm.default#0",)),
-        Region(("blocks.1", "blocks.2"), save=("aten.bmm.default#1",)),
+        Region.saving(("blocks.0",), ("aten.addmm.default#0",)),
+        Region.saving(("blocks.1", "blocks.2"), ("aten.bmm.default#1",)),
         types={"blocks.0": "GPTBlock", "blocks": "torch.nn.modules.container.ModuleList"},
     )
     assert apply(model, plan) is model and model.memfit_plan is plan
@@ -80,7 +80,7 @@ def test_apply_without_the_divergence_check_is_still_bitwise():
 
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=40)
     twin = copy.deepcopy(model)
-    plan = Plan((Region(("blocks.0",), ("aten.addmm.default#0",)), Region(("blocks.1",))),
+    plan = Plan((Region.saving(("blocks.0",), ("aten.addmm.default#0",)), Region(("blocks.1",))),
                 0, 0.0, None, "hand", "")
     apply(model, plan, check=False)
     x = zoo.example_inputs(model, batch=2)
@@ -112,3 +112,12 @@ def test_nested_regions_update_batchnorm_once():
     apply(model, plan)
     assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12),), steps=2)
     assert int(model[0].bn.num_batches_tracked) == 2
+
+
+def test_offload_decision_is_refused_before_the_model_changes():
+    model, _ = pair(TinyGPT)
+    plan = _plan(Region(("blocks.0",), {"aten.addmm.default#0": OpPolicy.OFFLOAD}),
+                 types={"blocks.0": "GPTBlock"})
+    with pytest.raises(ValueError, match="OFFLOAD, which the runtime does not carry out yet"):
+        apply(model, plan)
+    assert not is_wrapped(model.blocks[0]) and not hasattr(model, "memfit_plan")

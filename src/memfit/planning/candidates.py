@@ -25,11 +25,11 @@ from memfit.planning.effects import (
     RegionSpan,
     resolve_span,
 )
-from memfit.planning.plan import Region
+from memfit.planning.plan import OpPolicy, Region
 from memfit.planning.rules import UNKEYED_OPS, op_keys
 from memfit.profiling.profile import Profile
 
-__all__ = ["Candidate", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
+__all__ = ["Candidate", "OpChoice", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
            "overlap_groups"]
 
 CONTAINER_TYPES = ("ModuleList", "Sequential")
@@ -42,6 +42,20 @@ def segment_cap(n: int) -> int:
     return n if n <= 12 else max(4, 2 * math.isqrt(n - 1) + 2)
 
 
+@dataclass(frozen=True)
+class OpChoice:
+    """One way a candidate region may treat one of its ops instead of recomputing it.
+
+    A solver picks, per candidate, a set of choices with at most one per op (today each op
+    has one: SAVE; offload would add a second). ``effect`` is the change from recompute-all
+    (NOTE [region memory model] in ``memfit.planning.effects``).
+    """
+
+    op: int
+    policy: OpPolicy
+    effect: Effect
+
+
 @dataclass
 class Candidate:
     """A region the solvers may choose, with its linear effects (NOTE [region memory model])."""
@@ -49,8 +63,7 @@ class Candidate:
     index: int
     model: RegionModel
     base: Effect
-    saveable: tuple[int, ...]           # op indices a..stop that may be saved (and save time)
-    op_effects: tuple[Effect, ...]      # one per saveable op: change from recompute-all
+    choices: tuple[OpChoice, ...]       # alternatives to recomputing an op, in op order
     keys: dict[int, str] = field(repr=False)
 
     @property
@@ -84,8 +97,10 @@ class Candidate:
         """Extra seconds when the region saves at least one op (NOTE [dispatch overhead])."""
         return self.model.fixed_s(selective=True) - self.model.fixed_s(selective=False)
 
-    def region(self, saved_ops: tuple[int, ...] | list[int] = ()) -> Region:
-        return Region(self.modules, tuple(self.keys[i] for i in sorted(saved_ops)))
+    def region(self, chosen: tuple[int, ...] | list[int] = ()) -> Region:
+        """The region with the choices at positions ``chosen`` (indices into ``choices``)."""
+        picked = sorted((self.choices[j] for j in chosen), key=lambda c: c.op)
+        return Region(self.modules, tuple((self.keys[c.op], c.policy) for c in picked))
 
 
 @dataclass(frozen=True)
@@ -138,8 +153,8 @@ class PlanningContext:
                              if arrs.op_saveable[i] and arrs.op_time[i] > 0 and i in keys
                              and not self._escapes(i, rm.b)
                              and not self._written_later(i))
-        return Candidate(index=-1, model=rm, base=rm.base_effect(), saveable=saveable,
-                         op_effects=tuple(rm.op_effect(i) for i in saveable), keys=keys)
+        choices = tuple(OpChoice(i, OpPolicy.SAVE, rm.op_effect(i)) for i in saveable)
+        return Candidate(index=-1, model=rm, base=rm.base_effect(), choices=choices, keys=keys)
 
     def _parent_ops_between(self, prev_last: int, next_first: int) -> bool:
         """Whether an op other than torch's ignored ones ran between two sibling blocks."""
@@ -296,7 +311,7 @@ class PlanningContext:
 
 def indexed(cands: list[Candidate]) -> list[Candidate]:
     """Copies of ``cands`` with ``index`` = position in the list (what LinearModel expects)."""
-    return [Candidate(k, c.model, c.base, c.saveable, c.op_effects, c.keys) for k, c in enumerate(cands)]
+    return [Candidate(k, c.model, c.base, c.choices, c.keys) for k, c in enumerate(cands)]
 
 
 def overlap_groups(cands: list[Candidate], n_forward: int) -> list[list[int]]:

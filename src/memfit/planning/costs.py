@@ -50,21 +50,22 @@ class LinearModel:
         self.n_points = int(n + self.lens.sum())
         self.base = np.concatenate([arrs.base_live, np.repeat(arrs.base_before[self.rps], self.lens)]) \
             if self.cands else arrs.base_live.copy()
-        # variables: y_r for each candidate, then s_{r,j} for each saveable op of each candidate
+        # variables: y_r for each candidate, then s_{r,j} for each op choice j of each candidate
         self.var_owner: list[int] = list(range(len(self.cands)))
-        self.var_op: list[int] = [-1] * len(self.cands)
+        self.var_choice: list[int] = [-1] * len(self.cands)
         for c in self.cands:
-            for j in c.saveable:
+            for j in range(len(c.choices)):
                 self.var_owner.append(c.index)
-                self.var_op.append(j)
+                self.var_choice.append(j)
         self.n_vars = len(self.var_owner)
         self.var_time = np.array([c.time_s for c in self.cands]
-                                 + [e.time_s for c in self.cands for e in c.op_effects], dtype=np.float64)
+                                 + [ch.effect.time_s for c in self.cands for ch in c.choices],
+                                 dtype=np.float64)
         # the fixed charge of a region that saves any op (NOTE [dispatch overhead])
         self.selective_time = np.array([c.selective_s for c in self.cands], dtype=np.float64)
         self._col_cache: dict[int, np.ndarray] = {}
-        self._op_var = {(c.index, j): len(self.cands) + k for k, (c, j) in
-                        enumerate((c, j) for c in self.cands for j in c.saveable)}
+        self._choice_var = {(c.index, j): len(self.cands) + k for k, (c, j) in
+                            enumerate((c, j) for c in self.cands for j in range(len(c.choices)))}
 
     def column(self, var: int) -> np.ndarray:
         """The dense column of variable ``var`` over all points (int64)."""
@@ -72,10 +73,7 @@ class LinearModel:
         if hit is not None:
             return hit
         owner = self.cands[self.var_owner[var]]
-        if var < len(self.cands):
-            eff = owner.base
-        else:
-            eff = owner.op_effects[owner.saveable.index(self.var_op[var])]
+        eff = owner.base if var < len(self.cands) else owner.choices[self.var_choice[var]].effect
         col = self.effect_column(eff, owner)
         self._col_cache[var] = col
         return col
@@ -91,8 +89,8 @@ class LinearModel:
         col[off: off + owner.stop - owner.a + 1] += eff.replay(owner.a, owner.stop)
         return col
 
-    def op_var(self, cand: int, op: int) -> int:
-        return self._op_var[(cand, op)]
+    def choice_var(self, cand: int, choice: int) -> int:
+        return self._choice_var[(cand, choice)]
 
     def matrix(self) -> np.ndarray:
         """All columns, shape (points, variables)."""
@@ -104,7 +102,7 @@ class LinearModel:
         out = []
         for r, ops in choices:
             out.append(r)
-            out.extend(self.op_var(r, j) for j in ops)
+            out.extend(self.choice_var(r, j) for j in ops)
         return out
 
     def timeline(self, choices: Sequence[tuple[int, Sequence[int]]]) -> np.ndarray:

@@ -8,15 +8,22 @@ NOTE [op keys]
     Inside a region an op occurrence is named ``"<overload>#<k>"``: the k-th (from 0) call of
     that aten overload among the region's forward ops, in dispatch order, e.g.
     ``"aten.mm.default#2"``. The runtime counts the same way in its selective-checkpoint policy,
-    so a key means the same op at plan time and at run time. Ops not named in ``Region.save``
-    are recomputed. Outputs of in-place ops and of random ops are never saved (see
-    ``memfit.planning.rules``).
+    so a key means the same op at plan time and at run time. ``Region.ops`` maps keys to an
+    :class:`OpPolicy`; ops it does not name are recomputed. Outputs of in-place ops and of
+    random ops are never saved (see ``memfit.planning.rules``).
+
+NOTE [plan schema]
+    Version 2 (this one) stores each region's per-op decisions as ``"ops": {key: "save"}``.
+    Version 1 stored the saved keys as a list, ``"save": [key, ...]``; it is read as the same
+    decisions (every listed key SAVE). Other versions are refused with the versions this
+    memfit reads.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,15 +32,22 @@ from memfit.errors import SchemaError
 
 __all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan"]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 class OpPolicy(str, enum.Enum):
-    """Per op occurrence inside a region; maps onto ``torch.utils.checkpoint.CheckpointPolicy``."""
+    """What a region does with one op occurrence's outputs between forward and backward.
 
-    SAVE = "save"            # MUST_SAVE
-    RECOMPUTE = "recompute"  # PREFER_RECOMPUTE
-    OFFLOAD = "offload"      # MUST_CPU_OFFLOAD (reserved: eager mode falls back to recompute)
+    Maps onto ``torch.utils.checkpoint.CheckpointPolicy`` (``memfit.runtime.policies``).
+    """
+
+    SAVE = "save"            # keep in memory (MUST_SAVE)
+    RECOMPUTE = "recompute"  # drop, rerun in backward (PREFER_RECOMPUTE); the default
+    OFFLOAD = "offload"      # copy to host memory and back (not planned or run yet)
+
+
+Decisions = Mapping[str, OpPolicy]
 
 
 @dataclass(frozen=True)
@@ -43,19 +57,54 @@ class Region:
     Attributes:
         modules: one module path, or several consecutive sibling modules (a segment: one
             checkpoint spanning their calls, including the parent's code between them).
-        save: op keys (NOTE [op keys]) whose outputs are kept; all other ops are recomputed.
+        ops: per-op decisions, ``(key, OpPolicy)`` pairs in op order (NOTE [op keys]); ops
+            not named are recomputed. Give a mapping or pairs; ``Region.saving`` builds one
+            from the keys to save.
         recompute_s: predicted seconds this region adds to backward.
         saved_bytes: predicted bytes this region keeps from forward to backward.
     """
 
     modules: tuple[str, ...]
-    save: tuple[str, ...] = ()
+    ops: tuple[tuple[str, OpPolicy], ...] = ()
     recompute_s: float = 0.0
     saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.modules:
             raise ValueError("a Region needs at least one module path")
+        items = self.ops.items() if isinstance(self.ops, Mapping) else self.ops
+        pairs = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"Region.ops takes (key, OpPolicy) pairs or a mapping; got {item!r} "
+                                "(use Region.saving(modules, keys) for a list of keys to save)")
+            key, policy = item
+            if not isinstance(policy, OpPolicy):
+                raise TypeError(f"Region.ops[{key!r}] is {policy!r}, not a memfit.OpPolicy")
+            pairs.append((str(key), policy))
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"Region.ops names an op twice: {sorted(k for k in keys if keys.count(k) > 1)}")
+        object.__setattr__(self, "ops", tuple(p for p in pairs if p[1] is not OpPolicy.RECOMPUTE))
+
+    @classmethod
+    def saving(cls, modules: tuple[str, ...], keys: Iterable[str] = (), **kw: Any) -> Region:
+        """A region that saves the ops named by ``keys`` and recomputes the rest."""
+        return cls(modules, tuple((k, OpPolicy.SAVE) for k in keys), **kw)
+
+    @property
+    def decisions(self) -> dict[str, OpPolicy]:
+        """The per-op decisions other than the default RECOMPUTE, by key."""
+        return dict(self.ops)
+
+    def keys_with(self, policy: OpPolicy) -> tuple[str, ...]:
+        """The op keys this region treats with ``policy`` (RECOMPUTE: none are listed)."""
+        return tuple(k for k, p in self.ops if p is policy)
+
+    @property
+    def save(self) -> tuple[str, ...]:
+        """The op keys whose outputs are kept."""
+        return self.keys_with(OpPolicy.SAVE)
 
     @property
     def name(self) -> str:
@@ -114,8 +163,8 @@ class Plan:
             "plain_step_s": self.plain_step_s,
             "notes": list(self.notes),
             "regions": [
-                {"modules": list(r.modules), "save": list(r.save), "recompute_s": r.recompute_s,
-                 "saved_bytes": r.saved_bytes}
+                {"modules": list(r.modules), "ops": {k: p.value for k, p in r.ops},
+                 "recompute_s": r.recompute_s, "saved_bytes": r.saved_bytes}
                 for r in self.regions
             ],
             "extra": self.extra,
@@ -125,15 +174,17 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         if not isinstance(data, dict) or data.get("kind") != "memfit.Plan":
             raise SchemaError("not a memfit plan (missing kind 'memfit.Plan')")
-        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+        version = data.get("schema_version")
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise SchemaError(
-                f"plan schema version {data.get('schema_version')!r} is not supported "
-                f"(this memfit reads {PLAN_SCHEMA_VERSION}); make the plan again"
+                f"plan schema version {version!r} is not supported (this memfit reads versions "
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); make the plan again"
             )
         try:
             return cls(
                 regions=tuple(
-                    Region(tuple(r["modules"]), tuple(r["save"]), float(r["recompute_s"]), int(r["saved_bytes"]))
+                    Region(tuple(r["modules"]), _read_ops(r, version), float(r["recompute_s"]),
+                           int(r["saved_bytes"]))
                     for r in data["regions"]
                 ),
                 predicted_peak_bytes=int(data["predicted_peak_bytes"]),
@@ -197,9 +248,26 @@ class Plan:
             lines.append(f"  {'region'.ljust(w)}  {'kept ops':>8}  {'saved':>10}  {'recompute':>10}")
             for r, name in zip(self.regions, names, strict=True):
                 kept = f"{len(r.save)}" if r.save else "none"
+                if len(r.ops) > len(r.save):
+                    kept += "+"  # decisions other than save (reserved for offload)
                 lines.append(
                     f"  {name.ljust(w)}  {kept:>8}  {format_bytes(r.saved_bytes):>10}  "
                     f"{format_seconds(r.recompute_s):>10}"
                 )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _read_ops(region: dict[str, Any], version: int) -> tuple[tuple[str, OpPolicy], ...]:
+    """A region's per-op decisions from its JSON (NOTE [plan schema])."""
+    if version == 1:
+        return tuple((str(k), OpPolicy.SAVE) for k in region["save"])
+    ops = region.get("ops", {})
+    if not isinstance(ops, dict):
+        raise TypeError(f"region 'ops' must be an object of key: decision, got {type(ops).__name__}")
+    try:
+        return tuple((str(k), OpPolicy(v)) for k, v in ops.items())
+    except ValueError:
+        bad = sorted({str(v) for v in ops.values()} - {p.value for p in OpPolicy})
+        raise ValueError(f"unknown op decision(s) {bad}; this memfit knows "
+                         f"{[p.value for p in OpPolicy]}") from None

@@ -130,7 +130,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
     if sim is None:
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))
     regions = tuple(
-        Region(r.modules, r.save, float(t), int(b))
+        Region(r.modules, r.ops, float(t), int(b))
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}

@@ -110,7 +110,7 @@ def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[st
                    else "returns a view or alias of an earlier storage")
             raise ValueError(
                 f"region {region_name!r} saves {key!r}, but that op {why}; such outputs are "
-                "always recomputed (see memfit.planning.rules); drop it from Region.save"
+                "always recomputed (see memfit.planning.rules); drop it from Region.ops"
             )
         out.append(i)
     return out

@@ -18,7 +18,7 @@ from memfit.planning.effects import (
     resolve_span,
 )
 from memfit.planning.nesting import NestedModel
-from memfit.planning.plan import Plan, Region
+from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
 from memfit.profiling.profile import Profile
 
@@ -66,6 +66,10 @@ def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, 
     for r in regions:
         span = resolve_span(profile, r.modules, index)
         rm = RegionModel(arrs, span)
+        unmodelled = [f"{k}: {p.value}" for k, p in r.ops if p is not OpPolicy.SAVE]
+        if unmodelled:
+            raise ValueError(f"region {r.name!r} asks {unmodelled[:3]}; simulate models SAVE and "
+                             "RECOMPUTE only (offload is not planned yet)")
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         out.append((rm, saved))
     return out, nesting(regions, [rm for rm, _ in out])
@@ -98,7 +102,7 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
             if parent[o] >= 0:
                 raise ValueError(f"region {inner.name!r} is nested two levels deep (in {outer.name!r}, "
                                  f"itself in {regions[parent[o]].name!r}); one level is supported")
-            if outer.save or inner.save:
+            if outer.ops or inner.ops:
                 raise ValueError(f"nested regions {outer.name!r} and {inner.name!r} must save no ops "
                                  "(recompute-all); drop the save keys or the nesting")
             parent[q] = o

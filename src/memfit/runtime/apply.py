@@ -1,7 +1,7 @@
 """``apply`` / ``unapply``: put a ``memfit.Plan`` into effect on a model, in place.
 
 Each region with one module path wraps that module (``memfit.runtime.wrap``) with
-``save_keys(region.save)``; a region with several consecutive sibling paths becomes a chain
+``by_key(region.ops)``; a region with several consecutive sibling paths becomes a chain
 segment (``memfit.runtime.segment``). The whole plan is checked against the model before
 anything changes; a plan that does not fit raises ``PlanMismatch`` and leaves the model as
 it was.
@@ -122,7 +122,7 @@ def apply(model: nn.Module, plan: Plan, *, check: bool = True) -> nn.Module:
     applied = _Applied()
     try:
         for region, target in targets:
-            policy = _policies.save_keys(region.save) if region.save else None
+            policy = _policies.by_key(region.ops) if region.ops else None
             if isinstance(target, nn.Module):
                 wrap(target, policy, check=check, name=region.modules[0] or "<root>")
                 applied.wrapped.append(region.modules[0])

@@ -4,8 +4,13 @@ A policy is a small named object that reads like a sentence::
 
     wrap(block, save_matmuls())                      # keep matmul outputs, recompute the rest
     wrap(block, save_ops("aten.mm", "aten.gelu"))    # keep every mm and gelu output
-    wrap(block, save_keys(region.save))              # keep exactly the planned occurrences
+    wrap(block, by_key(region.ops))                  # exactly the planned per-op decisions
     wrap(block, save_matmuls() | save_ops("aten.gelu"))
+
+A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
+that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
+OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
+when it is built.
 
 NOTE [forced recompute]
     Whatever a policy says, two kinds of op output are never saved:
@@ -34,13 +39,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from memfit.planning.plan import OpPolicy
 from memfit.runtime import segment as _internals
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "save_matmuls",
     "save_ops",
     "save_keys",
+    "by_key",
     "from_callable",
     "resolve",
 ]
@@ -66,20 +73,24 @@ MATMUL_OPS = (
 _KEY_RE = re.compile(r"^(?P<op>[A-Za-z_][\w.]*)#(?P<k>\d+)$")
 
 
-class Policy:
-    """Base class: decides, per op occurrence, whether its outputs are saved.
+_SAVE, _RECOMPUTE = OpPolicy.SAVE, OpPolicy.RECOMPUTE
 
-    Subclasses implement :meth:`saves`. Policies are stateless, picklable values; the
-    per-call occurrence counting lives in :class:`RegionPolicy`.
+
+class Policy:
+    """Base class: decides, per op occurrence, what happens to its outputs (an ``OpPolicy``).
+
+    Subclasses implement :meth:`decision`. Policies are stateless, picklable values; the
+    per-call occurrence counting lives in :class:`RegionPolicy`. ``a | b`` takes ``a``'s
+    decision unless it is RECOMPUTE, else ``b``'s.
     """
 
-    def saves(self, op: _internals.OpOverload, key: str, args: tuple, kwargs: dict) -> bool:
+    def decision(self, op: _internals.OpOverload, key: str, args: tuple, kwargs: dict) -> OpPolicy:
         raise NotImplementedError
 
-    def decide(self, op: Any, name: str, k: int, args: tuple, kwargs: dict) -> bool:
-        """``saves`` for occurrence ``k`` of ``op`` (named ``name``); subclasses that do not
-        read the key override it to skip building the key string."""
-        return self.saves(op, f"{name}#{k}", args, kwargs)
+    def decide(self, op: Any, name: str, k: int, args: tuple, kwargs: dict) -> OpPolicy:
+        """``decision`` for occurrence ``k`` of ``op`` (named ``name``); subclasses that do
+        not read the key override it to skip building the key string."""
+        return self.decision(op, f"{name}#{k}", args, kwargs)
 
     def __or__(self, other: Policy) -> Policy:
         if not isinstance(other, Policy):
@@ -89,8 +100,8 @@ class Policy:
 
 @dataclass(frozen=True)
 class _RecomputeAll(Policy):
-    def saves(self, op, key, args, kwargs) -> bool:
-        return False
+    def decision(self, op, key, args, kwargs) -> OpPolicy:
+        return _RECOMPUTE
 
     def __repr__(self) -> str:
         return "recompute_all()"
@@ -101,38 +112,37 @@ class _SaveOps(Policy):
     overloads: frozenset[str]  # "aten.mm.default"
     packets: frozenset[str]    # "aten.mm" (every overload)
 
-    def saves(self, op, key, args, kwargs) -> bool:
-        name = op_name(op)
-        return name in self.overloads or _packet_name(op) in self.packets
+    def decision(self, op, key, args, kwargs) -> OpPolicy:
+        return self.decide(op, op_name(op), 0, args, kwargs)
 
-    def decide(self, op, name, k, args, kwargs) -> bool:
-        return name in self.overloads or _packet_name(op) in self.packets
+    def decide(self, op, name, k, args, kwargs) -> OpPolicy:
+        return _SAVE if name in self.overloads or _packet_name(op) in self.packets else _RECOMPUTE
 
     def __repr__(self) -> str:
         return f"save_ops({', '.join(repr(n) for n in sorted(self.overloads | self.packets))})"
 
 
 @dataclass(frozen=True)
-class _SaveKeys(Policy):
-    keys: frozenset[str]
+class _ByKey(Policy):
+    decisions: tuple[tuple[str, OpPolicy], ...]
 
-    def saves(self, op, key, args, kwargs) -> bool:
-        return key in self.keys
+    def decision(self, op, key, args, kwargs) -> OpPolicy:
+        return dict(self.decisions).get(key, _RECOMPUTE)
 
-    def decide(self, op, name, k, args, kwargs) -> bool:
+    def decide(self, op, name, k, args, kwargs) -> OpPolicy:
         index = self.__dict__.get("_by_name")
         if index is None:
-            by_name: dict[str, set[int]] = defaultdict(set)
-            for key in self.keys:
+            by_name: dict[str, dict[int, OpPolicy]] = defaultdict(dict)
+            for key, policy in self.decisions:
                 overload, _, occurrence = key.rpartition("#")
-                by_name[overload].add(int(occurrence))
-            index = {n: frozenset(ks) for n, ks in by_name.items()}
+                by_name[overload][int(occurrence)] = policy
+            index = dict(by_name)
             object.__setattr__(self, "_by_name", index)
         found = index.get(name)
-        return found is not None and k in found
+        return _RECOMPUTE if found is None else found.get(k, _RECOMPUTE)
 
     def __repr__(self) -> str:
-        return f"save_keys(<{len(self.keys)} keys>)"
+        return f"by_key(<{len(self.decisions)} decisions>)"
 
 
 @dataclass(frozen=True)
@@ -140,12 +150,13 @@ class _Either(Policy):
     first: Policy
     second: Policy
 
-    def saves(self, op, key, args, kwargs) -> bool:
-        return self.first.saves(op, key, args, kwargs) or self.second.saves(op, key, args, kwargs)
+    def decision(self, op, key, args, kwargs) -> OpPolicy:
+        first = self.first.decision(op, key, args, kwargs)
+        return first if first is not _RECOMPUTE else self.second.decision(op, key, args, kwargs)
 
-    def decide(self, op, name, k, args, kwargs) -> bool:
-        return (self.first.decide(op, name, k, args, kwargs)
-                or self.second.decide(op, name, k, args, kwargs))
+    def decide(self, op, name, k, args, kwargs) -> OpPolicy:
+        first = self.first.decide(op, name, k, args, kwargs)
+        return first if first is not _RECOMPUTE else self.second.decide(op, name, k, args, kwargs)
 
     def __repr__(self) -> str:
         return f"{self.first!r} | {self.second!r}"
@@ -155,12 +166,14 @@ class _Either(Policy):
 class _FromCallable(Policy):
     fn: Callable[..., Any]
 
-    def saves(self, op, key, args, kwargs) -> bool:
+    def decision(self, op, key, args, kwargs) -> OpPolicy:
         decision = self.fn(_CONTEXT, op, *args, **kwargs)
         if isinstance(decision, bool):
-            return decision
+            return _SAVE if decision else _RECOMPUTE
         if isinstance(decision, CheckpointPolicy):
-            return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+            # torch's eager selective checkpoint treats the CPU-offload values as recompute
+            saved = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+            return _SAVE if saved else _RECOMPUTE
         raise TypeError(
             f"policy function {getattr(self.fn, '__qualname__', self.fn)!r} returned "
             f"{decision!r} for {op}; it must return a bool or a "
@@ -218,8 +231,7 @@ def save_keys(keys: Iterable[str]) -> Policy:
     """Save exactly the named op occurrences (NOTE [op keys]); recompute the rest.
 
     Args:
-        keys: region-local op keys such as ``"aten.mm.default#2"``, as a ``memfit.Plan``
-            region lists them in ``Region.save``.
+        keys: region-local op keys such as ``"aten.mm.default#2"``.
 
     Raises:
         ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload.
@@ -230,8 +242,30 @@ def save_keys(keys: Iterable[str]) -> Policy:
     if isinstance(keys, str):
         raise TypeError(f"save_keys expects a collection of keys, got the string {keys!r}; "
                         f"write save_keys([{keys!r}])")
-    checked = set()
-    for key in keys:
+    return by_key({key: _SAVE for key in keys})
+
+
+def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]]) -> Policy:
+    """Exactly the given per-op decisions (NOTE [op keys]); ops not named are recomputed.
+
+    Args:
+        decisions: op key -> ``OpPolicy``, as a ``memfit.Region`` holds them in ``Region.ops``.
+
+    Raises:
+        ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload, or a
+            decision the runtime cannot carry out (OFFLOAD, not implemented yet).
+
+    Example:
+        >>> policy = by_key({"aten.mm.default#0": OpPolicy.SAVE})
+    """
+    pairs = list(decisions.items() if isinstance(decisions, Mapping) else decisions)
+    checked = []
+    for key, policy in pairs:
+        if not isinstance(policy, OpPolicy):
+            raise TypeError(f"decision for {key!r} is {policy!r}, not a memfit.OpPolicy")
+        if policy is OpPolicy.OFFLOAD:
+            raise ValueError(f"op key {key!r} asks for OFFLOAD, which the runtime does not carry "
+                             "out yet; plan without offload")
         match = _KEY_RE.match(key) if isinstance(key, str) else None
         if match is None:
             raise ValueError(
@@ -246,8 +280,9 @@ def save_keys(keys: Iterable[str]) -> Policy:
                 f"op key {key!r} names the op packet {match['op']!r}; keys name one overload, "
                 f"e.g. '{match['op']}.default#{match['k']}'"
             )
-        checked.add(key)
-    return _SaveKeys(frozenset(checked))
+        if policy is not _RECOMPUTE:
+            checked.append((key, policy))
+    return _ByKey(tuple(checked))
 
 
 def from_callable(fn: Callable[..., Any]) -> Policy:
@@ -319,7 +354,12 @@ def _resolve_op_name(name: Any) -> tuple[str, str]:
 class RegionPolicy:
     """The per-call policy function handed to ``create_selective_checkpoint_contexts``.
 
-    Counts op occurrences (NOTE [op keys]) and enforces NOTE [forced recompute]. One instance
+    Counts op occurrences (NOTE [op keys]) and enforces A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
+that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
+OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
+when it is built.
+
+NOTE [forced recompute]. One instance
     per checkpointed call, so counts restart at 0 for each call.
     """
 
@@ -346,7 +386,7 @@ class RegionPolicy:
             if self._saved and _internals.op_writes_inputs(op):
                 self._forget_written(op, args, kwargs)
             return CheckpointPolicy.MUST_RECOMPUTE
-        if self.policy.decide(op, name, k, args, kwargs):
+        if self.policy.decide(op, name, k, args, kwargs) is _SAVE:
             if self.caching_mode is not None:
                 for t in _tensors(getattr(ctx, "op_output", None)):
                     ptr = t.untyped_storage().data_ptr()
@@ -392,7 +432,12 @@ def _packet_name(op: Any) -> str:
 
 
 def must_recompute(op: Any) -> bool:
-    """True if NOTE [forced recompute] forbids saving this op's outputs."""
+    """True if A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
+that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
+OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
+when it is built.
+
+NOTE [forced recompute] forbids saving this op's outputs."""
     cached = _FORCED.get(op)
     if cached is None:
         cached = _internals.op_writes_inputs(op) or (

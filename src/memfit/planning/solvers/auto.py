@@ -21,7 +21,7 @@ BOTH_MAX_CELLS = 12_000_000
 def milp_cells(ctx: PlanningContext) -> tuple[int, int]:
     """(variables, points) of the MILP over all region candidates of ``ctx``."""
     cands = ctx.region_candidates()
-    n_vars = len(cands) + sum(len(c.saveable) for c in cands)
+    n_vars = len(cands) + sum(len(c.choices) for c in cands)
     n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in cands)
     return n_vars, n_points
 

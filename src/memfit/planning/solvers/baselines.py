@@ -62,5 +62,5 @@ def solve_save_matmuls(ctx: PlanningContext, budget_bytes: int, *, time_limit_s:
     for c in _blocks(ctx):
         ops = [i for i in range(c.a, c.b + 1)
                if i in c.keys and ctx.arrays.op_saveable[i] and is_matmul(prof.ops[i])]
-        regions.append(Region(c.modules, tuple(c.keys[i] for i in ops)))
+        regions.append(Region.saving(c.modules, (c.keys[i] for i in ops)))
     return _sol(regions, "save_matmuls", f"baseline: every block, matmul outputs saved ({len(regions)} blocks)")

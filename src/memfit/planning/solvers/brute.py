@@ -52,7 +52,7 @@ def _chain_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choice
             r = at.get((k, j))
             if r is None:
                 continue
-            for ops in _subsets(cands[r].saveable):
+            for ops in _subsets(tuple(range(len(cands[r].choices)))):
                 for rest in rec(j + 1):
                     yield [(r, ops), *rest]
 
@@ -70,7 +70,7 @@ def _region_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choic
         c = order[q]
         yield from rec(q + 1, free_from)
         if c.a >= free_from:
-            for ops in _subsets(c.saveable):
+            for ops in _subsets(tuple(range(len(c.choices)))):
                 for rest in rec(q + 1, c.b + 1):
                     yield [(c.index, ops), *rest]
 

@@ -56,7 +56,7 @@ class _Choice:
     k: int
     j: int
     cand: Candidate | None  # None: keep block k
-    ops: tuple[int, ...]
+    ops: tuple[int, ...]    # positions in cand.choices taken instead of recompute
     M: int
     D: int
     T: float
@@ -130,15 +130,15 @@ class ChainModel:
         pos = self._local_positions(k, k)
         out = [_Choice(k, k, None, (), int(arrs.base_live[pos].max()), 0, 0.0)]
         v0, base, d0 = self._eval(cand.base, cand, k, k)
-        J = len(cand.saveable)
+        J = len(cand.choices)
         if J == 0:
             out.append(_Choice(k, k, cand, (), int((base + v0).max()), d0, cand.time_s))
             return out
         vj = np.empty((J, v0.size), dtype=np.int64)
         dj = np.empty(J, dtype=np.int64)
-        tj = np.array([e.time_s for e in cand.op_effects], dtype=np.float64)
-        for q, eff in enumerate(cand.op_effects):
-            vj[q], _, dj[q] = self._eval(eff, cand, k, k)
+        tj = np.array([c.effect.time_s for c in cand.choices], dtype=np.float64)
+        for q, choice in enumerate(cand.choices):
+            vj[q], _, dj[q] = self._eval(choice.effect, cand, k, k)
         if J <= ENUM_LIMIT:
             masks = ((np.arange(2 ** J)[:, None] >> np.arange(J)[None, :]) & 1).astype(np.int64)
         else:
@@ -156,7 +156,7 @@ class ChainModel:
         D = d0 + masks @ dj
         T = cand.time_s + masks.astype(np.float64) @ tj + masks.any(axis=1) * cand.selective_s
         for q in _pareto3(M, D, T):
-            ops = tuple(cand.saveable[i] for i in np.nonzero(masks[q])[0])
+            ops = tuple(int(i) for i in np.nonzero(masks[q])[0])
             out.append(_Choice(k, k, cand, ops, int(M[q]), int(D[q]), float(T[q])))
         return out
 

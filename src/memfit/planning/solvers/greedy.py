@@ -76,7 +76,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     # save ops while the plan fits
     for key in list(chosen):
         c = byid[key]
-        effs = sorted(zip(c.saveable, c.op_effects, strict=True),
+        effs = sorted(((j, ch.effect) for j, ch in enumerate(c.choices)),
                       key=lambda x: -x[1].time_s / (1 + max(0, int(x[1].live(c.rp, c.rp)[0]))))
         for j, eff in effs:
             st.apply(eff, c, +1)
@@ -87,7 +87,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     # drop regions no longer needed
     for key in sorted(chosen, key=lambda k: -byid[k].time_s):
         c = byid[key]
-        parts = [c.base, *(c.op_effects[c.saveable.index(j)] for j in chosen[key])]
+        parts = [c.base, *(c.choices[j].effect for j in chosen[key])]
         for e in parts:
             st.apply(e, c, -1)
         ops = chosen.pop(key)
@@ -96,7 +96,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
                 st.apply(e, c, +1)
             chosen[key] = ops
     regions = tuple(byid[k].region(ops) for k, ops in sorted(chosen.items(), key=lambda kv: byid[kv[0]].a))
-    t = sum(byid[k].time_s + sum(byid[k].op_effects[byid[k].saveable.index(j)].time_s for j in ops)
+    t = sum(byid[k].time_s + sum(byid[k].choices[j].effect.time_s for j in ops)
             + (byid[k].selective_s if ops else 0.0)
             for k, ops in chosen.items())
     return Solution(regions, st.peak(chosen), float(t), "greedy",

@@ -229,7 +229,7 @@ def _choices(lm: LinearModel, x: np.ndarray) -> list[tuple[int, tuple[int, ...]]
     out = []
     for r in range(len(lm.cands)):
         if on[r]:
-            ops = tuple(lm.var_op[v] for v in range(len(lm.cands), lm.n_vars)
+            ops = tuple(lm.var_choice[v] for v in range(len(lm.cands), lm.n_vars)
                         if on[v] and lm.var_owner[v] == r)
             out.append((r, ops))
     return out
