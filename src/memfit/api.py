@@ -70,12 +70,7 @@ def fit(
     try:
         mode = "fake" if _on_meta(model) else "measure"
         prof = profile(model, example_inputs, loss_fn=loss_fn, mode=mode)
-        if isinstance(budget, str) and budget.strip().lower() == "min":
-            from memfit.report import plan_smallest
-
-            new_plan = plan_smallest(prof, solver=solver, loss_fn=loss_fn)
-        else:
-            new_plan = make_plan(prof, budget=budget, loss_fn=loss_fn, solver=solver)
+        new_plan = make_plan(prof, budget=budget, solver=solver)
     except BaseException:
         if previous is not None:
             apply(model, previous)

@@ -32,7 +32,7 @@ from memfit.errors import InfeasibleBudget, SchemaError
 from memfit.planning.plan import Plan
 from memfit.units import format_bytes, format_seconds
 
-__all__ = ["RowKind", "SweepRow", "Sweep", "sweep", "print_sweep", "plan_smallest", "SWEEP_SCHEMA_VERSION"]
+__all__ = ["RowKind", "SweepRow", "Sweep", "sweep", "print_sweep", "SWEEP_SCHEMA_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -363,25 +363,6 @@ def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], devic
             unapply(model)
 
 
-def plan_smallest(profile: Any, *, solver: str = "auto", loss_fn: Any = None) -> Plan:
-    """The plan with the smallest predicted peak (the budget ``"min"``).
-
-    Asks the planner for 1 byte to learn the smallest feasible peak, then plans for it; if the
-    simulator then disagrees by a few bytes, plans again for the peak it names.
-    """
-    from memfit.planning.planner import plan as make_plan
-
-    budget = 1
-    for _ in range(4):
-        try:
-            return make_plan(profile, budget=budget, solver=solver, loss_fn=loss_fn)
-        except InfeasibleBudget as e:
-            if e.min_feasible_bytes <= budget:
-                raise
-            budget = int(e.min_feasible_bytes)
-    return make_plan(profile, budget=budget, solver=solver, loss_fn=loss_fn)
-
-
 def sweep(
     model: nn.Module,
     example_inputs: Any,
@@ -453,10 +434,7 @@ def sweep(
 
         def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
             try:
-                if budget == "min":
-                    p = plan_smallest(prof, solver=solver_name, loss_fn=loss_fn)
-                else:
-                    p = make_plan(prof, budget=budget, loss_fn=loss_fn, solver=solver_name)
+                p = make_plan(prof, budget=budget, solver=solver_name)
             except InfeasibleBudget as e:
                 planned.append((row_label, kind, solver_name, spec, e))
                 return

@@ -6,12 +6,12 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profile_builders import random_chain, random_unet
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
 from memfit.planning.plan import Plan
 from memfit.planning.simulate import simulate
-from memfit.planning.testing import random_chain, random_unet
 
 
 def _random_plan(rng: random.Random, cands):

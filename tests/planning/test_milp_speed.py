@@ -6,19 +6,19 @@ import random
 import time
 
 import pytest
+from profile_builders import TICK, StepBuilder
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import auto, chain, milp
-from memfit.planning.testing import TICK, StepBuilder
 
 
 def gpt_like(n_blocks: int, *, d: int = 1024, seq_factor: int = 4, seed: int = 0):
     """A decoder whose blocks have the sub-modules of the zoo GPT (ln1, attn with its dropout,
     resid_drop, ln2, mlp with its dropout), op times drawn from ``seed``: sub-module regions
-    are candidates, as on real profiles (``testing.decoder_profile`` has blocks only)."""
+    are candidates, as on real profiles (``profile_builders.decoder_profile`` has blocks only)."""
     rng = random.Random(seed)
 
     def t(k: int) -> float:

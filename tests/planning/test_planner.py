@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from profile_builders import chain_profile, decoder_profile, residual_block, unet_profile
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
@@ -12,7 +13,6 @@ from memfit.planning.plan import Plan
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import chain, milp
-from memfit.planning.testing import chain_profile, decoder_profile, residual_block, unet_profile
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,28 @@ def test_auto_picks_chain_or_milp(chain6):
     lo = milp.min_peak(PlanningContext(unet))[0]
     p = plan(unet, budget=(lo + unet.peak_bytes) // 2)
     assert p.solver == "milp" and p.notes[0].startswith("auto: milp") and p.regions
+
+
+@pytest.mark.parametrize("solver", ["auto", "chain", "milp"])
+def test_min_budget_is_the_fastest_smallest_peak_plan(chain6, solver):
+    p = plan(chain6, budget="min", solver=solver)
+    lo = chain.min_peak(PlanningContext(chain6))
+    assert p.predicted_peak_bytes == p.budget_bytes == lo
+    assert p.recompute_s == plan(chain6, budget=lo, solver=solver).recompute_s
+    with pytest.raises(InfeasibleBudget):
+        plan(chain6, budget=lo - 1, solver=solver)
+
+
+def test_min_budget_of_a_baseline_is_its_own_plan(chain6):
+    p = plan(chain6, budget="min", solver="every_block")
+    assert p.budget_bytes == chain6.peak_bytes and p.regions == plan(chain6, budget=1.0, solver="every_block").regions
+
+
+def test_plan_takes_a_profile_not_a_module():
+    import torch
+
+    with pytest.raises(TypeError, match=r"plan takes a memfit.Profile, got Linear; profile the step first"):
+        plan(torch.nn.Linear(2, 2), budget=0.5)  # type: ignore[arg-type]
 
 
 def test_infeasible_budget_names_the_minimum(chain6):

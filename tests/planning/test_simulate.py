@@ -5,12 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
-from memfit.planning.plan import OpPolicy, Plan, Region
-from memfit.planning.rules import is_saveable, op_keys
-from memfit.planning.simulate import simulate
-from memfit.planning.testing import (
+from profile_builders import (
     TICK,
     StepBuilder,
     chain_profile,
@@ -19,6 +14,11 @@ from memfit.planning.testing import (
     random_unet,
     residual_block,
 )
+
+from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
+from memfit.planning.plan import OpPolicy, Plan, Region
+from memfit.planning.rules import is_saveable, op_keys
+from memfit.planning.simulate import simulate
 
 
 def _plan(*regions: Region) -> Plan:

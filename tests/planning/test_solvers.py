@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from memfit.planning.candidates import PlanningContext
-from memfit.planning.plan import Plan
-from memfit.planning.simulate import simulate
-from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp
-from memfit.planning.testing import (
+from profile_builders import (
     chain_profile,
     decoder_profile,
     random_chain,
     random_unet,
     residual_block,
 )
+
+from memfit.planning.candidates import PlanningContext
+from memfit.planning.plan import Plan
+from memfit.planning.simulate import simulate
+from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp
 
 
 def _budgets(lo: int, hi: int) -> list[int]:

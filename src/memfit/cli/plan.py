@@ -9,7 +9,7 @@ from memfit.cli.models import add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
 
-__all__ = ["add_parser", "run", "SOLVERS", "plan_for"]
+__all__ = ["add_parser", "run", "SOLVERS"]
 
 def _solver_names() -> tuple[str, ...]:
     from memfit.planning.solvers import solver_names
@@ -34,20 +34,12 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def plan_for(prof: Any, budget: str, solver: str = "auto", loss_fn: Any = None) -> Any:
-    """Plan a profile for a CLI budget string (``"min"`` asks for the smallest feasible peak)."""
-    from memfit.planning.planner import plan
-    from memfit.report import plan_smallest
-
-    if budget == "min":
-        return plan_smallest(prof, solver=solver, loss_fn=loss_fn)
-    return plan(prof, budget=budget, solver=solver, loss_fn=loss_fn)
-
-
 def run(args: argparse.Namespace) -> int:
     lm = load_from_args(args)
     prof = profile_model(lm, args.target)
-    p = plan_for(prof, args.budget, args.solver, lm.loss_fn)
+    from memfit.planning.planner import plan
+
+    p = plan(prof, budget=args.budget, solver=args.solver)
     if not p.model:
         import dataclasses
 

@@ -122,7 +122,7 @@ class Plan:
     """A checkpoint plan for one model and input shape.
 
     Example:
-        >>> plan = memfit.plan(model, x, budget="60%")   # doctest: +SKIP
+        >>> plan = memfit.plan(memfit.profile(model, x), budget="60%")   # doctest: +SKIP
         >>> print(plan); plan.save("plan.json")          # doctest: +SKIP
     """
 

@@ -20,16 +20,18 @@ log = logging.getLogger(__name__)
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
 
 
-def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | float | str,
-         loss_fn: Any = None, solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
+def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
+         time_limit_s: float = 10.0) -> Plan:
     """Find the checkpoint plan with the least recompute time whose peak fits ``budget``.
 
+    Planning reads a :class:`~memfit.profiling.profile.Profile` only (it never runs a model):
+    make one with ``memfit.profile(model, x)``, or let ``memfit.fit`` do all three stages.
+
     Args:
-        model_or_profile: an ``nn.Module`` (profiled on ``example_inputs``) or a ``Profile``.
-        example_inputs: inputs for one step when a module is given (a tensor or tuple).
+        profile: the profile of one training step.
         budget: peak activation memory allowed: int bytes, float fraction of the
-            un-checkpointed peak, or a string (``"6GiB"``, ``"60%"``).
-        loss_fn: ``loss_fn(output) -> scalar`` for profiling (default: the output's sum).
+            un-checkpointed peak, a string (``"6GiB"``, ``"60%"``), or ``"min"``: the fastest
+            of the plans with the smallest peak any plan of ``solver`` reaches.
         solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, ``"brute"``, or a
             baseline: ``"none"``, ``"every_block"``, ``"sqrt"``, ``"save_matmuls"``.
         time_limit_s: seconds the MILP may search (default 10.0).
@@ -44,19 +46,29 @@ def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | flo
         ValueError: an unknown solver or a bad budget.
 
     Example:
-        >>> p = plan(profile, budget="60%")            # doctest: +SKIP
+        >>> prof = memfit.profile(model, x)            # doctest: +SKIP
+        >>> p = plan(prof, budget="60%")               # doctest: +SKIP
         >>> p.predicted_peak_bytes <= p.budget_bytes   # doctest: +SKIP
         True
     """
+    if not isinstance(profile, Profile):
+        raise TypeError(
+            f"plan takes a memfit.Profile, got {type(profile).__name__}; profile the step first "
+            "(prof = memfit.profile(model, example_inputs); memfit.plan(prof, budget=...)) or "
+            "use memfit.fit(model, example_inputs, budget=...) to profile, plan and apply")
     solve = get_solver(solver)
-    if isinstance(model_or_profile, Profile):
-        profile = model_or_profile
-    else:
-        from memfit.profiling.tracer import profile as _profile
-
-        profile = _profile(model_or_profile, example_inputs, loss_fn=loss_fn)
-    budget_bytes = resolve_budget(budget, profile.peak_bytes)
     ctx = PlanningContext(profile)
+    smallest: tuple[Solution, Any] | None = None
+    if _is_min(budget):
+        if solver in BASELINES:
+            budget_bytes = profile.peak_bytes  # a baseline has one plan: its peak is the minimum
+        else:
+            smallest = _smallest_plan(ctx, solve, time_limit_s)
+            if smallest is None:
+                raise _infeasible(1, profile.peak_bytes, profile.peak_bytes, solver)
+            budget_bytes = smallest[1].peak_bytes
+    else:
+        budget_bytes = resolve_budget(budget, profile.peak_bytes)
     notes: list[str] = []
     if solver in BASELINES:
         sol = solve(ctx, budget_bytes, time_limit_s=time_limit_s)
@@ -87,13 +99,18 @@ def plan(model_or_profile: Any, example_inputs: Any = None, *, budget: int | flo
     # NOTE [smallest feasible] Tightening found nothing: the budget is at or below the smallest
     # peak. The smallest-peak plan, checked by the simulator, is returned if it fits, else its
     # simulated peak is the minimum the error names -- a peak some plan really reaches.
-    smallest = _smallest_plan(ctx, solve, time_limit_s)
+    if smallest is None:
+        smallest = _smallest_plan(ctx, solve, time_limit_s)
     if smallest is not None and smallest[1].peak_bytes <= budget_bytes:
         sol, sim = smallest
         return _finish(profile, sol, budget_bytes,
                        [*sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
     min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
     raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
+
+
+def _is_min(budget: Any) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "min"
 
 
 def _smallest_plan(ctx: PlanningContext, solve: Any, time_limit_s: float) -> tuple[Solution, Any] | None:

@@ -111,7 +111,7 @@ def apply(model: nn.Module, plan: Plan, *, check: bool = True) -> nn.Module:
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
 
     Example:
-        >>> plan = memfit.plan(model, x, budget="60%")   # doctest: +SKIP
+        >>> plan = memfit.plan(memfit.profile(model, x), budget="60%")   # doctest: +SKIP
         >>> apply(model, plan); loss = model(x).sum()     # doctest: +SKIP
     """
     if not isinstance(plan, Plan):
