@@ -1,7 +1,7 @@
 """Built-in models for demos, tests and benchmarks: seeded, sized by arguments.
 
-``build(name, **options)`` builds one by its command-line name and ``example_inputs(name,
-model, batch=...)`` makes matching inputs.
+``build(name, **options)`` builds one by its command-line name and ``example_inputs(model,
+batch=...)`` makes matching inputs.
 """
 
 from __future__ import annotations
