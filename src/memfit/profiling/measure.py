@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.profiling.meters import AllocatorMeter, DispatchMeter, Meter, PeakMeter, allocator_peak, meters_for
+from memfit.profiling.meters import (
+    AllocatorMeter,
+    DispatchMeter,
+    Meter,
+    PeakMeter,
+    allocator_peak,
+    meters_for,
+)
 
 __all__ = ["Meter", "Measurement", "measure", "allocator_peak", "time_step"]
 

@@ -31,7 +31,7 @@ from memfit.profiling.timer import OpTimer
 from memfit.profiling.workspace import WorkspaceProbe
 
 __all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "live_timeline",
-           "iter_arg_tensors"]
+           "iter_arg_tensors", "op_flags"]
 
 
 @dataclass
@@ -196,7 +196,7 @@ class StorageTracker(LiveStorages):
                 self.storages[sid].last_forward_use = i
             for sid, _, _ in metas:
                 self.storages[sid].last_forward_use = i
-        inplace = ops.writes_input(func)
+        inplace, random = op_flags(func, args, kwargs)
         flops = 0
         if self.count_flops:
             formula = _flop_formula(func)
@@ -215,9 +215,15 @@ class StorageTracker(LiveStorages):
         self.ops.append(TracedOp(
             name=str(func), module=module, backward=self.backward, inputs=tuple(in_sids),
             outputs=tuple(metas), time_s=dt, inplace=inplace,
-            random=ops.is_random(func, args, kwargs), flops=flops, bytes_moved=moved,
+            random=random, flops=flops, bytes_moved=moved,
             forward_op=fwd, workspace_bytes=ws))
         return out
+
+
+def op_flags(func: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -> tuple[bool, bool]:
+    """``(inplace, random)`` as the profiler records them for this call of ``func`` (the facts
+    of ``memfit.ops``; without ``args``, for any call)."""
+    return ops.writes_input(func), ops.is_random(func, args, kwargs)
 
 
 def _flop_formula(func: Any) -> Callable[..., int] | None:

@@ -53,8 +53,10 @@ def measure_workspace(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
         total = 0
         for t in out_tensors(out):
             st = storage_of(t)
-            key = storage_key(st) if st is not None else None
-            if st is not None and key not in held and key not in seen:
+            if st is None:
+                continue
+            key = storage_key(st)
+            if key not in held and key not in seen:
                 seen.add(key)
                 total += st.nbytes()
         out_bytes.append(total)
