@@ -123,7 +123,7 @@ def measure(
     elif alloc is None:
         peak = tracked or 0
     elif tracked is not None:
-        # NOTE [two meters] The allocator also sees kernel workspaces, so it is the ground
+        # NOTE [two CPU meters] The allocator also sees kernel workspaces, so it is the ground
         # truth; but it cannot read below the live tensors. Where it does (a block allocated
         # before the step and released during it is invisible to it, its later reuse
         # included), the tensor count is the better bound.
