@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from memfit.ops import is_matmul
 
 log = logging.getLogger("benchmarks.exhaustive")
 
 CHOICES = ("keep", "save_matmuls", "save_all_but_core", "recompute_all")
-MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.convolution.", "aten.linear.")
 
 
 def block_options(ctx: Any, block: str) -> list[tuple[str, tuple[int, ...] | None]]:
@@ -50,7 +50,7 @@ def block_options(ctx: Any, block: str) -> list[tuple[str, tuple[int, ...] | Non
     def core(i: int) -> bool:  # an output of T x T per head: attention scores and what follows
         return any(square(t) and t.shape[-1] == side for t in prof.ops[i].outputs)
 
-    matmuls = tuple(j for j, i in ops if prof.ops[i].name.startswith(MATMULS))
+    matmuls = tuple(j for j, i in ops if is_matmul(prof.ops[i].name))
     all_but_core = tuple(j for j, i in ops if not core(i))
     return [("keep", None), ("save_matmuls", matmuls), ("save_all_but_core", all_but_core),
             ("recompute_all", ())]

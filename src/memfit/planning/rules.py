@@ -24,25 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from memfit.ops import IGNORED_OP_NAMES, MATMUL_PACKETS
+from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import OpRecord, Profile
 
 __all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul"]
 
-# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]): torch's
-# ``SAC_IGNORED_OPS`` in torch 2.13 (detach, prim.device and the tensor-metadata queries), by
-# name, since planning imports no torch. ``tests/runtime`` checks the runtime skips the same.
-UNKEYED_OPS = frozenset({
-    "aten.detach.default", "prim.device.default", "aten.dim.default",
-    "aten.is_contiguous.default", "aten.is_contiguous.memory_format",
-    "aten.is_non_overlapping_and_dense.default", "aten.is_strides_like_format.default",
-    "aten.numel.default", "aten.size.default", "aten.storage_offset.default",
-    "aten.stride.default", "aten.sym_numel.default", "aten.sym_size.default",
-    "aten.sym_storage_offset.default", "aten.sym_stride.default",
-})
-
-# Op packets the save_matmuls baseline keeps (the same set as memfit.runtime.policies).
-MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
-                  "aten.linear")
+# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
+# the runtime skips the same ones (NOTE [ignored ops] in memfit.ops).
+UNKEYED_OPS = IGNORED_OP_NAMES
 
 
 def is_saveable(profile: Profile, op: OpRecord) -> bool:
@@ -61,7 +51,7 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
 
 def is_matmul(op: OpRecord) -> bool:
     """Whether ``op`` is one of the matmul/convolution overloads in :data:`MATMUL_PACKETS`."""
-    return op.name.rsplit(".", 1)[0] in MATMUL_PACKETS
+    return _is_matmul_name(op.name)
 
 
 def op_keys(profile: Profile, first_op: int, last_op: int) -> dict[int, str]:

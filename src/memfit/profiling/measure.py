@@ -1,44 +1,33 @@
 """Exact peak memory and time of one training step: the ground truth plans are judged by.
 
-NOTE [two CPU meters]
-    ``dispatch``: a ``StorageTracker`` (live storages seen by a dispatch mode, each counted
-    once). It sees every tensor an aten op returns, but not buffers a kernel allocates and
-    frees inside itself (3D-convolution workspaces). ``allocator``: the CPU allocator's own
-    alloc/free events, from ``torch.profiler.profile(profile_memory=True)``; it sees kernel
-    workspaces too, and is the ground truth on CPU. Both watch the same run of the step (the
-    tracker allocates no tensor memory), so they are comparable op for op. Neither counts
-    memory freed during the step that was allocated before it in the same way: the tracker
-    ignores such frees, the allocator subtracts them; a step that should be measured cleanly
-    starts with ``.grad`` set to None (pass ``model=`` and ``measure`` does it).
-
-On CUDA the peak is ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the start,
-after ``reset_peak_memory_stats``.
+``measure`` runs the step once under the memory meters of its device
+(``memfit.profiling.meters``, NOTE [two CPU meters] there), then times un-instrumented runs.
 """
 
 from __future__ import annotations
 
-import enum
 import gc
 import logging
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
-from memfit._native_output import silenced_fd
-from memfit.profiling.tracker import StorageTracker
+from memfit.profiling.meters import (
+    AllocatorMeter,
+    DispatchMeter,
+    Meter,
+    PeakMeter,
+    allocator_peak,
+    meters_for,
+)
 
 __all__ = ["Meter", "Measurement", "measure", "allocator_peak", "time_step"]
 
 log = logging.getLogger(__name__)
-
-
-class Meter(str, enum.Enum):
-    DISPATCH = "dispatch"
-    ALLOCATOR = "allocator"
-    BOTH = "both"
 
 
 @dataclass(frozen=True)
@@ -72,42 +61,6 @@ def time_step(step: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
-
-
-def allocator_peak(step: Callable[[], object]) -> int:
-    """Peak bytes above the start seen by the CPU allocator while ``step`` runs.
-
-    Example:
-        >>> allocator_peak(lambda: torch.ones(1024))   # 4 KiB allocated, then freed
-        4096
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    # The profiler's native side prints a line at each start and stop.
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with silenced_fd(2):
-        prof.start()
-    try:
-        step()
-    finally:
-        with silenced_fd(2):
-            prof.stop()
-    return _peak_of_events(prof)
-
-
-
-
-def _peak_of_events(prof: torch.profiler.profile) -> int:
-    events = [
-        e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())  # stable: equal stamps keep record order
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()  # type: ignore[union-attr]
-        peak = max(peak, live)
-    return peak
 
 
 def measure(
@@ -154,42 +107,29 @@ def measure(
             for p, g in zip(params, old_grads, strict=True):
                 p.grad = g
 
-    tracker = StorageTracker(record_ops=False, count_flops=False)
+    meters = meters_for(dev, meter)
 
-    def tracked() -> None:
-        with tracker:
+    def metered() -> None:
+        with ExitStack() as stack:
+            for m in meters:
+                stack.enter_context(m)
             step()
-        tracker.close()
 
+    run(metered)
+    tracked = _peak_of(meters, DispatchMeter)
+    alloc = _peak_of(meters, AllocatorMeter)
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        start = torch.cuda.memory_allocated(dev)
-        run(tracked if meter is not Meter.ALLOCATOR else step)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - start
-        alloc: int | None = None
-    elif dev.type in ("cpu", "meta"):
-        alloc = None
-        if meter is Meter.DISPATCH or dev.type == "meta":
-            run(tracked)
-        else:
-            inner = tracked if meter is Meter.BOTH else step
-            box: list[int] = []
-            run(lambda: box.append(allocator_peak(inner)))
-            alloc = box[0]
-        if alloc is None:
-            peak = tracker.peak_bytes
-        elif meter is Meter.BOTH:
-            # NOTE [two meters] The allocator also sees kernel workspaces, so it is the ground
-            # truth; but it cannot read below the live tensors. Where it does (a block allocated
-            # before the step and released during it is invisible to it, its later reuse
-            # included), the tensor count is the better bound.
-            peak = max(alloc, tracker.peak_bytes)
-        else:
-            peak = alloc
+        peak = meters[0].peak_bytes
+    elif alloc is None:
+        peak = tracked or 0
+    elif tracked is not None:
+        # NOTE [two CPU meters] The allocator also sees kernel workspaces, so it is the ground
+        # truth; but it cannot read below the live tensors. Where it does (a block allocated
+        # before the step and released during it is invisible to it, its later reuse
+        # included), the tensor count is the better bound.
+        peak = max(alloc, tracked)
     else:
-        raise ValueError(f"measure supports cpu and cuda devices, got {dev}")
+        peak = alloc
 
     times = []
     if dev.type != "meta":
@@ -199,7 +139,7 @@ def measure(
             run(timed)
     result = Measurement(
         peak_bytes=int(peak),
-        tracked_peak_bytes=tracker.peak_bytes,
+        tracked_peak_bytes=tracked or 0,
         time_s=statistics.median(times) if times else 0.0,
         allocator_peak_bytes=alloc,
         times_s=tuple(times),
@@ -207,3 +147,8 @@ def measure(
     )
     log.debug("measure: %s", result)
     return result
+
+
+def _peak_of(meters: list[PeakMeter], kind: type[PeakMeter]) -> int | None:
+    """The peak of the meter of that kind among ``meters`` (None: it did not run)."""
+    return next((m.peak_bytes for m in meters if isinstance(m, kind)), None)

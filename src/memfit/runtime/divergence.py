@@ -22,14 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import RecomputeMismatch
+from memfit.ops import IGNORED_OPS  # re-exported: NOTE [ignored ops] in memfit.ops
 
 __all__ = ["OpRecorder", "OpChecker"]
-
-# Ops that checkpointing itself adds in different numbers during forward and recompute; the
-# same set torch's selective checkpoint never consults the policy for, so that a recorder fed
-# by the policy (memfit.runtime.policies.RegionPolicy) and the checker agree.
-IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default,
-                         *getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ())})
 
 
 def _meta(out: Any) -> Any:

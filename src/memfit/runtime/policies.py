@@ -19,9 +19,11 @@ NOTE [forced recompute]
       recomputation, so the tensor it should have written stays unwritten; dropout on CPU
       (``bernoulli_`` then ``div_``) then silently gives wrong gradients, because the caller
       uses the mutated input, not the op's return value.
-    - outputs of random ops (tag ``nondeterministic_seeded``: ``bernoulli``, ``rand*``,
-      ``native_dropout``...). A skipped random op would not advance the RNG during
-      recomputation, so every later random op in the region would draw other numbers.
+    - outputs of random ops (``memfit.ops.is_random``, NOTE [random ops] there:
+      ``bernoulli``, ``rand*``, ``native_dropout``, attention with dropout...). A skipped
+      random op would not advance the RNG during recomputation, so every later random op in
+      the region would draw other numbers. The profiler marks the same ops random, so a plan
+      never saves them.
     And a saved output that the forward later writes in place (``h = linear(x); h.mul_(2)``
     with linear saved) is turned back into "recompute" when the write happens: the cache
     holds an alias of it, so recomputation would otherwise read the written value (torch
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from memfit.ops import MATMUL_PACKETS, is_random, writes_input
 from memfit.planning.plan import OpPolicy
 from memfit.runtime import segment as _internals
 
@@ -60,15 +63,8 @@ __all__ = [
     "resolve",
 ]
 
-# Ops whose outputs save_matmuls keeps: the expensive ones, cheap to store relative to their cost.
-MATMUL_OPS = (
-    "aten.mm",
-    "aten.addmm",
-    "aten.bmm",
-    "aten.baddbmm",
-    "aten.convolution",
-    "aten.linear",
-)
+# Ops whose outputs save_matmuls keeps (memfit.ops: the planner's baseline saves the same).
+MATMUL_OPS = MATMUL_PACKETS
 
 _KEY_RE = re.compile(r"^(?P<op>[A-Za-z_][\w.]*)#(?P<k>\d+)$")
 
@@ -354,12 +350,7 @@ def _resolve_op_name(name: Any) -> tuple[str, str]:
 class RegionPolicy:
     """The per-call policy function handed to ``create_selective_checkpoint_contexts``.
 
-    Counts op occurrences (NOTE [op keys]) and enforces A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
-that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
-OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
-when it is built.
-
-NOTE [forced recompute]. One instance
+    Counts op occurrences (NOTE [op keys]) and enforces NOTE [forced recompute]. One instance
     per checkpointed call, so counts restart at 0 for each call.
     """
 
@@ -382,8 +373,8 @@ NOTE [forced recompute]. One instance
         counts = self.counts
         k = counts.get(name, 0)
         counts[name] = k + 1
-        if must_recompute(op):
-            if self._saved and _internals.op_writes_inputs(op):
+        if must_recompute(op, args, kwargs):
+            if self._saved and writes_input(op):
                 self._forget_written(op, args, kwargs)
             return CheckpointPolicy.MUST_RECOMPUTE
         if self.policy.decide(op, name, k, args, kwargs) is _SAVE:
@@ -411,7 +402,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-_FORCED: dict[Any, bool] = {}
 _NAMES: dict[Any, str] = {}
 _PACKETS: dict[Any, str] = {}
 
@@ -431,17 +421,7 @@ def _packet_name(op: Any) -> str:
     return packet
 
 
-def must_recompute(op: Any) -> bool:
-    """True if A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
-that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
-OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
-when it is built.
-
-NOTE [forced recompute] forbids saving this op's outputs."""
-    cached = _FORCED.get(op)
-    if cached is None:
-        cached = _internals.op_writes_inputs(op) or (
-            torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        )
-        _FORCED[op] = cached
-    return cached
+def must_recompute(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -> bool:
+    """True if NOTE [forced recompute] forbids saving this call's outputs (without ``args``:
+    any call's)."""
+    return writes_input(op) or is_random(op, args, kwargs)

@@ -1,0 +1,231 @@
+"""Facts about aten ops that profiling, planning and runtime must agree on.
+
+The profiler records them per op occurrence (``OpRecord.random``, ``OpRecord.inplace``), the
+planner decides from those records what a plan may save, and the runtime's selective
+checkpoint policy decides from the same functions what it must recompute. If two of them
+disagreed, a plan could save an output the runtime then recomputes (its memory prediction
+off), or worse. So every such fact is defined here, once, and the others import it;
+``tests/test_ops.py`` checks every aten overload.
+
+NOTE [random ops]
+    1. An op is random when torch tags it ``nondeterministic_seeded``. In torch 2.13 that is
+       every op that takes a ``Generator`` argument, the ``*_like`` factories (``rand_like``,
+       ``randn_like``, ``randint_like``), the fused attention kernels and the RNN ops (their
+       dropout), ``rrelu_with_noise_functional``.
+    2. One exception, by argument: a tagged op whose schema has a float ``dropout_p`` or
+       ``dropout`` argument draws random numbers only for that dropout. A call passing 0
+       there (or ``train=False``) draws none and is not random. memfit needs it because the
+       attention kernels (``_scaled_dot_product_flash_attention_for_cpu``,
+       ``_scaled_dot_product_efficient_attention``, ...) are the costliest forward ops of a
+       transformer, the first a plan wants to save, and ``scaled_dot_product_attention``
+       calls them with ``dropout_p=0`` whenever attention dropout is off (the CPU flash
+       kernel refuses any other value).
+    3. No exception the other way: no untagged aten op takes a ``Generator``
+       (``tests/test_ops.py`` checks it), so no name list is needed.
+    The answer depends on the call, so the profiler asks with the op's arguments; asked
+    without them, :func:`is_random` answers for the worst call (a tagged op is random).
+
+NOTE [ignored ops]
+    torch's selective checkpoint never consults a policy about ``SAC_IGNORED_OPS`` (detach and
+    the tensor-metadata queries), and checkpointing itself adds a different number of
+    detaches during forward and recompute. The plan's op keys skip these ops
+    (``memfit.planning.rules``), the runtime's divergence check skips them
+    (``memfit.runtime.divergence``), both from :data:`IGNORED_OPS`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RandomKind",
+    "random_kind",
+    "is_random",
+    "writes_input",
+    "is_view",
+    "MATMUL_PACKETS",
+    "is_matmul",
+    "IGNORED_OPS",
+    "IGNORED_OP_NAMES",
+    "WORKSPACE_PATTERNS",
+    "uses_workspace",
+    "packet_name",
+    "aten_overloads",
+]
+
+
+class RandomKind(enum.Enum):
+    """How an op overload uses the random-number generator (NOTE [random ops])."""
+
+    NEVER = "never"
+    ALWAYS = "always"
+    WITH_DROPOUT = "with_dropout"  # only when its dropout argument is non-zero (and train)
+
+
+_DROPOUT_ARGS = ("dropout_p", "dropout")
+
+# Op packets whose outputs ``save_matmuls`` keeps and the planner's ``save_matmuls`` baseline
+# saves: the expensive ops, cheap to store relative to their cost.
+MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
+                  "aten.linear")
+
+# Op packet names whose CPU kernels allocate internal buffers (NOTE [kernel workspaces] in
+# memfit.profiling.profile); the profiler measures these.
+WORKSPACE_PATTERNS = ("conv",)
+
+# NOTE [ignored ops]
+IGNORED_OPS: frozenset[Any] = frozenset({
+    torch.ops.aten.detach.default,
+    torch.ops.prim.device.default,
+    *getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()),
+})
+IGNORED_OP_NAMES: frozenset[str] = frozenset(str(op) for op in IGNORED_OPS)
+
+_random_kinds: dict[Any, RandomKind] = {}
+_writes: dict[Any, bool] = {}
+_views: dict[Any, bool] = {}
+
+
+def _schema(op: Any) -> Any:
+    return getattr(op, "_schema", None)
+
+
+def random_kind(op: Any) -> RandomKind:
+    """How ``op`` (an ``OpOverload``) uses the RNG, from its tags and schema.
+
+    Example:
+        >>> random_kind(torch.ops.aten.bernoulli.p)
+        <RandomKind.ALWAYS: 'always'>
+        >>> random_kind(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        <RandomKind.WITH_DROPOUT: 'with_dropout'>
+    """
+    kind = _random_kinds.get(op)
+    if kind is None:
+        schema = _schema(op)
+        if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+            kind = RandomKind.NEVER
+        elif schema is not None and any(
+                a.name in _DROPOUT_ARGS and str(a.type) == "float" for a in schema.arguments):
+            kind = RandomKind.WITH_DROPOUT
+        else:
+            kind = RandomKind.ALWAYS
+        _random_kinds[op] = kind
+    return kind
+
+
+def is_random(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether this call of ``op`` consumes the random-number generator (NOTE [random ops]).
+
+    Args:
+        op: an ``OpOverload``.
+        args: the call's positional arguments; None (default) answers for any call.
+        kwargs: the call's keyword arguments (default none).
+
+    Example:
+        >>> sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        >>> q = torch.randn(1, 1, 4, 2)
+        >>> is_random(sdpa, (q, q, q, 0.0)), is_random(sdpa, (q, q, q, 0.1)), is_random(sdpa)
+        (False, True, True)
+    """
+    kind = random_kind(op)
+    if kind is not RandomKind.WITH_DROPOUT:
+        return kind is RandomKind.ALWAYS
+    if args is None:
+        return True
+    kwargs = kwargs or {}
+    dropout = False
+    for i, a in enumerate(_schema(op).arguments):
+        if a.name not in _DROPOUT_ARGS and a.name != "train":
+            continue
+        if i < len(args) and not a.kwarg_only:
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        elif a.has_default_value():
+            value = a.default_value
+        else:
+            return True  # cannot tell: assume the worst
+        if a.name == "train":
+            if value is False:
+                return False
+        elif not isinstance(value, (int, float)) or value != 0:
+            dropout = True
+    return dropout
+
+
+def writes_input(op: Any) -> bool:
+    """Whether ``op``'s schema marks an argument as written (``Tensor(a!)``): in-place ops,
+    ``out=`` variants and other mutating ops.
+
+    Example:
+        >>> writes_input(torch.ops.aten.add_.Tensor), writes_input(torch.ops.aten.add.Tensor)
+        (True, False)
+    """
+    hit = _writes.get(op)
+    if hit is None:
+        schema = _schema(op)
+        hit = schema is not None and any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        _writes[op] = hit
+    return hit
+
+
+def is_view(op: Any) -> bool:
+    """Whether ``op`` returns an alias of an input without writing to it (``Tensor(a)``):
+    ``view``, ``transpose``, ``split``, ``expand``, ``alias``...
+
+    Example:
+        >>> is_view(torch.ops.aten.transpose.int), is_view(torch.ops.aten.add_.Tensor)
+        (True, False)
+    """
+    hit = _views.get(op)
+    if hit is None:
+        schema = _schema(op)
+        hit = schema is not None and not writes_input(op) and any(
+            r.alias_info is not None for r in schema.returns)
+        _views[op] = hit
+    return hit
+
+
+def packet_name(name: str) -> str:
+    """``"aten.mm.default"`` -> ``"aten.mm"``."""
+    return name.rsplit(".", 1)[0]
+
+
+def is_matmul(name: str) -> bool:
+    """Whether the overload named ``name`` (``"aten.addmm.default"``) is a matmul or
+    convolution, one of :data:`MATMUL_PACKETS`.
+
+    Example:
+        >>> is_matmul("aten.addmm.default"), is_matmul("aten.gelu.default")
+        (True, False)
+    """
+    return packet_name(name) in MATMUL_PACKETS
+
+
+def uses_workspace(op: Any) -> bool:
+    """Whether ``op``'s CPU kernel may allocate internal buffers (a convolution).
+
+    Example:
+        >>> uses_workspace(torch.ops.aten.convolution.default)
+        True
+    """
+    name = op._overloadpacket.__name__
+    return any(p in name for p in WORKSPACE_PATTERNS)
+
+
+def aten_overloads() -> Iterator[Any]:
+    """Every overload of every ``torch.ops.aten`` op packet (about 2,100 in torch 2.13)."""
+    for packet_attr in dir(torch.ops.aten):
+        try:
+            packet = getattr(torch.ops.aten, packet_attr)
+        except (AttributeError, RuntimeError):
+            continue
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            yield getattr(packet, overload)

@@ -1,0 +1,150 @@
+"""Memory meters: each watches one run of a step and reports its peak bytes above the start.
+
+A meter is a context manager; after the block, ``peak_bytes`` holds what it saw. Meters nest
+(``measure`` runs the dispatch meter inside the allocator meter, so both watch the same run).
+:func:`meters_for` picks them by device.
+
+NOTE [two CPU meters]
+    ``dispatch`` (:class:`DispatchMeter`): live storages seen by a dispatch mode, each counted
+    once (``memfit.profiling.storages``). It sees every tensor an aten op returns, but not
+    buffers a kernel allocates and frees inside itself (3D-convolution workspaces).
+    ``allocator`` (:class:`AllocatorMeter`): the CPU allocator's own alloc/free events, from
+    ``torch.profiler.profile(profile_memory=True)``; it sees kernel workspaces too, and is the
+    ground truth on CPU. The dispatch meter allocates no tensor memory, so the two are
+    comparable op for op. Neither counts memory freed during the step that was allocated
+    before it in the same way: the dispatch meter ignores such frees, the allocator subtracts
+    them; a step that should be measured cleanly starts with ``.grad`` set to None.
+
+On CUDA, :class:`CudaMeter` reads the caching allocator's ``max_memory_allocated`` after
+``reset_peak_memory_stats``, minus ``memory_allocated`` at the start.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memfit._native_output import silenced_fd
+from memfit.profiling.storages import LiveStorages
+
+__all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
+           "allocator_peak"]
+
+
+class Meter(str, enum.Enum):
+    """Which CPU meters ``measure`` runs (NOTE [two CPU meters])."""
+
+    DISPATCH = "dispatch"
+    ALLOCATOR = "allocator"
+    BOTH = "both"
+
+
+class PeakMeter:
+    """Base class: a context manager that sets ``peak_bytes`` (bytes above the start) on exit."""
+
+    peak_bytes: int = 0
+
+    def __enter__(self) -> PeakMeter:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        raise NotImplementedError
+
+
+class AllocatorMeter(PeakMeter):
+    """The CPU allocator's alloc/free events (``torch.profiler``, ``profile_memory=True``)."""
+
+    def __enter__(self) -> AllocatorMeter:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                             record_shapes=False)
+        # The profiler's native side prints a line at each start and stop.
+        with silenced_fd(2):
+            self._prof.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with silenced_fd(2):
+            self._prof.stop()
+        events = [
+            e for e in self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        ]
+        events.sort(key=lambda e: e.start_ns())  # stable: equal stamps keep record order
+        live = peak = 0
+        for e in events:
+            live += e.nbytes()  # type: ignore[union-attr]
+            peak = max(peak, live)
+        self.peak_bytes = peak
+        del self._prof
+
+
+class DispatchMeter(PeakMeter):
+    """Live storages seen by a dispatch mode (``memfit.profiling.storages.LiveStorages``)."""
+
+    def __enter__(self) -> DispatchMeter:
+        self._mode = LiveStorages()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode.close()
+        self.peak_bytes = self._mode.peak_bytes
+        del self._mode
+
+
+class CudaMeter(PeakMeter):
+    """The CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``) above the start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> CudaMeter:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+
+
+def meters_for(device: torch.device, meter: Meter) -> list[PeakMeter]:
+    """The meters ``measure`` runs on ``device``, outermost first.
+
+    CPU: the allocator meter, the dispatch meter, or both (the dispatch meter inside).
+    ``meta``: the dispatch meter (nothing is allocated). CUDA: the CUDA meter, with the
+    dispatch meter inside unless ``meter`` is ``"allocator"``.
+
+    Raises:
+        ValueError: a device other than cpu, meta and cuda.
+    """
+    if device.type == "cuda":
+        return [CudaMeter(device)] + ([] if meter is Meter.ALLOCATOR else [DispatchMeter()])
+    if device.type == "meta":
+        return [DispatchMeter()]
+    if device.type == "cpu":
+        if meter is Meter.DISPATCH:
+            return [DispatchMeter()]
+        if meter is Meter.ALLOCATOR:
+            return [AllocatorMeter()]
+        return [AllocatorMeter(), DispatchMeter()]
+    raise ValueError(f"measure supports cpu and cuda devices, got {device}")
+
+
+def allocator_peak(step: Callable[[], object]) -> int:
+    """Peak bytes above the start seen by the CPU allocator while ``step`` runs.
+
+    Example:
+        >>> allocator_peak(lambda: torch.ones(1024))   # 4 KiB allocated, then freed
+        4096
+    """
+    with AllocatorMeter() as m:
+        step()
+    return m.peak_bytes

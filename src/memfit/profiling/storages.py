@@ -1,0 +1,250 @@
+"""Live-storage accounting of a step in a ``TorchDispatchMode``: the dispatch memory meter.
+
+``LiveStorages`` counts the bytes of the storages ops create and when they are freed; it is
+the cheap meter of ``memfit.measure`` and the base of the profiler's ``StorageTracker``, which
+adds a record per op.
+
+NOTE [storage identity and frees]
+    Memory is counted per storage, not per tensor: a view (or an in-place result) shares its
+    base's ``UntypedStorage`` and costs nothing. In torch 2.x a storage keeps its Python object
+    alive for as long as the C++ ``StorageImpl`` lives (PyObject preservation; checked in
+    ``tests/profiling/test_tracker.py``), so ``t.untyped_storage()`` returns the same object on
+    every call and a ``weakref.finalize`` on it fires exactly when the memory is released. The
+    live key of a storage is ``storage._cdata`` (its ``StorageImpl*``); the finalizer drops the
+    key before the address can be reused. Storages live before the step that the step only
+    reads get ``created_by = None`` and never count as activation memory.
+
+NOTE [unseen inputs]
+    An op input whose storage was never seen is registered as live before the step (kind
+    OTHER, ``created_by = None``): a tensor the model keeps outside its parameters and buffers.
+    If that storage is then freed during the step it cannot have predated it (nothing outside
+    the step would let go of it): it was made inside the step without an op we see -- a Python
+    scalar wrapped into a tensor (``x * 0.5`` saves the wrapped 0.5 for backward), a
+    ``torch.tensor`` literal -- and is re-labelled an activation (gradient in backward) created
+    by the op that first used it. This is how the tracker agrees with the allocator to the byte.
+
+NOTE [op positions while tracing]
+    ``pos`` is the index of the op that started last. A free seen while ``pos == i`` (during op
+    ``i`` or between ``i`` and ``i + 1``) is recorded as ``freed_after = i``, so the storage
+    counts as live at op ``i``. ``live_bytes[i]`` is thus the bytes live when op ``i`` started
+    plus what op ``i`` created, the local peak the Profile promises.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.profiling.profile import StorageKind
+
+__all__ = ["LiveStorages", "TracedStorage", "live_timeline", "iter_arg_tensors", "out_tensors",
+           "storage_of", "storage_key"]
+
+
+def iter_arg_tensors(args: Any, kwargs: dict[str, Any] | None = None) -> Iterator[torch.Tensor]:
+    """Tensors among an op's arguments (flat, or one level of list/tuple such as ``cat``'s)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+    if kwargs:
+        yield from iter_arg_tensors(kwargs.values())
+
+
+def out_tensors(out: Any) -> list[torch.Tensor]:
+    """Tensors an op returned (one, or a flat/one-level list or tuple of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return list(iter_arg_tensors(out))
+    return []
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """A strided tensor's storage; None for sparse layouts and storage-less subclasses."""
+    if t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # storage-less subclasses
+        return None
+
+
+def storage_key(st: torch.UntypedStorage) -> int:
+    """The identity of a live storage: its ``StorageImpl*`` (NOTE [storage identity and frees])."""
+    return int(st._cdata)
+
+
+@dataclass
+class TracedStorage:
+    """Mutable twin of ``StorageRecord`` while the step runs."""
+
+    nbytes: int
+    kind: StorageKind
+    created_by: int | None = None
+    freed_after: int | None = None
+    saved: bool = False
+    first_unpack: int | None = None
+    last_forward_use: int | None = None
+
+
+def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:
+    """Bytes of activation/gradient storages live at each op: ``created_by <= i`` and not
+    ``freed_after < i``, plus ``workspace[i]`` (the Profile's ``live_bytes`` contract, NOTE
+    [storage lifetimes]). Takes ``StorageRecord``s or ``TracedStorage``s."""
+    delta = [0] * (n_ops + 1)
+    for s in storages:
+        if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
+            continue
+        delta[min(s.created_by, n_ops)] += s.nbytes
+        end = n_ops if s.freed_after is None else min(s.freed_after + 1, n_ops)
+        delta[end] -= s.nbytes
+    out, live = [], 0
+    for i in range(n_ops):
+        live += delta[i]
+        out.append(live + (workspace[i] if workspace is not None and i < len(workspace) else 0))
+    return out
+
+
+class LiveStorages(TorchDispatchMode):
+    """Counts live storage bytes op by op; ``peak_bytes`` is their maximum.
+
+    Use as a context manager around a step; call ``begin_backward()`` before ``backward()``
+    (optional: it only labels what backward creates as gradients) and ``close()`` after
+    leaving it.
+
+    Example:
+        >>> m = torch.nn.Linear(8, 8); x = torch.randn(4, 8)
+        >>> meter = LiveStorages()
+        >>> with meter:
+        ...     m(x).sum().backward()
+        >>> meter.close(); meter.peak_bytes > 0
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = -1
+        self.backward = False
+        self.n_forward: int | None = None
+        self.storages: list[TracedStorage] = []
+        self.peak_bytes = 0          # max of live_timeline(), set by close()
+        self._in_op = False
+        self._provisional: dict[int, int] = {}  # sid -> op where a storage was first seen
+        self._live_key: dict[int, int] = {}     # StorageImpl* -> sid, live storages only
+        self._finalizers: list[weakref.finalize] = []
+        self._closed = False
+
+    # ---- storages ------------------------------------------------------------------------
+    def _on_free(self, key: int, sid: int) -> None:
+        if self._closed:
+            return
+        if self._live_key.get(key) == sid:
+            del self._live_key[key]
+        rec = self.storages[sid]
+        first = self._provisional.pop(sid, None)
+        if first is not None and rec.created_by is None:
+            # First seen during the step and freed in it: made during the step outside any op
+            # (a Python scalar wrapped into a tensor, a torch.tensor literal). NOTE [unseen inputs]
+            rec.created_by = first
+            rec.kind = (StorageKind.GRADIENT if self.n_forward is not None and first >= self.n_forward
+                        else StorageKind.ACTIVATION)
+        rec.freed_after = max(self.pos, rec.created_by if rec.created_by is not None else -1)
+
+    def _new(self, st: torch.UntypedStorage, kind: StorageKind, created_by: int | None) -> int:
+        sid = len(self.storages)
+        key = st._cdata
+        rec = TracedStorage(nbytes=st.nbytes(), kind=kind, created_by=created_by)
+        self.storages.append(rec)
+        self._live_key[key] = sid
+        self._finalizers.append(weakref.finalize(st, self._on_free, key, sid))
+        return sid
+
+    def _new_output(self, st: torch.UntypedStorage, i: int) -> int:
+        kind = StorageKind.GRADIENT if self.backward else StorageKind.ACTIVATION
+        return self._new(st, kind, i)
+
+    def register(self, t: torch.Tensor, kind: StorageKind) -> int | None:
+        """Register a storage live before the step (parameter, buffer, input)."""
+        st = storage_of(t)
+        if st is None:
+            return None
+        sid = self._live_key.get(st._cdata)
+        return sid if sid is not None else self._new(st, kind, None)
+
+    def sid(self, t: torch.Tensor) -> int | None:
+        """The id of a tensor's storage; one unseen so far was live before the step (OTHER)."""
+        st = storage_of(t)
+        if st is None:
+            return None
+        sid = self._live_key.get(st._cdata)
+        if sid is None:
+            sid = self._new(st, StorageKind.OTHER, None)
+            if not self._closed and (self.pos >= 0 or self._in_op):
+                self._provisional[sid] = self.pos if self._in_op else self.pos + 1
+        return sid
+
+    @property
+    def baseline_bytes(self) -> int:
+        return sum(s.nbytes for s in self.storages if s.created_by is None)
+
+    # ---- phases --------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.backward = True
+        self.n_forward = self.pos + 1
+
+    def close(self) -> None:
+        """Stop watching frees: storages still live keep ``freed_after = None``."""
+        self._closed = True
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._live_key.clear()
+        self._finish()
+        if self.n_forward is None:
+            self.n_forward = self.pos + 1
+        self._provisional.clear()
+        self.peak_bytes = max(live_timeline(self.storages, self.pos + 1, self._workspaces()),
+                              default=0)
+
+    def _finish(self) -> None:
+        """Subclasses' end-of-step work, once frees are no longer watched."""
+
+    def _workspaces(self) -> Sequence[int] | None:
+        """Kernel workspace bytes per op, added to the timeline (none here)."""
+        return None
+
+    # ---- the dispatch hook ---------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._namespace == "prim":  # metadata queries (a fake tensor's device): no op
+            return func(*args, **kwargs)
+        i = self.pos + 1
+        self.pos = i
+        self._op_starts(i)
+        self._in_op = True
+        try:
+            return self._dispatch(i, func, args, kwargs)
+        finally:
+            self._in_op = False
+
+    def _op_starts(self, i: int) -> None:
+        """Subclasses' work before op ``i`` runs."""
+
+    def _dispatch(self, i: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        for t in iter_arg_tensors(args, kwargs):
+            self.sid(t)  # an unseen input is not new memory (NOTE [unseen inputs])
+        out = func(*args, **kwargs)
+        for t in out_tensors(out):
+            st = storage_of(t)
+            if st is not None and st._cdata not in self._live_key:
+                self._new_output(st, i)
+        return out
