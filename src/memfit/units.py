@@ -66,14 +66,14 @@ def resolve_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
         >>> resolve_budget("80%", 1000)
         800
     """
-    budget = _plain(budget)
-    if isinstance(budget, str):
-        s = budget.strip()
+    value = _plain(budget)
+    if isinstance(value, str):
+        s = value.strip()
         if s.endswith("%"):
             try:
                 pct = float(s[:-1])
             except ValueError:
-                raise ValueError(f"cannot parse budget {budget!r}: expected e.g. '80%'") from None
+                raise ValueError(f"cannot parse budget {str(value)!r}: expected e.g. '80%'") from None
             if not math.isfinite(pct) or not 0.0 < pct <= 100.0:
                 hint = ("100% already allows the whole un-checkpointed peak; "
                         if pct > 100.0 else "")
@@ -90,14 +90,14 @@ def resolve_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
             try:
                 return parse_bytes(s)
             except ValueError as e:
-                raise ValueError(f"cannot parse budget {budget!r}: {e}") from None
+                raise ValueError(f"cannot parse budget {str(value)!r}: {e}") from None
         return _fraction(fraction, plain_peak_bytes, repr(s))
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be positive bytes, got {budget}")
-        return budget
-    if isinstance(budget, float):
-        return _fraction(budget, plain_peak_bytes, repr(budget))
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"budget must be positive bytes, got {value}")
+        return value
+    if isinstance(value, float):
+        return _fraction(value, plain_peak_bytes, repr(value))
     raise TypeError(f"budget must be int bytes, a float fraction or a string, got {type(budget).__name__}")
 
 

@@ -162,7 +162,7 @@ def call_user(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         if raised_in_memfit(e):
             raise
         lines = str(e).strip().splitlines()
-        detail = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        detail = f"{type(e).__name__}: {lines[0].rstrip('.')}" if lines else type(e).__name__
         raise ModelError(
             f"{model}'s {what} raised {detail} -- an error of the model or its example inputs, "
             "not of memfit: check that the step runs on these inputs without memfit",
@@ -197,15 +197,16 @@ def _check_differentiable(loss: torch.Tensor, model: Any, name: str, user_loss: 
 def make_step_fn(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  loss_fn: LossFn | None,
                  on_backward: Callable[[], None] | None = None, *,
-                 name: str | None = None) -> Callable[[], None]:
+                 owner: torch.nn.Module | None = None) -> Callable[[], None]:
     """A step: forward, loss, backward. Output and loss stay referenced through backward, as in
     a usual training loop, and are released when the function returns.
 
-    ``model`` is the module (or a function standing for its forward, with ``name`` its name
-    in messages). What the user's code raises becomes a ``ModelError`` (NOTE [whose fault]);
-    so does a loss that does not require grad.
+    ``model`` is the module, or a function standing for the forward of ``owner`` (fake mode's
+    functional call); messages name the module. What the user's code raises becomes a
+    ``ModelError`` (NOTE [whose fault]); so does a loss that does not require grad.
     """
-    label = name or model_name(model)
+    module = owner if owner is not None else model
+    label = model_name(module)
 
     def step() -> None:
         out = call_user(model, args, kwargs, model=label, what="forward")
@@ -219,7 +220,7 @@ def make_step_fn(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
                 "return e.g. out.sum() from loss_fn"
             )
-        _check_differentiable(loss, model, label, loss_fn is not None)
+        _check_differentiable(loss, module, label, loss_fn is not None)
         if on_backward is not None:
             on_backward()
         call_user(loss.backward, (), {}, model=label, what="backward")

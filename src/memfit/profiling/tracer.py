@@ -143,7 +143,7 @@ def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str
                                            what="forward"))
     else:
         step = make_step_fn(forward, args, kwargs, loss_fn, on_backward=tracker.begin_backward,
-                            name=model_name(model))
+                            owner=model)
     try:
         with outer or contextlib.nullcontext(), rec, tracker.saved_tensors_hooks(), tracker:
             step()
@@ -231,7 +231,7 @@ def profile(
             pass
         if not fake:
             op_times = [[op.time_s] for op in tr.ops]
-            step = make_step_fn(forward, args, kwargs, loss_fn, name=model_name(model))
+            step = make_step_fn(forward, args, kwargs, loss_fn, owner=model)
             for _ in range(repeats - 1):
                 keep.reset()
                 timer = OpTimer()
