@@ -64,15 +64,13 @@ def test_resolve_budget_rejects(budget):
         (np.int32(750), 750),
         (np.uint64(750), 750),
         (np.float32(0.5), 500),
-        (np.float64(0.25), 250),
         (np.float16(1.0), 1000),
         (np.array(750), 750),
         (np.array(0.5), 500),
         (torch.tensor(0.5), 500),
-        (np.str_("80%"), 800),
     ],
-    ids=["int64", "int32", "uint64", "float32", "float64", "float16", "0d-int-array",
-         "0d-float-array", "0d-tensor", "numpy-str"],
+    ids=["int64", "int32", "uint64", "float32", "float16", "0d-int-array",
+         "0d-float-array", "0d-tensor"],
 )
 def test_resolve_budget_accepts_numpy_numbers(budget, expected):
     got = resolve_budget(budget, 1000)

@@ -45,7 +45,7 @@ def _hf_output() -> object:
         logits: torch.Tensor | None = None
         hidden: tuple[torch.Tensor, ...] | None = None
 
-    return CausalOut(logits=A, hidden=(B, C))
+    return CausalOut(logits=A, hidden=(Out(B), C))
 
 
 @pytest.mark.parametrize(
@@ -55,11 +55,10 @@ def _hf_output() -> object:
         (lambda: Nested(Out(A), {"b": B}, (C,)), [A, B, C]),
         (lambda: Pair(A, Out(B)), [A, B]),
         (lambda: [Out(A), {"x": (B, Out(C))}], [A, B, C]),
-        (lambda: Out(None), []),  # type: ignore[arg-type]
         pytest.param(_hf_output, [A, B, C], marks=pytest.mark.hf),
     ],
     ids=["dataclass", "nested-dataclass", "namedtuple-of-dataclass", "list-dict-dataclass",
-         "dataclass-without-tensor", "hf-model-output"],
+         "hf-model-output-of-dataclass"],
 )
 def test_iter_tensors_finds_every_tensor(make, expected):
     got = list(iter_tensors(make()))
@@ -150,12 +149,26 @@ def test_nothing_requires_grad_says_so(api, make, words):
     assert "no backward pass and nothing to checkpoint" in str(e.value)
 
 
+class Detacher(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).detach()
+
+
+def test_an_input_that_requires_grad_but_is_detached_says_so():
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ModelError, match="Detacher has no trainable parameter and the example "
+                                         "inputs that require grad do not reach the loss"):
+        profile(Detacher(), x, repeats=1)
+
+
 def test_no_grad_around_the_call_says_so():
     with torch.no_grad(), pytest.raises(ModelError, match="gradients are disabled"):
         profile(Net(), torch.randn(2, 8), repeats=1)
 
 
-def test_a_parameterless_model_with_an_input_that_requires_grad_profiles():
+def test_a_parameterless_model_needs_an_input_that_requires_grad():
+    with pytest.raises(ModelError, match="Doubler has no trainable parameter"):
+        profile(Doubler(), torch.randn(2, 8), repeats=1)
     x = torch.randn(2, 8, requires_grad=True)
     p = profile(Doubler(), x, repeats=1)
     # relu's output, saved for threshold_backward: 2 x 8 fp32 = 64 bytes

@@ -170,7 +170,8 @@ def call_user(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         ) from e
 
 
-def _check_differentiable(loss: torch.Tensor, model: Any, name: str, user_loss: bool) -> None:
+def _check_differentiable(loss: torch.Tensor, model: Any, name: str, inputs: Any,
+                          user_loss: bool) -> None:
     """A loss that does not require grad has no backward: say why instead of torch's
     "element 0 of tensors does not require grad"."""
     if loss.requires_grad:
@@ -183,7 +184,10 @@ def _check_differentiable(loss: torch.Tensor, model: Any, name: str, user_loss: 
              if isinstance(model, torch.nn.Module) else None)
         params = (f"{name} has no trainable parameter" if n == 0 else
                   "no trainable parameter reaches the loss")
-        why = f"{params} and no example input has requires_grad=True"
+        if any(t.requires_grad for t in iter_tensors(inputs)):
+            why = f"{params} and the example inputs that require grad do not reach the loss"
+        else:
+            why = f"{params} and no example input has requires_grad=True"
         if user_loss:
             why += ", or loss_fn detached the output"
         fix = "give the model trainable parameters or pass an input with requires_grad=True"
@@ -220,7 +224,7 @@ def make_step_fn(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
                 "return e.g. out.sum() from loss_fn"
             )
-        _check_differentiable(loss, module, label, loss_fn is not None)
+        _check_differentiable(loss, module, label, (args, kwargs), loss_fn is not None)
         if on_backward is not None:
             on_backward()
         call_user(loss.backward, (), {}, model=label, what="backward")
