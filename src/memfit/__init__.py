@@ -19,6 +19,7 @@ from typing import Any
 from memfit.errors import (
     InfeasibleBudget,
     MemfitError,
+    ModelError,
     PlanMismatch,
     ProfileMismatch,
     RecomputeMismatch,
@@ -58,6 +59,7 @@ _SUBMODULES = {"policies", "zoo"}
 __all__ = [
     "InfeasibleBudget",
     "MemfitError",
+    "ModelError",
     "OpPolicy",
     "Plan",
     "PlanMismatch",

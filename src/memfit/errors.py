@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "MemfitError",
     "InfeasibleBudget",
+    "ModelError",
     "PlanMismatch",
     "ProfileMismatch",
     "RecomputeMismatch",
@@ -33,6 +34,21 @@ class InfeasibleBudget(MemfitError):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+
+
+class ModelError(MemfitError):
+    """The user's model (its forward, or the loss function given with it) raised, or its step
+    cannot be differentiated: the fault is in the model or its example inputs, not in memfit.
+
+    The model's own exception is ``__cause__``.
+
+    Attributes:
+        model: the model's name (its class name, or the CLI's MODEL).
+    """
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
 
 
 class PlanMismatch(MemfitError):

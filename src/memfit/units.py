@@ -6,6 +6,7 @@ Inside memfit memory is always ``int`` bytes and time ``float`` seconds.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 __all__ = ["parse_bytes", "format_bytes", "resolve_budget", "format_seconds"]
@@ -49,45 +50,87 @@ def resolve_budget(budget: int | float | str, plain_peak_bytes: int) -> int:
 
     Args:
         budget: an ``int`` is bytes; a ``float`` in (0, 1] is a fraction of
-            ``plain_peak_bytes``; a string is a size (``"6GiB"``) or a percentage (``"80%"``).
+            ``plain_peak_bytes``; a string is a size (``"6GiB"``), a percentage (``"80%"``) or
+            a number written as text. NumPy scalars (``np.int64``, ``np.float32``) and 0-d
+            arrays or tensors count as the Python number they hold.
         plain_peak_bytes: the un-checkpointed step's peak activation memory, bytes.
+
+    Raises:
+        ValueError: a budget that does not parse, is not positive, or is a fraction above 1
+            (a percentage above 100%).
+        TypeError: a budget of another type (a bool, a list, an array of several numbers).
 
     Example:
         >>> resolve_budget(0.5, 1000)
         500
+        >>> resolve_budget("80%", 1000)
+        800
     """
-    if isinstance(budget, bool):
-        raise TypeError("budget must be bytes (int), a fraction (float) or a string, not bool")
-    if isinstance(budget, str):
-        s = budget.strip()
+    value = _plain(budget)
+    if isinstance(value, str):
+        s = value.strip()
         if s.endswith("%"):
             try:
                 pct = float(s[:-1])
             except ValueError:
-                raise ValueError(f"cannot parse budget {budget!r}: expected e.g. '80%'") from None
-            return resolve_budget(pct / 100.0, plain_peak_bytes)
+                raise ValueError(f"cannot parse budget {str(value)!r}: expected e.g. '80%'") from None
+            if not math.isfinite(pct) or not 0.0 < pct <= 100.0:
+                hint = ("100% already allows the whole un-checkpointed peak; "
+                        if pct > 100.0 else "")
+                raise ValueError(
+                    f"a percentage budget is a share of the un-checkpointed peak and must lie in "
+                    f"(0%, 100%], got {s!r}; {hint}give e.g. '60%', or bytes such as '6GiB'"
+                )
+            return _fraction(pct / 100.0, plain_peak_bytes, repr(s))
         if s.isdigit():
             return resolve_budget(int(s), plain_peak_bytes)
         try:
             fraction = float(s)
         except ValueError:
-            fraction = None
-        try:
-            return parse_bytes(s) if fraction is None else resolve_budget(fraction, plain_peak_bytes)
-        except ValueError as e:
-            raise ValueError(f"cannot parse budget {budget!r}: {e}") from None
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be positive bytes, got {budget}")
-        return budget
-    if isinstance(budget, float):
-        if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
-            raise ValueError(
-                f"a float budget is a fraction of the un-checkpointed peak and must lie in "
-                f"(0, 1], got {budget}; pass bytes as an int or a string like '6GiB'"
-            )
-        return max(1, int(budget * plain_peak_bytes))
+            try:
+                return parse_bytes(s)
+            except ValueError as e:
+                raise ValueError(f"cannot parse budget {str(value)!r}: {e}") from None
+        return _fraction(fraction, plain_peak_bytes, repr(s))
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"budget must be positive bytes, got {value}")
+        return value
+    if isinstance(value, float):
+        return _fraction(value, plain_peak_bytes, repr(value))
     raise TypeError(f"budget must be int bytes, a float fraction or a string, got {type(budget).__name__}")
+
+
+def _plain(budget: object) -> object:
+    """A NumPy scalar, 0-d array or 0-d tensor as the Python int/float it holds; anything else
+    unchanged.
+
+    ``bool`` (and NumPy's) is refused: ``True`` would read as 1 byte.
+    """
+    if isinstance(budget, bool):
+        raise TypeError("budget must be bytes (int), a fraction (float) or a string, not bool")
+    if isinstance(budget, str):
+        return budget
+    shape = getattr(budget, "shape", None)
+    if shape is not None and hasattr(budget, "item"):  # numpy scalars and arrays, torch tensors
+        if tuple(shape) != ():
+            raise TypeError(f"budget must be one number, got {type(budget).__name__} of shape "
+                            f"{tuple(shape)}")
+        return _plain(budget.item())
+    if isinstance(budget, numbers.Integral):
+        return int(budget)
+    if isinstance(budget, numbers.Real):
+        return float(budget)
+    return budget
+
+
+def _fraction(fraction: float, plain_peak_bytes: int, written: str) -> int:
+    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"a float budget is a fraction of the un-checkpointed peak and must lie in "
+            f"(0, 1], got {written}; pass bytes as an int or a string like '6GiB'"
+        )
+    return max(1, int(fraction * plain_peak_bytes))
 
 
 def format_bytes(n: int) -> str:

@@ -126,7 +126,7 @@ def test_infeasible_budget_exit_3_names_smallest_feasible():
     ("argv", "message"),
     [
         (["plan", TINY, "--budget", "lots"], "argument --budget: cannot parse budget 'lots'"),
-        (["plan", TINY, "--budget", "150%"], "must lie in (0, 1]"),
+        (["plan", TINY, "--budget", "150%"], "must lie in (0%, 100%], got '150%'"),
         (["plan", TINY], "the following arguments are required: --budget"),
         (["profile", "pkg_that_does_not_exist.mod:build"], "cannot import module 'pkg_that_does_not_exist.mod'"),
         (["profile", "memfit.zoo:gpt", "--input-shape", "2,a"], "cannot parse input shape '2,a'"),

@@ -30,7 +30,8 @@ EPILOG = """\
 exit codes:
   0  success (and, for verify/demo, every check passed)
   1  verification failed: gradients, buffers or peak memory differ from what was promised
-  2  bad input: unknown model, unparseable shape or budget, unreadable plan file, ...
+  2  bad input: unknown model, unparseable shape or budget, unreadable plan file, a model
+     that raises or has nothing to differentiate, ...
   3  infeasible budget: no plan fits (the message names the smallest feasible peak)
   4  internal error: a bug in memfit (rerun with --debug and report the traceback)
 
@@ -82,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False))
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    from memfit.errors import InfeasibleBudget, MemfitError, PlanMismatch, SchemaError
+    if not debug:  # fake mode logs a traceback for a failing op; the one-line error says it all
+        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    from memfit.errors import InfeasibleBudget, MemfitError, ModelError, PlanMismatch, SchemaError
     from memfit.units import format_bytes
 
     prog = f"memfit {args.command}"
@@ -98,11 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"peak is {format_bytes(e.min_feasible_bytes)} ({e.min_feasible_bytes} bytes); "
               f"try --budget {e.min_feasible_bytes} or --budget min", file=sys.stderr)
         return EXIT_INFEASIBLE
+    except ModelError as e:  # the user's model raised: bad input, not a bug in memfit
+        if debug:
+            traceback.print_exc()
+        model = getattr(args, "model", None)
+        where = f"model {model}: " if model else ""
+        print(f"{prog}: error: {where}{_first_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (UsageError, SchemaError, PlanMismatch, ValueError, TypeError, OSError, ImportError) as e:
         if debug:
             traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {_first_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except MemfitError as e:
         if debug:
@@ -115,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["normalize_inputs", "default_loss", "iter_tensors", "make_step_fn", "map_tensors"]
+from memfit.errors import MemfitError, ModelError
+
+__all__ = ["normalize_inputs", "default_loss", "iter_tensors", "make_step_fn", "map_tensors",
+           "call_user"]
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -38,7 +43,13 @@ def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, An
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested structure (tuples, lists, dicts, dataclass-like HF outputs)."""
+    """Every tensor in a nested structure: tuples (NamedTuples too), lists, dicts, dataclasses
+    (HF ``ModelOutput`` is both a dict and a dataclass) and pytree-registered containers.
+
+    Example:
+        >>> [t.shape for t in iter_tensors({"a": (torch.ones(2), 3), "b": [torch.ones(1)]})]
+        [torch.Size([2]), torch.Size([1])]
+    """
     if isinstance(obj, torch.Tensor):
         yield obj
         return
@@ -49,6 +60,11 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, (tuple, list)):
         for v in obj:
             yield from iter_tensors(v)
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # the fields themselves, not dataclasses.asdict (which deep-copies every tensor)
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None))
         return
     leaves, _ = tree_flatten(obj)
     if len(leaves) == 1 and leaves[0] is obj:
@@ -92,25 +108,126 @@ def default_loss(output: Any) -> torch.Tensor:
     return total
 
 
-def make_step_fn(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+# NOTE [whose fault]
+#     memfit runs the user's code (the model's forward, a loss_fn, the backward through them)
+#     with its own code inside it (module hooks, a dispatch mode, saved-tensor hooks). An
+#     exception escaping that call is the model's -- a ``ModelError`` (bad input, CLI exit 2),
+#     the original as ``__cause__`` -- unless memfit raised it:
+#     1. a ``MemfitError`` passes through unchanged (memfit raised it on purpose);
+#     2. any other exception whose innermost traceback frame is a file of the memfit package
+#        is a bug in memfit and passes through unchanged (CLI exit 4);
+#     3. a CUDA out-of-memory error passes through unchanged (neither party's bug).
+#     An op that fails (a shape mismatch) raises from torch's op call even when memfit's
+#     dispatch mode forwarded it, so it counts as the model's. The rule misjudges a memfit bug
+#     that passes bad arguments to a torch Python function; its traceback is still the
+#     ``__cause__`` (``--debug`` on the command line).
+
+_MEMFIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def raised_in_memfit(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by memfit's own code (its innermost frame is in the package)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return path.startswith(_MEMFIT_DIR + os.sep)
+
+
+def model_name(model: Any) -> str:
+    """A model's name for messages: its class name (a function's qualified name)."""
+    if isinstance(model, torch.nn.Module):
+        return type(model).__name__
+    return str(getattr(model, "__qualname__", type(model).__name__))
+
+
+def call_user(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+              model: str, what: str) -> Any:
+    """``fn(*args, **kwargs)``, where ``fn`` is the user's code; what it raises becomes a
+    ``ModelError`` naming ``model`` and ``what`` ran (NOTE [whose fault]).
+
+    Example:
+        >>> call_user(torch.nn.Linear(2, 1), (torch.ones(1, 3),), {}, model="Linear",
+        ...           what="forward")  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        memfit.errors.ModelError: Linear's forward raised RuntimeError: mat1 and mat2 ...
+    """
+    try:
+        return fn(*args, **kwargs)
+    except (MemfitError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        if raised_in_memfit(e):
+            raise
+        lines = str(e).strip().splitlines()
+        detail = f"{type(e).__name__}: {lines[0].rstrip('.')}" if lines else type(e).__name__
+        raise ModelError(
+            f"{model}'s {what} raised {detail} -- an error of the model or its example inputs, "
+            "not of memfit: check that the step runs on these inputs without memfit",
+            model=model,
+        ) from e
+
+
+def _check_differentiable(loss: torch.Tensor, model: Any, name: str, inputs: Any,
+                          user_loss: bool) -> None:
+    """A loss that does not require grad has no backward: say why instead of torch's
+    "element 0 of tensors does not require grad"."""
+    if loss.requires_grad:
+        return
+    if not torch.is_grad_enabled():
+        why = "gradients are disabled (the step ran under torch.no_grad() or inference_mode)"
+        fix = "call memfit outside torch.no_grad()"
+    else:
+        n = (sum(1 for p in model.parameters() if p.requires_grad)
+             if isinstance(model, torch.nn.Module) else None)
+        params = (f"{name} has no trainable parameter" if n == 0 else
+                  "no trainable parameter reaches the loss")
+        if any(t.requires_grad for t in iter_tensors(inputs)):
+            why = f"{params} and the example inputs that require grad do not reach the loss"
+        else:
+            why = f"{params} and no example input has requires_grad=True"
+        if user_loss:
+            why += ", or loss_fn detached the output"
+        fix = "give the model trainable parameters or pass an input with requires_grad=True"
+    raise ModelError(
+        f"nothing in {name}'s training step requires grad: {why}, so there is no backward "
+        f"pass and nothing to checkpoint; {fix}",
+        model=name,
+    )
+
+
+def make_step_fn(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                  loss_fn: LossFn | None,
-                 on_backward: Callable[[], None] | None = None) -> Callable[[], None]:
+                 on_backward: Callable[[], None] | None = None, *,
+                 owner: torch.nn.Module | None = None) -> Callable[[], None]:
     """A step: forward, loss, backward. Output and loss stay referenced through backward, as in
-    a usual training loop, and are released when the function returns."""
-    lf = loss_fn or default_loss
+    a usual training loop, and are released when the function returns.
+
+    ``model`` is the module, or a function standing for the forward of ``owner`` (fake mode's
+    functional call); messages name the module. What the user's code raises becomes a
+    ``ModelError`` (NOTE [whose fault]); so does a loss that does not require grad.
+    """
+    module = owner if owner is not None else model
+    label = model_name(module)
 
     def step() -> None:
-        out = model(*args, **kwargs)
-        loss = lf(out)
+        out = call_user(model, args, kwargs, model=label, what="forward")
+        if loss_fn is None:
+            loss = default_loss(out)
+        else:
+            loss = call_user(loss_fn, (out,), {}, model=label, what="loss_fn")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"the loss must be a scalar tensor, got "
                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
                 "return e.g. out.sum() from loss_fn"
             )
+        _check_differentiable(loss, module, label, (args, kwargs), loss_fn is not None)
         if on_backward is not None:
             on_backward()
-        loss.backward()
+        call_user(loss.backward, (), {}, model=label, what="backward")
         del out, loss
 
     return step

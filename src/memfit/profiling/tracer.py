@@ -21,7 +21,14 @@ import torch
 
 from memfit.errors import ProfileMismatch
 from memfit.profiling.costmodel import op_time_s, preset
-from memfit.profiling.inputs import LossFn, iter_tensors, make_step_fn, normalize_inputs
+from memfit.profiling.inputs import (
+    LossFn,
+    call_user,
+    iter_tensors,
+    make_step_fn,
+    model_name,
+    normalize_inputs,
+)
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.profile import (
     OpRecord,
@@ -132,9 +139,11 @@ def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str
         from memfit.profiling.inputs import default_loss
 
         def step() -> None:
-            (lf or default_loss)(forward(*args, **kwargs))
+            (lf or default_loss)(call_user(forward, args, kwargs, model=model_name(model),
+                                           what="forward"))
     else:
-        step = make_step_fn(forward, args, kwargs, loss_fn, on_backward=tracker.begin_backward)  # type: ignore[arg-type]
+        step = make_step_fn(forward, args, kwargs, loss_fn, on_backward=tracker.begin_backward,
+                            owner=model)
     try:
         with outer or contextlib.nullcontext(), rec, tracker.saved_tensors_hooks(), tracker:
             step()
@@ -222,7 +231,7 @@ def profile(
             pass
         if not fake:
             op_times = [[op.time_s] for op in tr.ops]
-            step = make_step_fn(forward, args, kwargs, loss_fn)  # type: ignore[arg-type]
+            step = make_step_fn(forward, args, kwargs, loss_fn, owner=model)
             for _ in range(repeats - 1):
                 keep.reset()
                 timer = OpTimer()
