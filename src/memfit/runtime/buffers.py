@@ -1,89 +1,184 @@
-"""Module buffers mutated in forward (BatchNorm statistics) are updated once per step.
+"""Module buffers a region's forward writes are updated once per step, and recomputed from the
+values the forward saw.
 
-NOTE [BatchNorm once]
+NOTE [buffers written in forward]
     A checkpointed region runs its forward twice: once in forward, once when recomputed in
-    backward. torch's checkpoint lets both runs update BatchNorm's ``running_mean``,
-    ``running_var`` and ``num_batches_tracked`` (also under a selective policy that saves
-    ``native_batch_norm``: the counter increment is a separate op). memfit undoes the second
-    update: the recompute context snapshots the buffers the forward changed and restores
-    them when the recomputation ends, early stop included (torch stops a recomputation by
-    raising through the context, so the restore sits in ``__exit__``).
+    backward. Buffers the forward writes in place would be written twice, and worse, the
+    recomputation would read the written values: ``spectral_norm`` (both APIs) advances its
+    power-iteration vectors ``u``/``v`` every training forward, so a recomputation sees the
+    advanced vectors and computes another weight (silently wrong gradients, with torch's own
+    checkpoint too); a step counter (``self.calls += 1``) or an EMA buffer read after its
+    update does the same; BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``
+    would be updated twice. memfit's rules, per checkpointed call:
 
-    Which buffers? ``native_batch_norm`` writes the running statistics without declaring it
-    in its schema, so neither the version counter nor the schema shows that write. memfit
-    therefore watches the *modules*: the ones the region is known to run, and every module
-    called inside it during the forward (a global forward pre-hook, installed only while
-    the region's forward runs). Of those, the buffers of a module that changed a buffer's
-    version during the forward, or that has a ``running_mean``/``running_var`` buffer, are
-    snapshotted. The snapshot is taken at the start of the recomputation, so it costs memory
-    only for the duration of one region's recomputation.
+    1. While the forward runs, a dispatch mode (``_Watch``) sees every op the region
+       dispatches. Just before the first op that writes to the storage of a buffer, it
+       copies that buffer (copy-on-write): the copy holds the buffer's value from before the
+       forward. "Writes" is what the op's schema marks ``Tensor(a!)`` (``add_``, ``copy_``,
+       ``out=`` variants as ``F.normalize(..., out=u)``), plus the writes ``native_batch_norm``
+       (and its cuDNN/MIOpen variants) make to the running statistics in training without
+       declaring them (``_UNDECLARED_WRITES``).
+    2. Buffers are matched by storage: those of the modules the region is known to run (all
+       their submodules included, parametrizations too) and of every module called inside
+       the region while its forward runs (a global forward pre-hook, installed only then).
+    3. A buffer replaced during the forward (``self.ema = self.ema * 0.9 + ...``, not in
+       place) is found by identity at the end of the forward; the old tensor is kept.
+    4. When the recomputation starts, the written buffers are copied once more (their value
+       *now*, after the forward and whatever ran since), given their pre-forward values
+       (replaced ones: the old tensor is put back), and recomputed; when it ends, early stop
+       included (torch stops a recomputation by raising through the context, so this sits in
+       ``__exit__``), they get the values they had when it started.
 
-    Recompute runs with the buffers as the forward left them (as torch does); a module whose
-    output depends on a buffer it mutates would compute other values in recomputation.
+    Consequence: the recomputation reads exactly what the forward read, and after backward
+    every buffer is what the plain step leaves (bitwise), however often backward recomputes
+    the region (``retain_graph``). Memory: one copy of each buffer the forward actually
+    wrote, held from the forward until the region's autograd graph is freed, plus a second
+    one during its recomputation; buffers that are only read cost nothing.
+
+    The watcher sits below the region's own selective-checkpoint and recorder modes, so the
+    copies are not ops of the region (op keys and the divergence check are unaffected); an
+    *enclosing* region (nested plans) does see a nested region's copies, in its forward and
+    in its recomputation alike. Writes to tensors that are not registered buffers (a plain
+    tensor attribute, a global) are not seen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.runtime import segment as _internals
 
 __all__ = ["BufferGuard"]
 
-_STAT_NAMES = ("running_mean", "running_var")
+_aten = torch.ops.aten
+# Ops that write the running statistics (argument positions) when ``training`` (argument 5)
+# is true without marking them ``(a!)`` in their schema.
+_UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
+    _aten.native_batch_norm.default: (3, 4),
+    _aten.cudnn_batch_norm.default: (3, 4),
+    _aten.miopen_batch_norm.default: (3, 4),
+}
+_TRAINING_ARG = 5
+_WRITES: dict[Any, bool] = {}  # op -> does its schema mark an argument written (cache)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (declared or not)."""
+    positions = _UNDECLARED_WRITES.get(func)
+    if positions is not None:
+        training = args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training")
+        if not training:
+            return []
+        return [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+    writes = _WRITES.get(func)
+    if writes is None:
+        writes = _WRITES[func] = _internals.op_writes_inputs(func)
+    return _internals.written_tensors(func, args, kwargs) if writes else []
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Identifies the memory a tensor lives in (None: no memory to protect)."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a storage-less tensor subclass
+        return None
+    return (t.device, ptr) if ptr else None
+
+
+class _Watch(TorchDispatchMode):
+    """Forward side: snapshots a buffer just before the first op that writes to it."""
+
+    def __init__(self, guard: BufferGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.guard._by_storage:
+            for t in _written(func, args, kwargs):
+                self.guard._before_write(t)
+        return func(*args, **kwargs)
 
 
 class BufferGuard:
-    """Tracks the modules a region runs; restores their mutated buffers after recomputation."""
+    """Per checkpointed call: snapshots the buffers its forward writes, gives the
+    recomputation their pre-forward values (NOTE [buffers written in forward])."""
 
     def __init__(self, modules: Iterable[nn.Module] = ()) -> None:
-        self._versions: dict[nn.Module, list[int]] = {}
         self._known = tuple(modules)
-        self._mutable: list[torch.Tensor] = []
-        self._snapshots: list[list[torch.Tensor]] = []
+        self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+        self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
+        self._seen: set[int] = set()
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(buf) -> (buf, copy)
+        self._replaced: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, old)
+        self._now: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = []
         self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._watch: _Watch | None = None
 
     # ---- forward side ----------------------------------------------------------------
     def _see(self, module: nn.Module) -> None:
-        if module not in self._versions:
-            self._versions[module] = [
-                _internals.tensor_version(b) for b in module.buffers(recurse=False)
-            ]
+        if id(module) in self._seen:
+            return
+        self._seen.add(id(module))
+        for name, buf in module.named_buffers(recurse=False):
+            self._named.append((module, name, buf))
+            key = _storage_key(buf)
+            if key is not None:
+                self._by_storage.setdefault(key, []).append(buf)
 
     def _pre_hook(self, module: nn.Module, args: object) -> None:
         self._see(module)
 
+    def _before_write(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is None:
+            return
+        for buf in self._by_storage.get(key, ()):
+            if id(buf) not in self._pre:
+                self._pre[id(buf)] = (buf, buf.detach().clone())
+
     def forward_enter(self) -> None:
-        for m in self._known:
-            self._see(m)
+        for root in self._known:
+            for m in root.modules():
+                self._see(m)
         self._hook = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+        self._watch = _Watch(self)
+        self._watch.__enter__()
 
     def forward_exit(self) -> None:
+        if self._watch is not None:
+            watch, self._watch = self._watch, None
+            watch.__exit__(None, None, None)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        mutable: list[torch.Tensor] = []
-        for module, versions in self._versions.items():
-            buffers = [b for b in module.buffers(recurse=False) if b is not None]
-            names = {n for n, _ in module.named_buffers(recurse=False)}
-            changed = len(buffers) != len(versions) or any(
-                _internals.tensor_version(b) != v for b, v in zip(buffers, versions, strict=False)
-            )
-            if changed or any(n in names for n in _STAT_NAMES):
-                mutable.extend(buffers)
-        self._versions = {}
-        self._mutable = mutable
+        for module, name, old in self._named:
+            if module._buffers.get(name) is not old:  # replaced, not written in place
+                self._replaced.append((module, name, old))
+        self._named, self._by_storage, self._seen = [], {}, set()
 
     # ---- recompute side --------------------------------------------------------------
     def recompute_enter(self) -> None:
+        written = [buf for buf, _ in self._pre.values()]
+        replaced = [m._buffers[n] for m, n, _ in self._replaced]
         with torch.no_grad():
-            self._snapshots.append([b.clone() for b in self._mutable])
+            self._now.append(([b.detach().clone() for b in written], replaced))
+            for buf, before in self._pre.values():
+                buf.copy_(before)
+        for module, name, old in self._replaced:
+            module._buffers[name] = old
 
     def recompute_exit(self) -> None:
-        snapshot = self._snapshots.pop()
+        now, replaced = self._now.pop()
         with torch.no_grad():
-            for buf, saved in zip(self._mutable, snapshot, strict=True):
-                buf.copy_(saved)
+            for (buf, _), value in zip(self._pre.values(), now, strict=True):
+                buf.copy_(value)
+        for (module, name, _), tensor in zip(self._replaced, replaced, strict=True):
+            module._buffers[name] = tensor
