@@ -149,6 +149,8 @@ def test_fit_plan_over_spectral_norm_trains_like_plain():
     memfit.fit(model, _x(), budget="min")
     covered = {p for r in model.memfit_plan.regions for p in r.modules}
     assert covered & {"blocks.0", "blocks.0.lin", "blocks.1", "blocks.1.lin"}, covered
+    report = memfit.verify(model, _x())
+    assert report.bitwise and report.bn_stats_equal, str(report)
     for a, b in zip(_adamw_steps(model, 3), _adamw_steps(twin, 3), strict=True):
         assert torch.equal(a, b)
     for (name, p), (_, q) in zip(model.state_dict().items(), twin.state_dict().items(),

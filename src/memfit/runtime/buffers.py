@@ -160,7 +160,8 @@ class BufferGuard:
             self._hook.remove()
             self._hook = None
         for module, name, old in self._named:
-            if module._buffers.get(name) is not old:  # replaced, not written in place
+            current = module._buffers.get(name, old)  # a deleted buffer is left alone
+            if current is not old and current is not None:  # replaced, not written in place
                 self._replaced.append((module, name, old))
         self._named, self._by_storage, self._seen = [], {}, set()
 
