@@ -43,6 +43,8 @@ class Block(nn.Module):
             with torch.no_grad():
                 self.ema.mul_(0.9).add_(0.1 * x.mean(0))             # EMA of the input
             h = h - self.ema
+        elif self.kind == "reads_stats":
+            h = h * self.bn.running_var                              # read after its update
         return torch.tanh(h)
 
 
@@ -61,7 +63,7 @@ class Net(nn.Module):
         return self.head(h)
 
 
-KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema"]
+KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema", "reads_stats"]
 
 PLANS = {
     "wrap": (Region(("blocks.0",)), Region(("blocks.1",))),
@@ -204,9 +206,11 @@ def test_only_written_buffers_are_copied():
         block(torch.randn(4, D))
     finally:
         guard.forward_exit()
-    written = {id(buf) for buf, _ in guard._pre.values()}
-    names = {n for n, b in block.named_buffers() if id(b) in written}
-    assert names == {"calls", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    written = {id(buf): copy is not None for buf, copy in guard._pre.values()}
+    names = {n: written[id(b)] for n, b in block.named_buffers() if id(b) in written}
+    # BatchNorm's statistics are only updated: restored after recomputation, no copy kept
+    assert names == {"calls": True, "bn.num_batches_tracked": True,
+                     "bn.running_mean": False, "bn.running_var": False}
 
 
 def test_functional_batch_norm_writes_are_seen():
@@ -224,5 +228,18 @@ def test_functional_batch_norm_writes_are_seen():
     finally:
         guard.forward_exit()
     assert {id(b) for b, _ in guard._pre.values()} == {id(mod.mean), id(mod.var)}
-    assert all(torch.equal(c, torch.zeros(3) if b is mod.mean else torch.ones(3))
-               for b, c in guard._pre.values())
+
+
+def test_statistics_read_after_their_update_keep_their_copy():
+    from memfit.runtime.buffers import BufferGuard
+
+    block = Block("reads_stats")
+    guard = BufferGuard((block,))
+    guard.forward_enter()
+    try:
+        block(torch.randn(4, D))
+    finally:
+        guard.forward_exit()
+    copies = {id(buf): copy for buf, copy in guard._pre.values()}
+    assert copies[id(block.bn.running_mean)] is None
+    assert torch.equal(copies[id(block.bn.running_var)], torch.ones(D))

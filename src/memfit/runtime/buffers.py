@@ -18,12 +18,19 @@ NOTE [buffers written in forward]
        ``out=`` variants as ``F.normalize(..., out=u)``), plus the writes ``native_batch_norm``
        (and its cuDNN/MIOpen variants) make to the running statistics in training without
        declaring them (``_UNDECLARED_WRITES``).
-    2. Buffers are matched by storage: those of the modules the region is known to run (all
+    2. Those batch-norm writes only *update* the statistics: the op's outputs do not depend
+       on them. A buffer written only that way, and read by no later op of the forward, does
+       not need its pre-forward value in the recomputation (whatever it computes there is
+       overwritten by rule 5), so its copy is dropped when the forward ends. BatchNorm's
+       running statistics thus cost memory only while the region's forward runs (as before
+       memfit generalised this, they cost nothing from forward to backward);
+       ``num_batches_tracked`` (``add_``, 8 bytes) keeps its copy.
+    3. Buffers are matched by storage: those of the modules the region is known to run (all
        their submodules included, parametrizations too) and of every module called inside
        the region while its forward runs (a global forward pre-hook, installed only then).
-    3. A buffer replaced during the forward (``self.ema = self.ema * 0.9 + ...``, not in
+    4. A buffer replaced during the forward (``self.ema = self.ema * 0.9 + ...``, not in
        place) is found by identity at the end of the forward; the old tensor is kept.
-    4. When the recomputation starts, the written buffers are copied once more (their value
+    5. When the recomputation starts, the written buffers are copied once more (their value
        *now*, after the forward and whatever ran since), given their pre-forward values
        (replaced ones: the old tensor is put back), and recomputed; when it ends, early stop
        included (torch stops a recomputation by raising through the context, so this sits in
@@ -31,9 +38,11 @@ NOTE [buffers written in forward]
 
     Consequence: the recomputation reads exactly what the forward read, and after backward
     every buffer is what the plain step leaves (bitwise), however often backward recomputes
-    the region (``retain_graph``). Memory: one copy of each buffer the forward actually
-    wrote, held from the forward until the region's autograd graph is freed, plus a second
-    one during its recomputation; buffers that are only read cost nothing.
+    the region (``retain_graph``). Memory: one copy of each buffer the forward wrote and the
+    recomputation may read (rule 2), held from the forward until the region's autograd graph
+    is freed, plus one copy of every written buffer during its recomputation; buffers that
+    are only read cost nothing. The planner's prediction does not count these copies
+    (``spectral_norm``: two vectors per layer; a counter: 8 bytes).
 
     The watcher sits below the region's own selective-checkpoint and recorder modes, so the
     copies are not ops of the region (op keys and the divergence check are unaffected); an
@@ -44,7 +53,7 @@ NOTE [buffers written in forward]
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -67,18 +76,30 @@ _TRAINING_ARG = 5
 _WRITES: dict[Any, bool] = {}  # op -> does its schema mark an argument written (cache)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (declared or not)."""
+def _written(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
+    """The tensors ``func`` writes in place (declared or not), and whether the op only
+    updates them (its outputs do not depend on their values: rule 2 of the NOTE)."""
     positions = _UNDECLARED_WRITES.get(func)
     if positions is not None:
         training = args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training")
         if not training:
-            return []
-        return [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+            return [], True
+        return [args[i] for i in positions
+                if i < len(args) and isinstance(args[i], torch.Tensor)], True
     writes = _WRITES.get(func)
     if writes is None:
         writes = _WRITES[func] = _internals.op_writes_inputs(func)
-    return _internals.written_tensors(func, args, kwargs) if writes else []
+    return (_internals.written_tensors(func, args, kwargs) if writes else []), False
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
@@ -101,9 +122,13 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.guard._by_storage:
-            for t in _written(func, args, kwargs):
-                self.guard._before_write(t)
+        guard = self.guard
+        if guard._by_storage:
+            written, update_only = _written(func, args, kwargs)
+            if guard._update_only:
+                guard._before_read(args, kwargs, written if update_only else ())
+            for t in written:
+                guard._before_write(t, update_only)
         return func(*args, **kwargs)
 
 
@@ -116,7 +141,9 @@ class BufferGuard:
         self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
         self._seen: set[int] = set()
-        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(buf) -> (buf, copy)
+        # id(buf) -> (buf, its pre-forward copy; None: restored after recomputation only)
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._update_only: set[int] = set()  # written by update-only ops alone, not read since
         self._replaced: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, old)
         self._now: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = []
         self._hook: torch.utils.hooks.RemovableHandle | None = None
@@ -136,13 +163,25 @@ class BufferGuard:
     def _pre_hook(self, module: nn.Module, args: object) -> None:
         self._see(module)
 
-    def _before_write(self, t: torch.Tensor) -> None:
+    def _before_write(self, t: torch.Tensor, update_only: bool) -> None:
         key = _storage_key(t)
         if key is None:
             return
         for buf in self._by_storage.get(key, ()):
             if id(buf) not in self._pre:
                 self._pre[id(buf)] = (buf, buf.detach().clone())
+                if update_only:
+                    self._update_only.add(id(buf))
+            elif not update_only:  # a read-modify-write: the recomputation reads the value
+                self._update_only.discard(id(buf))
+
+    def _before_read(self, args: tuple, kwargs: dict, skip: Sequence[torch.Tensor]) -> None:
+        for t in _tensors(args, kwargs):
+            if any(t is s for s in skip):
+                continue
+            key = _storage_key(t)
+            for buf in self._by_storage.get(key, ()) if key is not None else ():
+                self._update_only.discard(id(buf))
 
     def forward_enter(self) -> None:
         for root in self._known:
@@ -163,7 +202,9 @@ class BufferGuard:
             current = module._buffers.get(name, old)  # a deleted buffer is left alone
             if current is not old and current is not None:  # replaced, not written in place
                 self._replaced.append((module, name, old))
-        self._named, self._by_storage, self._seen = [], {}, set()
+        for i in self._update_only:  # rule 2: the recomputation needs no pre-forward value
+            self._pre[i] = (self._pre[i][0], None)
+        self._named, self._by_storage, self._seen, self._update_only = [], {}, set(), set()
 
     # ---- recompute side --------------------------------------------------------------
     def recompute_enter(self) -> None:
@@ -172,7 +213,8 @@ class BufferGuard:
         with torch.no_grad():
             self._now.append(([b.detach().clone() for b in written], replaced))
             for buf, before in self._pre.values():
-                buf.copy_(before)
+                if before is not None:
+                    buf.copy_(before)
         for module, name, old in self._replaced:
             module._buffers[name] = old
 
