@@ -129,16 +129,17 @@ def test_divergence_check_in_segment():
         y.sum().backward()
 
 
-def test_eval_and_no_grad_run_plainly():
+def test_eval_checkpoints_and_no_grad_runs_plainly():
     model = TinyGPT().eval()
     checkpoint_segment(model.blocks, [0, 2 - 1])
     counter = CallCounter(model.blocks[0].attn.qkv)
     ids = torch.randint(0, 64, (2, 8))
-    model(ids).sum().backward()
+    model(ids).sum().backward()  # eval() with autograd recording: forward + recompute
+    assert counter.count == 2
     model.train()
     with torch.no_grad():
         model(ids)
-    assert counter.count == 2
+    assert counter.count == 3
 
 
 def test_deepcopy_of_segmented_model():

@@ -1,17 +1,19 @@
-"""``checkpoint``: torch's non-reentrant checkpoint plus policies, BatchNorm-once and a
+"""``checkpoint``: torch's non-reentrant checkpoint plus policies, buffers written once and a
 divergence check.
 
 A checkpointed call runs under two context managers that torch's ``context_fn`` provides:
 the forward context (entered while the region runs the first time) and the recompute context
 (entered each time backward recomputes it). memfit composes into them, bottom to top:
 
-- forward:   selective-checkpoint caching mode (if a policy; its policy function also feeds
-             the op recorder), op recorder (if no policy), buffer watcher
+- forward:   buffer watcher, selective-checkpoint caching mode (if a policy; its policy
+             function also feeds the op recorder), op recorder (if no policy)
 - recompute: buffer restore, selective-checkpoint cached mode (if a policy), op checker
 
 The checker sits above the cached mode so that it sees every op, also those whose saved
 outputs the cached mode returns without running them; torch consults the policy for every
-forward op (not just the saved ones), so the recorder sees them all too.
+forward op (not just the saved ones), so the recorder sees them all too. The buffer watcher
+sits below both, so the buffer copies it makes are not ops of the region (NOTE [buffers
+written in forward] in ``memfit.runtime.buffers``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ class RegionContexts:
         )
 
     def __call__(self) -> tuple[Any, Any]:
-        forward: list[Any] = [_NoAutocastCache()]
+        forward: list[Any] = [
+            _NoAutocastCache(), _Hooks(self.guard.forward_enter, self.guard.forward_exit)
+        ]
         recompute: list[Any] = [
             _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
         ]
@@ -135,7 +139,6 @@ class RegionContexts:
             forward.append(self.recorder)
         if self.recorder is not None and self.check:
             recompute.append(OpChecker(self.recorder, self.name))
-        forward.append(_Hooks(self.guard.forward_enter, self.guard.forward_exit))
         return _Composite(forward), _Composite(recompute)
 
 
@@ -166,9 +169,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: bo
 
     A drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
     **kwargs)`` (``preserve_rng_state``, ``determinism_check``, ``early_stop`` pass through),
-    that adds selective policies, BatchNorm statistics updated once (NOTE [BatchNorm once]
-    in ``memfit.runtime.buffers``) and a divergence check (NOTE [divergence check] in
-    ``memfit.runtime.divergence``).
+    that adds selective policies, buffers written in forward (BatchNorm statistics,
+    ``spectral_norm`` vectors, counters) updated once and recomputed from their pre-forward
+    values (NOTE [buffers written in forward] in ``memfit.runtime.buffers``) and a
+    divergence check (NOTE [divergence check] in ``memfit.runtime.divergence``).
 
     Args:
         fn: the function or module to run.

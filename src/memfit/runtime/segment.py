@@ -260,7 +260,7 @@ class SegmentHandle:
 
     # ---- forward-time logic ------------------------------------------------------------
     def _wants_checkpoint(self, pos: int, args: Any, kwargs: Any) -> bool:
-        if not torch.is_grad_enabled() or not self.blocks[pos].training:
+        if not torch.is_grad_enabled():  # also in eval(): NOTE [when a region checkpoints], wrap.py
             return False
         found = []
         _map((args, kwargs), lambda t: found.append(t.requires_grad))

@@ -14,8 +14,13 @@ NOTE [how wrap works]
     checkpoint would recompute the region twice, and a silent no-op would hide a changed
     policy. Unwrap first.
 
-    In ``eval()`` mode, under ``torch.no_grad()``, or when neither an input nor a parameter
-    requires grad, the module runs its forward directly, with no checkpoint overhead.
+NOTE [when a region checkpoints]
+    A region checkpoints whenever autograd records its forward: grad mode is on and an input
+    or a parameter of the module requires grad, in ``train()`` and in ``eval()`` mode alike
+    (fine-tuning with frozen BatchNorm statistics trains in ``eval()``; its profile is an
+    ``eval()`` step and the plan is made for it). Under ``torch.no_grad()`` or
+    ``torch.inference_mode()``, or when nothing requires grad, nothing is saved for backward,
+    so the module runs its forward directly: no checkpoint, no region state.
 """
 
 from __future__ import annotations
@@ -69,8 +74,8 @@ class _CheckpointedForward:
             inner = type(module).forward.__get__(module, type(module))
         else:
             inner = state.instance_forward
-        if not (torch.is_grad_enabled() and module.training
-                and _requires_grad(module, args, kwargs)):
+        # NOTE [when a region checkpoints]: whenever autograd records, train() or eval().
+        if not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
             return inner(*args, **kwargs)
         return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
                           name=state.name, modules=(module,))

@@ -1,0 +1,245 @@
+"""Buffers a region's forward writes (NOTE [buffers written in forward]): recomputed from their
+pre-forward values, updated once, bitwise equal to the plain step and over optimizer steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from runtime_helpers import assert_bitwise_twin
+from torch import nn
+
+import memfit
+from memfit.planning.plan import Plan, Region
+from memfit.runtime.apply import apply
+
+D = 16
+
+
+class Block(nn.Module):
+    """Linear, BatchNorm, tanh, plus one kind of buffer the forward writes."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        lin = nn.Linear(D, D)
+        if kind == "spectral_norm":
+            lin = nn.utils.parametrizations.spectral_norm(lin)
+        elif kind == "spectral_norm_legacy":
+            lin = nn.utils.spectral_norm(lin)
+        self.lin = lin
+        self.bn = nn.BatchNorm1d(D)
+        self.kind = kind
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.lin(x))                                    # (batch, D)
+        if self.kind == "counter":
+            self.calls += 1                                          # a step counter: in place
+            h = h * (self.calls / 4)                                 # a schedule read after it
+        elif self.kind == "ema":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * x.mean(0))             # EMA of the input
+            h = h - self.ema
+        elif self.kind == "reads_stats":
+            h = h * self.bn.running_var                              # read after its update
+        return torch.tanh(h)
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, *, by_hand: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, D)
+        self.blocks = nn.ModuleList(Block(kind) for _ in range(2))
+        self.head = nn.Linear(D, 1)
+        self.by_hand = by_hand  # memfit.checkpoint each block from the loop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = memfit.checkpoint(block, h) if self.by_hand else block(h)
+        return self.head(h)
+
+
+KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema", "reads_stats"]
+
+PLANS = {
+    "wrap": (Region(("blocks.0",)), Region(("blocks.1",))),
+    "segment": (Region(("blocks.0", "blocks.1")),),
+    "nested": (Region(("blocks.0",)), Region(("blocks.0.lin",)), Region(("blocks.1",)),
+               Region(("blocks.1.bn",))),
+}
+
+
+def _plan(regions: tuple[Region, ...]) -> Plan:
+    return Plan(regions=regions, predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
+                solver="test", profile_signature="")
+
+
+def _pair(kind: str, how: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    twin = Net(kind).train()
+    model = copy.deepcopy(twin)
+    if how == "checkpoint":
+        model.by_hand = True
+    else:
+        apply(model, _plan(PLANS[how]))
+    return model, twin
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("how", ["checkpoint", *PLANS])
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_buffers_bitwise_and_batchnorm_once(kind, how):
+    model, twin = _pair(kind, how)
+    assert_bitwise_twin(model, twin, (_x().requires_grad_(),), steps=2)
+    assert [int(b.bn.num_batches_tracked) for b in model.blocks] == [2, 2]
+    if kind == "counter":
+        assert [int(b.calls) for b in model.blocks] == [2, 2]
+
+
+def _adamw_steps(model: nn.Module, n: int) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(n):
+        torch.manual_seed(s)
+        loss = model(_x()).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["checkpoint", *PLANS])
+@pytest.mark.parametrize("kind", KINDS)
+def test_three_adamw_steps_equal_plain(kind, how):
+    model, twin = _pair(kind, how)
+    for a, b in zip(_adamw_steps(model, 3), _adamw_steps(twin, 3), strict=True):
+        assert torch.equal(a, b)
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for (name, p), (_, q) in zip(model.named_buffers(), twin.named_buffers(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_torch_checkpoint_gets_spectral_norm_wrong():
+    # The failure memfit fixes: torch's checkpoint recomputes the weight from advanced vectors.
+    torch.manual_seed(0)
+    model = Net("spectral_norm").train()
+    twin = copy.deepcopy(model)
+    x = _x()
+    h = model.inp(x)
+    for block in model.blocks:
+        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+    model.head(h).sum().backward()
+    twin(x).sum().backward()
+    differ = [n for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(),
+                                          strict=True) if not torch.equal(p.grad, q.grad)]
+    assert "blocks.0.lin.parametrizations.weight.original" in differ
+
+
+def test_fit_plan_over_spectral_norm_trains_like_plain():
+    torch.manual_seed(0)
+    model = Net("spectral_norm").train()
+    twin = copy.deepcopy(model)
+    memfit.fit(model, _x(), budget="min")
+    covered = {p for r in model.memfit_plan.regions for p in r.modules}
+    assert covered & {"blocks.0", "blocks.0.lin", "blocks.1", "blocks.1.lin"}, covered
+    report = memfit.verify(model, _x())
+    assert report.bitwise and report.bn_stats_equal, str(report)
+    for a, b in zip(_adamw_steps(model, 3), _adamw_steps(twin, 3), strict=True):
+        assert torch.equal(a, b)
+    for (name, p), (_, q) in zip(model.state_dict().items(), twin.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(p, q), name
+
+
+class Replaces(nn.Module):
+    """An EMA kept by replacing the buffer (not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("ema", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return torch.tanh(self.lin(x) - self.ema)
+
+
+def test_replaced_buffer_is_put_back_for_the_recompute():
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(8, D), Replaces(), nn.Linear(D, 1))
+    model = copy.deepcopy(twin)
+    apply(model, _plan((Region(("1",)),)))
+    assert_bitwise_twin(model, twin, (_x(),), steps=2)
+
+
+def test_retain_graph_recomputes_twice_from_the_same_values():
+    torch.manual_seed(0)
+    model = Net("counter")
+    twin = copy.deepcopy(model)
+    model.by_hand = True
+    x = _x()
+    for m in (model, twin):
+        loss = m(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert [int(b.calls) for b in model.blocks] == [1, 1]
+
+
+def test_only_written_buffers_are_copied():
+    from memfit.runtime.buffers import BufferGuard
+
+    block = Block("counter")
+    guard = BufferGuard((block,))
+    guard.forward_enter()
+    try:
+        block(torch.randn(4, D))
+    finally:
+        guard.forward_exit()
+    written = {id(buf): copy is not None for buf, copy in guard._pre.values()}
+    names = {n: written[id(b)] for n, b in block.named_buffers() if id(b) in written}
+    # BatchNorm's statistics are only updated: restored after recomputation, no copy kept
+    assert names == {"calls": True, "bn.num_batches_tracked": True,
+                     "bn.running_mean": False, "bn.running_var": False}
+
+
+def test_functional_batch_norm_writes_are_seen():
+    # F.batch_norm writes running statistics the op schema does not declare.
+    from memfit.runtime.buffers import BufferGuard
+
+    mod = nn.Module()
+    mod.register_buffer("mean", torch.zeros(3))
+    mod.register_buffer("var", torch.ones(3))
+    guard = BufferGuard((mod,))
+    guard.forward_enter()
+    try:
+        F.batch_norm(torch.randn(5, 3), mod.mean, mod.var, training=True)
+        F.batch_norm(torch.randn(5, 3), mod.mean, mod.var, training=False)
+    finally:
+        guard.forward_exit()
+    assert {id(b) for b, _ in guard._pre.values()} == {id(mod.mean), id(mod.var)}
+
+
+def test_statistics_read_after_their_update_keep_their_copy():
+    from memfit.runtime.buffers import BufferGuard
+
+    block = Block("reads_stats")
+    guard = BufferGuard((block,))
+    guard.forward_enter()
+    try:
+        block(torch.randn(4, D))
+    finally:
+        guard.forward_exit()
+    copies = {id(buf): copy for buf, copy in guard._pre.values()}
+    assert copies[id(block.bn.running_mean)] is None
+    assert torch.equal(copies[id(block.bn.running_var)], torch.ones(D))
