@@ -12,10 +12,11 @@ import torch
 
 from memfit import InfeasibleBudget, zoo
 from memfit.planning.planner import plan as make_plan
-from memfit.profiling.inputs import make_step_fn, normalize_inputs
+from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply, unapply
+from memfit.step import Step
 
 # The tolerance: the meter sees allocator-level effects the profile does not (measured
 # here: within 0.6% on these models).
@@ -66,7 +67,7 @@ def test_measured_peak_within_budget_and_monotone(name):
         assert plan.predicted_peak_bytes <= budget
         apply(model, plan)
         try:
-            peak = measure(make_step_fn(model, args, kwargs, None), model=model).peak_bytes
+            peak = measure(Step(model, args, kwargs).run, model=model).peak_bytes
         finally:
             unapply(model)
         assert peak <= budget * BUDGET_TOL, (frac, peak, budget)

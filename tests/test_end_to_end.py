@@ -21,10 +21,11 @@ import torch
 from memfit import InfeasibleBudget, Plan, Region, zoo
 from memfit.planning.planner import plan as make_plan
 from memfit.planning.simulate import simulate
-from memfit.profiling.inputs import make_step_fn, normalize_inputs
+from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply, unapply
+from memfit.step import Step
 
 # The checkpoint machinery keeps a few small tensors of its own (RNG state, bookkeeping)
 # and the profile sees a few the planned step does not; measured differences were 0-512 B
@@ -47,7 +48,7 @@ CASES = {
 def _measured_peaks(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """(live-storage meter, CPU allocator meter) peaks of one run of the step."""
     args, kwargs = normalize_inputs(x)
-    step = make_step_fn(model, args, kwargs, None)
+    step = Step(model, args, kwargs).run
     m = measure(step, model=model, meter="both")
     assert m.allocator_peak_bytes is not None
     return m.tracked_peak_bytes, m.allocator_peak_bytes

@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.profiling.inputs import make_step_fn, normalize_inputs
+from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.profile import Profile, StorageKind
 from memfit.profiling.tracer import profile
 from memfit.profiling.tracker import live_timeline
+from memfit.step import Step
 
 
 def _conv_net() -> nn.Module:
@@ -62,7 +63,7 @@ def test_live_bytes_include_the_workspace_and_match_the_allocator(conv_case) -> 
     assert p.peak_bytes == max(p.live_bytes) == p.extra["tracked_peak_bytes"]
     args, kwargs = normalize_inputs(x)
     with _one_thread():
-        r = measure(make_step_fn(model, args, kwargs, None), model=model, meter="both")
+        r = measure(Step(model, args, kwargs).run, model=model, meter="both")
     # the allocator sees the workspaces; the profile now predicts its peak to the byte, the
     # dispatch meter (blind to them) reads the tensors only
     assert r.allocator_peak_bytes == p.peak_bytes

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.errors import MemfitError, ModelError
 
-__all__ = ["normalize_inputs", "default_loss", "iter_tensors", "make_step_fn", "map_tensors",
+__all__ = ["normalize_inputs", "default_loss", "iter_tensors", "map_tensors",
            "call_user"]
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -170,7 +170,7 @@ def call_user(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         ) from e
 
 
-def _check_differentiable(loss: torch.Tensor, model: Any, name: str, inputs: Any,
+def check_differentiable(loss: torch.Tensor, model: Any, name: str, inputs: Any,
                           user_loss: bool) -> None:
     """A loss that does not require grad has no backward: say why instead of torch's
     "element 0 of tensors does not require grad"."""
@@ -196,38 +196,3 @@ def _check_differentiable(loss: torch.Tensor, model: Any, name: str, inputs: Any
         f"pass and nothing to checkpoint; {fix}",
         model=name,
     )
-
-
-def make_step_fn(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 loss_fn: LossFn | None,
-                 on_backward: Callable[[], None] | None = None, *,
-                 owner: torch.nn.Module | None = None) -> Callable[[], None]:
-    """A step: forward, loss, backward. Output and loss stay referenced through backward, as in
-    a usual training loop, and are released when the function returns.
-
-    ``model`` is the module, or a function standing for the forward of ``owner`` (fake mode's
-    functional call); messages name the module. What the user's code raises becomes a
-    ``ModelError`` (NOTE [whose fault]); so does a loss that does not require grad.
-    """
-    module = owner if owner is not None else model
-    label = model_name(module)
-
-    def step() -> None:
-        out = call_user(model, args, kwargs, model=label, what="forward")
-        if loss_fn is None:
-            loss = default_loss(out)
-        else:
-            loss = call_user(loss_fn, (out,), {}, model=label, what="loss_fn")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(
-                f"the loss must be a scalar tensor, got "
-                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
-                "return e.g. out.sum() from loss_fn"
-            )
-        _check_differentiable(loss, module, label, (args, kwargs), loss_fn is not None)
-        if on_backward is not None:
-            on_backward()
-        call_user(loss.backward, (), {}, model=label, what="backward")
-        del out, loss
-
-    return step

@@ -3,7 +3,7 @@
 One traced run records every aten op (a ``StorageTracker`` dispatch mode), the module running
 it (``ModuleRecorder``), and what autograd saved for backward (saved-tensor hooks); further
 runs only time ops (``OpTimer``), and plain runs time the step. The model, its gradients,
-buffers and the RNG state are left as they were (see ``_Preserved``).
+buffers and the RNG state are left as they were (``memfit.step.ModelState``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,7 @@ import torch
 
 from memfit.errors import ProfileMismatch
 from memfit.profiling.costmodel import op_time_s, preset
-from memfit.profiling.inputs import (
-    LossFn,
-    call_user,
-    iter_tensors,
-    make_step_fn,
-    model_name,
-    normalize_inputs,
-)
+from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.profile import (
     OpRecord,
@@ -40,6 +33,7 @@ from memfit.profiling.profile import (
     op_signature,
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
+from memfit.step import ModelState, Step
 
 __all__ = ["ProfileMode", "profile", "check_profile_matches", "live_bytes_of"]
 
@@ -61,41 +55,6 @@ class ProfileMode(str, enum.Enum):
     FAKE = "fake"        # run it on the meta device, times from the cost model
 
 
-class _Preserved:
-    """Leaves grads, buffers and RNG state as found; ``reset()`` gives each run the same start.
-
-    Each run starts with every ``.grad`` None (gradients are created afresh, as after
-    ``zero_grad(set_to_none=True)``), the RNG state and buffers (BatchNorm statistics) of the
-    moment ``profile`` was called.
-    """
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, real: bool,
-                 inputs: Any = ()) -> None:
-        # Example inputs that require grad get a .grad from the traced step too.
-        leaves = [t for t in iter_tensors(inputs) if t.requires_grad and t.is_leaf]
-        self.params = list(model.parameters()) + leaves
-        self.grads = [p.grad for p in self.params]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-        self.buffers = [(b, b.detach().clone()) for b in model.buffers()
-                        if real and b.device.type != "meta"]
-
-    def reset(self) -> None:
-        for p in self.params:
-            p.grad = None
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        with torch.no_grad():
-            for b, snap in self.buffers:
-                b.copy_(snap)
-
-    def restore(self) -> None:
-        self.reset()
-        for p, g in zip(self.params, self.grads, strict=True):
-            p.grad = g
-
-
 def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int,
                   workspace: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
     """``live_bytes[i]``: bytes of activation/gradient storages live at op ``i`` plus op ``i``'s
@@ -106,20 +65,17 @@ def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int,
 
 @dataclass
 class _Setup:
+    step: Step                              # on fake inputs in fake mode
     forward: Callable[..., Any]
     state: dict[str, torch.Tensor] | None   # fake-mode parameters and buffers, by name
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
     device: torch.device
     outer: Any                              # the fake mode, or a null context
 
 
 @contextlib.contextmanager
-def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str, torch.Tensor] | None,
-            args: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn | None,
-            time_ops: bool, count_flops: bool = True,
-            forward_only: bool = False, outer: Any = None,
+def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: bool = False,
             measure_workspace: bool = False) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
+    model, state, st = su.step.model, su.state, su.step
     owners = param_owners(model)
     named = dict(model.named_parameters()) if state is None else {n: state[n] for n in owners}
     tracker = StorageTracker(time_ops=time_ops, count_flops=count_flops,
@@ -132,32 +88,33 @@ def _traced(model: torch.nn.Module, forward: Callable[..., Any], state: dict[str
     buffers = model.named_buffers() if state is None else ((n, state[n]) for n, _ in model.named_buffers())
     for _, b in buffers:
         tracker.register(b, StorageKind.BUFFER)
-    for t in iter_tensors((args, kwargs)):
+    for t in iter_tensors(st.inputs):
         tracker.register(t, StorageKind.INPUT)
-    if forward_only:
-        lf = loss_fn
-        from memfit.profiling.inputs import default_loss
-
+    if forward_only and st.call is None:
         def step() -> None:
-            (lf or default_loss)(call_user(forward, args, kwargs, model=model_name(model),
-                                           what="forward"))
+            out = call_user(su.forward, st.args, st.kwargs, model=st.name, what="forward")
+            (st.loss_fn or default_loss)(out)
+    elif forward_only:
+        def step() -> None:
+            st.output_and_loss()
     else:
-        step = make_step_fn(forward, args, kwargs, loss_fn, on_backward=tracker.begin_backward,
-                            owner=model)
+        def step() -> None:
+            st.run(forward=su.forward, on_backward=tracker.begin_backward)
     try:
-        with outer or contextlib.nullcontext(), rec, tracker.saved_tensors_hooks(), tracker:
+        with su.outer, rec, tracker.saved_tensors_hooks(), tracker:
             step()
     finally:
         tracker.close()
     yield tracker, rec
 
 
-def _setup(model: torch.nn.Module, example_inputs: Any, mode: ProfileMode,
-           device: str | torch.device | None) -> _Setup:
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
-    args, kwargs = normalize_inputs(example_inputs)
+def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None) -> _Setup:
+    model = step.model
+    args, kwargs = step.inputs
     if mode is ProfileMode.FAKE:
+        if step.call is not None:
+            raise ValueError("fake mode profiles model(*example_inputs); a step given as a "
+                             "callable runs real tensors: profile it in measure mode")
         from memfit.profiling.fake import meta_inputs, meta_state, new_fake_mode
 
         fake_mode = new_fake_mode()
@@ -168,19 +125,19 @@ def _setup(model: torch.nn.Module, example_inputs: Any, mode: ProfileMode,
         def forward(*a: Any, **k: Any) -> Any:
             return torch.func.functional_call(model, state, a, k, tie_weights=True, strict=False)
 
-        return _Setup(forward, state, args, kwargs, torch.device("meta"), fake_mode)
+        return _Setup(step.with_inputs(args, kwargs), forward, state, torch.device("meta"), fake_mode)
     if device is None:
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else "cpu"
     dev = torch.device(device)
     if dev.type == "meta":
         raise ValueError("the model is on the meta device: profile it with mode='fake'")
-    return _Setup(model, None, args, kwargs, dev, contextlib.nullcontext())
+    return _Setup(step, model, None, dev, contextlib.nullcontext())
 
 
 def profile(
-    model: torch.nn.Module,
-    example_inputs: Any,
+    model: torch.nn.Module | Step,
+    example_inputs: Any = None,
     *,
     loss_fn: LossFn | None = None,
     mode: ProfileMode | str = ProfileMode.MEASURE,
@@ -191,7 +148,8 @@ def profile(
     """Trace one forward + loss + backward of ``model`` on ``example_inputs`` into a Profile.
 
     Args:
-        model: the module; left unchanged (grads, buffers and RNG state restored).
+        model: the module, left unchanged (grads, buffers and RNG state restored); or a
+            ``memfit.step.Step`` (then no inputs or loss_fn).
         example_inputs: a tensor, a tuple of positional args or a dict of keyword args.
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` if present, else the
             sum of ``t.sum()`` over the output tensors.
@@ -217,21 +175,23 @@ def profile(
     except ValueError:
         raise ValueError(f"mode must be 'measure' or 'fake', got {mode!r}") from None
     t_begin = time.perf_counter()
-    su = _setup(model, example_inputs, mode, device)
-    forward, state, args, kwargs, dev = su.forward, su.state, su.args, su.kwargs, su.device
+    the_step = _as_step(model, example_inputs, loss_fn)
+    model = the_step.model
+    su = _setup(the_step, mode, device)
+    dev = su.device
     fake = mode is ProfileMode.FAKE
-    keep = _Preserved(model, dev, real=not fake, inputs=(args, kwargs))
+    keep = ModelState(model, su.step.inputs, buffers=not fake)
     op_times: list[list[float]] = []
     plain: list[float] = []
     try:
         keep.reset()
         # NOTE [kernel workspaces]: measured on CPU only (CUDA workspaces not modelled yet)
-        with _traced(model, forward, state, args, kwargs, loss_fn, time_ops=not fake,
-                     outer=su.outer, measure_workspace=not fake and dev.type == "cpu") as (tr, rec):
+        with _traced(su, time_ops=not fake,
+                     measure_workspace=not fake and dev.type == "cpu") as (tr, rec):
             pass
         if not fake:
             op_times = [[op.time_s] for op in tr.ops]
-            step = make_step_fn(forward, args, kwargs, loss_fn, owner=model)
+            step = su.step.run
             for _ in range(repeats - 1):
                 keep.reset()
                 timer = OpTimer()
@@ -297,6 +257,16 @@ def profile(
     return result
 
 
+def _as_step(model: Any, example_inputs: Any, loss_fn: LossFn | None) -> Step:
+    if isinstance(model, Step):
+        if example_inputs is not None or loss_fn is not None:
+            raise TypeError("a Step carries its inputs and loss: pass no example_inputs or loss_fn")
+        return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"profile needs an nn.Module or a memfit Step, got {type(model).__name__}")
+    return Step.of(model, example_inputs, loss_fn=loss_fn)
+
+
 def _identity(t: Any) -> Any:
     return t
 
@@ -319,16 +289,11 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
         >>> check_profile_matches(profile(m, x, repeats=1), m, x)   # same model: no error
     """
     mode = ProfileMode(profile.mode)
-    su = _setup(model, example_inputs, mode, None)
-    keep = _Preserved(model, su.device, real=mode is ProfileMode.MEASURE,
-                      inputs=(su.args, su.kwargs))
-    try:
+    su = _setup(_as_step(model, example_inputs, loss_fn), mode, None)
+    with ModelState(model, su.step.inputs, buffers=mode is ProfileMode.MEASURE) as keep:
         keep.reset()
-        with _traced(model, su.forward, su.state, su.args, su.kwargs, loss_fn, time_ops=False,
-                     count_flops=False, forward_only=True, outer=su.outer) as (tr, _):
+        with _traced(su, time_ops=False, count_flops=False, forward_only=True) as (tr, _):
             pass
-    finally:
-        keep.restore()
     got = [OpRecord(index=i, name=o.name, module=o.module, phase=Phase.FORWARD)
            for i, o in enumerate(tr.ops)]
     sig = op_signature(got)

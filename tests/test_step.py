@@ -1,0 +1,82 @@
+"""memfit.step: a step is data (inputs or a callable, loss, autocast); ModelState leaves the
+model as found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.profiling.tracer import profile
+from memfit.step import Autocast, ModelState, Step
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
+
+
+def test_step_of_inputs_and_of_a_callable_compute_the_same_gradients():
+    model, x = _net(), torch.randn(4, 8)
+    torch.manual_seed(1)
+    Step.of(model, x).run()
+    by_inputs = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(_net().state_dict())
+    torch.manual_seed(1)
+    Step.of(model, call=lambda: model(x).sum()).run()
+    for a, p in zip(by_inputs, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad)
+
+
+def test_step_made_in_autocast_runs_under_it_later():
+    model, x = nn.Linear(8, 8), torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = Step.of(model, x)
+    assert step.autocast == (Autocast("cpu", torch.bfloat16),)
+    out, _ = step.output_and_loss()          # outside autocast now
+    assert out.dtype == torch.bfloat16
+    assert Step.of(model, x).output_and_loss()[0].dtype == torch.float32
+
+
+def test_profile_of_a_callable_step_is_the_profile_of_the_model():
+    model, x = _net(), torch.randn(4, 8)
+    by_inputs = profile(model, x, repeats=1)
+    by_call = profile(Step.of(model, call=lambda: model(x).sum()), repeats=1)
+    assert by_call.signature == by_inputs.signature and by_call.saved_bytes == by_inputs.saved_bytes
+    # model(x) + loss_fn keeps the output (4 x 1 float32) referenced through backward, as a
+    # training loop does; the callable drops it once it has the loss
+    assert by_inputs.peak_bytes - by_call.peak_bytes == 4 * 1 * 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(example_inputs=None), "needs example_inputs"),
+    (dict(example_inputs=torch.ones(1), call=lambda: 0), "not both"),
+    (dict(call=3), "call must be a function"),
+], ids=["nothing", "both", "not-callable"])
+def test_step_of_refuses_what_is_not_a_step(bad, match):
+    with pytest.raises(TypeError, match=match):
+        Step.of(nn.Linear(1, 1), **bad)
+
+
+def test_a_callable_must_return_a_scalar_loss():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="return the loss from the step function"):
+        Step.of(model, call=lambda: model(torch.ones(1, 2))).run()
+
+
+def test_model_state_resets_and_restores_grads_buffers_and_rng():
+    model, x = _net(), torch.randn(4, 8)
+    model(x).sum().backward()
+    old_grads = [p.grad.clone() for p in model.parameters()]
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    with ModelState(model, x) as state:
+        state.reset()
+        assert all(p.grad is None for p in model.parameters())
+        Step.of(model, x).run()
+        assert not torch.equal(model[1].running_mean, stats)
+        assert not torch.equal(torch.get_rng_state(), rng)
+    for g, p in zip(old_grads, model.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
