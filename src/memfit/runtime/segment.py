@@ -39,6 +39,22 @@ NOTE [chain segments]
     last block registered after the segment, and global forward pre-hooks, run outside the
     region in forward but inside the replay (the divergence check reports it if they run
     ops); KV caches must be off (``use_cache=False``), since a replay would update them again.
+
+NOTE [segments and threads]
+    Several threads may run the same segmented model at once (each its own forward and
+    backward). What a segment tracks for one forward (the open checkpoint, the saved-tensor
+    hooks put back between two blocks, whether a replay is running) is therefore per thread
+    (``_ThreadState``, a ``threading.local``): torch's saved-tensor hooks, dispatch modes and
+    grad mode are thread-local too, so a checkpoint opened in one thread's block pre-hook must
+    be closed by the same thread's post-hook, and a replay must silence only the hooks of the
+    thread running it (the one running backward: the caller on CPU, an autograd device thread
+    on an accelerator; the replay sets and reads the flag there). Shared state, in the handle,
+    is what holds for every call: the blocks, the policy, and the cuts learnt (the parent's
+    code between two blocks, the same in every thread). Random ops in threads are another
+    matter, with or without memfit: the threads draw from one global generator in an order the
+    scheduler picks, and torch's checkpoint restores that generator's state around each
+    recomputation (``fork_rng``), so only models without random ops (dropout off) give
+    per-thread results that do not depend on the interleaving.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +230,13 @@ def _resolve(value: Any, inputs: Sequence[torch.Tensor], outs: list[Any]) -> Any
     return value
 
 
+class _ThreadState(threading.local):
+    """Per-thread state of a segment (NOTE [segments and threads])."""
+
+    open: _Open | None = None
+    replaying: int = 0
+
+
 class SegmentHandle:
     """A chain segment installed on consecutive sibling modules; ``remove()`` uninstalls it.
 
@@ -228,8 +252,7 @@ class SegmentHandle:
         self.check = check
         self.name = name
         self.cuts: set[int] = set()
-        self._open: _Open | None = None
-        self._replaying = 0
+        self._tls = _ThreadState()
         self._hooks: list[Any] = []
         for pos, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(
@@ -241,11 +264,32 @@ class SegmentHandle:
     def __repr__(self) -> str:
         return f"SegmentHandle({self.name}, {len(self.blocks)} blocks, policy={self.policy!r})"
 
+    # The open checkpoint and the replay depth of the calling thread (NOTE [segments and
+    # threads]).
+    @property
+    def _open(self) -> _Open | None:
+        return self._tls.open
+
+    @_open.setter
+    def _open(self, value: _Open | None) -> None:
+        self._tls.open = value
+
+    @property
+    def _replaying(self) -> int:
+        return self._tls.replaying
+
+    @_replaying.setter
+    def _replaying(self, value: int) -> None:
+        self._tls.replaying = value
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"] = None
-        state["_replaying"] = 0
+        del state["_tls"]  # a copy starts with no forward open, in any thread
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tls = _ThreadState()
 
     def remove(self) -> None:
         """Uninstall the segment: the blocks run plainly again."""
