@@ -44,17 +44,13 @@ NOTE [segments and threads]
     Several threads may run the same segmented model at once (each its own forward and
     backward). What a segment tracks for one forward (the open checkpoint, the saved-tensor
     hooks put back between two blocks, whether a replay is running) is therefore per thread
-    (``_ThreadState``, a ``threading.local``): torch's saved-tensor hooks, dispatch modes and
-    grad mode are thread-local too, so a checkpoint opened in one thread's block pre-hook must
-    be closed by the same thread's post-hook, and a replay must silence only the hooks of the
-    thread running it (the one running backward: the caller on CPU, an autograd device thread
-    on an accelerator; the replay sets and reads the flag there). Shared state, in the handle,
-    is what holds for every call: the blocks, the policy, and the cuts learnt (the parent's
-    code between two blocks, the same in every thread). Random ops in threads are another
-    matter, with or without memfit: the threads draw from one global generator in an order the
-    scheduler picks, and torch's checkpoint restores that generator's state around each
-    recomputation (``fork_rng``), so only models without random ops (dropout off) give
-    per-thread results that do not depend on the interleaving.
+    (``_ThreadState``): torch's saved-tensor hooks and dispatch modes are thread-local too, so
+    the thread whose pre-hook opened a checkpoint closes it, and a replay silences the hooks
+    of the thread running it only (the one running backward, which sets and reads the flag).
+    The handle holds what every call shares: blocks, policy, cuts learnt. Random ops are
+    another matter, with or without memfit: threads draw from one global generator in the
+    scheduler's order, and torch's checkpoint restores its state around each recomputation
+    (``fork_rng``); only without random ops are per-thread results independent of it.
 """
 
 from __future__ import annotations
@@ -264,24 +260,6 @@ class SegmentHandle:
     def __repr__(self) -> str:
         return f"SegmentHandle({self.name}, {len(self.blocks)} blocks, policy={self.policy!r})"
 
-    # The open checkpoint and the replay depth of the calling thread (NOTE [segments and
-    # threads]).
-    @property
-    def _open(self) -> _Open | None:
-        return self._tls.open
-
-    @_open.setter
-    def _open(self, value: _Open | None) -> None:
-        self._tls.open = value
-
-    @property
-    def _replaying(self) -> int:
-        return self._tls.replaying
-
-    @_replaying.setter
-    def _replaying(self, value: int) -> None:
-        self._tls.replaying = value
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_tls"]  # a copy starts with no forward open, in any thread
@@ -293,7 +271,7 @@ class SegmentHandle:
 
     def remove(self) -> None:
         """Uninstall the segment: the blocks run plainly again."""
-        if self._open is not None:
+        if self._tls.open is not None:
             self._abort()
         for h in self._hooks:
             h.remove()
@@ -343,7 +321,7 @@ class SegmentHandle:
         op.gen = _generator(_Replay(self, op.calls, op.held), True, contexts, "default", False,
                             True, *op.inputs)
         next(op.gen)
-        self._open = op
+        self._tls.open = op
         self._add_call(op, pos, module, args, kwargs)
 
     @staticmethod
@@ -363,9 +341,9 @@ class SegmentHandle:
         op.last = pos
 
     def _close(self, *, replayed_prefix: int | None = None) -> None:
-        op = self._open
+        op = self._tls.open
         assert op is not None
-        self._open = None
+        self._tls.open = None
         if replayed_prefix is not None and op.contexts.recorder is not None:
             op.contexts.recorder.replayed_prefix = replayed_prefix
         try:
@@ -375,14 +353,14 @@ class SegmentHandle:
         raise AssertionError("torch's checkpoint generator yielded more than twice")
 
     def _abort(self) -> None:
-        op = self._open
-        self._open = None
+        op = self._tls.open
+        self._tls.open = None
         if op is not None:
             self._leave_between(op)
             op.gen.close()
 
     def _cut(self, pos: int, why: str) -> None:
-        op = self._open
+        op = self._tls.open
         assert op is not None
         self._close(replayed_prefix=op.boundary)
         if pos not in self.cuts:
@@ -395,9 +373,9 @@ class SegmentHandle:
             )
 
     def pre_hook(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._replaying:
+        if self._tls.replaying:
             return
-        op = self._open
+        op = self._tls.open
         if op is not None:
             self._leave_between(op)
             if pos == 0:
@@ -415,9 +393,9 @@ class SegmentHandle:
             self._start(pos, module, args, kwargs)
 
     def post_hook(self, pos: int, module: nn.Module, output: Any) -> None:
-        if self._replaying:
+        if self._tls.replaying:
             return
-        op = self._open
+        op = self._tls.open
         if op is None or op.last != pos or op.calls[-1].module is not module:
             return
         if output is None and sys.exc_info()[1] is not None:  # the block's forward raised
@@ -480,14 +458,14 @@ class _Replay:
                     "cannot replay it; avoid in-place updates of tensors fed to the blocks"
                 )
         outs: list[Any] = []
-        self.handle._replaying += 1
+        self.handle._tls.replaying += 1
         try:
             for call in self.calls:
                 args = _resolve(call.args, inputs, outs)
                 kwargs = _resolve(call.kwargs, inputs, outs)
                 outs.append(call.module(*args, **kwargs))
         finally:
-            self.handle._replaying -= 1
+            self.handle._tls.replaying -= 1
 
 
 def segment_of(module: nn.Module) -> SegmentHandle | None:
