@@ -26,8 +26,8 @@ from memfit.planning.effects import (
     resolve_span,
 )
 from memfit.planning.plan import OpPolicy, Region
-from memfit.planning.rules import UNKEYED_OPS, op_keys
-from memfit.profiling.profile import Profile
+from memfit.planning.rules import UNKEYED_OPS, clobbered_inputs, in_place_writes, op_keys
+from memfit.profiling.profile import ModuleRecord, Profile
 
 __all__ = ["Candidate", "OpChoice", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
            "overlap_groups"]
@@ -137,6 +137,9 @@ class PlanningContext:
                for a, b in pairwise(recs)):
             self._cands[key] = None  # type: ignore[index]
             return None
+        if self._clobbered(recs):  # NOTE [clobbered inputs] in memfit.planning.rules
+            self._cands[key] = None  # type: ignore[index]
+            return None
         cand = self._build(span, with_ops)
         self._cands[key] = cand  # type: ignore[index]
         return cand
@@ -160,6 +163,14 @@ class PlanningContext:
         """Whether an op other than torch's ignored ones ran between two sibling blocks."""
         return any(self.profile.ops[i].name not in UNKEYED_OPS
                    for i in range(prev_last + 1, next_first))
+
+    @cached_property
+    def _writes(self) -> dict[int, int]:
+        return in_place_writes(self.profile)
+
+    def _clobbered(self, recs: list[ModuleRecord]) -> bool:
+        """Whether the region's inputs are written in place once it has started."""
+        return bool(clobbered_inputs(self.profile, recs, self._writes))
 
     @cached_property
     def _written_in_place(self) -> frozenset[int]:
@@ -291,6 +302,8 @@ class PlanningContext:
         found = []
         for m in self.profile.modules:
             if not m.path.startswith(prefix) or m.path == path or m.calls != 1 or m.first_op is None:
+                continue
+            if self._clobbered([m]):
                 continue
             rm = RegionModel(self.arrays, resolve_span(self.profile, (m.path,), self._index))
             if rm.useful:

@@ -18,17 +18,35 @@ NOTE [saveable ops]
     recomputes such an output anyway (a cached tensor must not change under it).
     ``aten.detach.default`` gets no key at all: torch's selective checkpoint never asks the
     policy about it (checkpointing adds detaches of its own), see ``memfit.runtime.policies``.
+
+NOTE [clobbered inputs]
+    A checkpointed region keeps its inputs for the recomputation: torch's non-reentrant
+    checkpoint saves the tensors passed to it with ``save_for_backward`` (so with their version
+    counters), and a chain segment holds the other tensors passed to its later blocks and checks
+    their versions before the replay. A forward op that writes one of those inputs in place once
+    the region has started therefore breaks backward ("one of the variables needed for gradient
+    computation has been modified by an inplace operation", or ``RecomputeMismatch``), although
+    the plain step runs: plain autograd may not have saved that tensor at all (``h +=
+    block(h)`` where the block first scales ``h`` by a Python number; a block whose first op is
+    ``relu_`` on its input, which is the previous block's output). The recomputation needs the
+    value from before the write, which nothing keeps. So a module or segment whose input storage
+    (one created before its first op) is written in place by a forward op at or after its first
+    op is no candidate region (:func:`clobbered_inputs`); its sub-modules and segments starting
+    at a later block still are. Storage granularity: views share their base's version counter.
+    An output of a region written in place later is handled by the rules above (such an op is
+    never saved, so the selective cache never holds it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from memfit.ops import IGNORED_OP_NAMES, MATMUL_PACKETS
 from memfit.ops import is_matmul as _is_matmul_name
-from memfit.profiling.profile import OpRecord, Profile
+from memfit.profiling.profile import ModuleRecord, OpRecord, Profile
 
-__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul"]
+__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul",
+           "in_place_writes", "clobbered_inputs"]
 
 # Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
 # the runtime skips the same ones (NOTE [ignored ops] in memfit.ops).
@@ -47,6 +65,55 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
     if not op.outputs:
         return False
     return all(profile.storages[t.storage].created_by == op.index for t in op.outputs)
+
+
+def in_place_writes(profile: Profile) -> dict[int, int]:
+    """Storage id -> index of the last forward op that writes it in place.
+
+    The storages an in-place op writes are those of the tensors it returns (the written
+    argument); one that returns no tensor is taken to write all its inputs.
+
+    Example:
+        >>> in_place_writes(profile)   # doctest: +SKIP
+        {12: 40, 31: 77}
+    """
+    last: dict[int, int] = {}
+    for op in profile.forward_ops:
+        if op.inplace:
+            for sid in [t.storage for t in op.outputs] or op.inputs:
+                last[sid] = op.index
+    return last
+
+
+def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
+                     writes: Mapping[int, int] | None = None) -> tuple[int, ...]:
+    """Input storages of the region ``modules`` (one module, or a segment's blocks in call
+    order) that a forward op writes in place once the region has started (NOTE [clobbered
+    inputs]); empty if the region may be checkpointed.
+
+    Args:
+        profile: the profile the modules come from.
+        modules: the region's module records.
+        writes: ``in_place_writes(profile)``, if already computed.
+
+    Example:
+        >>> clobbered_inputs(profile, [profile.module("layers.0")])   # doctest: +SKIP
+        (12,)
+    """
+    first = modules[0].first_op
+    if first is None:
+        return ()
+    writes = in_place_writes(profile) if writes is None else writes
+    out: list[int] = []
+    for m in modules:
+        for sid in m.inputs:
+            created = profile.storages[sid].created_by
+            if created is not None and created >= first:
+                continue  # made inside the region: an earlier block's output, replayed
+            written = writes.get(sid)
+            if written is not None and written >= first and sid not in out:
+                out.append(sid)
+    return tuple(out)
 
 
 def is_matmul(op: OpRecord) -> bool:

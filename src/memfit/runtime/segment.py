@@ -39,6 +39,18 @@ NOTE [chain segments]
     last block registered after the segment, and global forward pre-hooks, run outside the
     region in forward but inside the replay (the divergence check reports it if they run
     ops); KV caches must be off (``use_cache=False``), since a replay would update them again.
+
+NOTE [segments and threads]
+    Several threads may run the same segmented model at once (each its own forward and
+    backward). What a segment tracks for one forward (the open checkpoint, the saved-tensor
+    hooks put back between two blocks, whether a replay is running) is therefore per thread
+    (``_ThreadState``): torch's saved-tensor hooks and dispatch modes are thread-local too, so
+    the thread whose pre-hook opened a checkpoint closes it, and a replay silences the hooks
+    of the thread running it only (the one running backward, which sets and reads the flag).
+    The handle holds what every call shares: blocks, policy, cuts learnt. Random ops are
+    another matter, with or without memfit: threads draw from one global generator in the
+    scheduler's order, and torch's checkpoint restores its state around each recomputation
+    (``fork_rng``); only without random ops are per-thread results independent of it.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,6 +226,13 @@ def _resolve(value: Any, inputs: Sequence[torch.Tensor], outs: list[Any]) -> Any
     return value
 
 
+class _ThreadState(threading.local):
+    """Per-thread state of a segment (NOTE [segments and threads])."""
+
+    open: _Open | None = None
+    replaying: int = 0
+
+
 class SegmentHandle:
     """A chain segment installed on consecutive sibling modules; ``remove()`` uninstalls it.
 
@@ -228,8 +248,7 @@ class SegmentHandle:
         self.check = check
         self.name = name
         self.cuts: set[int] = set()
-        self._open: _Open | None = None
-        self._replaying = 0
+        self._tls = _ThreadState()
         self._hooks: list[Any] = []
         for pos, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(
@@ -243,13 +262,16 @@ class SegmentHandle:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_open"] = None
-        state["_replaying"] = 0
+        del state["_tls"]  # a copy starts with no forward open, in any thread
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tls = _ThreadState()
 
     def remove(self) -> None:
         """Uninstall the segment: the blocks run plainly again."""
-        if self._open is not None:
+        if self._tls.open is not None:
             self._abort()
         for h in self._hooks:
             h.remove()
@@ -299,7 +321,7 @@ class SegmentHandle:
         op.gen = _generator(_Replay(self, op.calls, op.held), True, contexts, "default", False,
                             True, *op.inputs)
         next(op.gen)
-        self._open = op
+        self._tls.open = op
         self._add_call(op, pos, module, args, kwargs)
 
     @staticmethod
@@ -319,9 +341,9 @@ class SegmentHandle:
         op.last = pos
 
     def _close(self, *, replayed_prefix: int | None = None) -> None:
-        op = self._open
+        op = self._tls.open
         assert op is not None
-        self._open = None
+        self._tls.open = None
         if replayed_prefix is not None and op.contexts.recorder is not None:
             op.contexts.recorder.replayed_prefix = replayed_prefix
         try:
@@ -331,14 +353,14 @@ class SegmentHandle:
         raise AssertionError("torch's checkpoint generator yielded more than twice")
 
     def _abort(self) -> None:
-        op = self._open
-        self._open = None
+        op = self._tls.open
+        self._tls.open = None
         if op is not None:
             self._leave_between(op)
             op.gen.close()
 
     def _cut(self, pos: int, why: str) -> None:
-        op = self._open
+        op = self._tls.open
         assert op is not None
         self._close(replayed_prefix=op.boundary)
         if pos not in self.cuts:
@@ -351,9 +373,9 @@ class SegmentHandle:
             )
 
     def pre_hook(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._replaying:
+        if self._tls.replaying:
             return
-        op = self._open
+        op = self._tls.open
         if op is not None:
             self._leave_between(op)
             if pos == 0:
@@ -371,9 +393,9 @@ class SegmentHandle:
             self._start(pos, module, args, kwargs)
 
     def post_hook(self, pos: int, module: nn.Module, output: Any) -> None:
-        if self._replaying:
+        if self._tls.replaying:
             return
-        op = self._open
+        op = self._tls.open
         if op is None or op.last != pos or op.calls[-1].module is not module:
             return
         if output is None and sys.exc_info()[1] is not None:  # the block's forward raised
@@ -436,14 +458,14 @@ class _Replay:
                     "cannot replay it; avoid in-place updates of tensors fed to the blocks"
                 )
         outs: list[Any] = []
-        self.handle._replaying += 1
+        self.handle._tls.replaying += 1
         try:
             for call in self.calls:
                 args = _resolve(call.args, inputs, outs)
                 kwargs = _resolve(call.kwargs, inputs, outs)
                 outs.append(call.module(*args, **kwargs))
         finally:
-            self.handle._replaying -= 1
+            self.handle._tls.replaying -= 1
 
 
 def segment_of(module: nn.Module) -> SegmentHandle | None:
