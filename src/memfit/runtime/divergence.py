@@ -166,7 +166,8 @@ class CheckSampler:
     """
 
     def __init__(self, check: Any) -> None:
-        self.check = check.check if isinstance(check, CheckSampler) else resolve_check(check)
+        self.check: DivergenceCheck | None = (
+            check.check if isinstance(check, CheckSampler) else resolve_check(check))
         self.calls = 0
         self.checked = 0
 
@@ -242,9 +243,9 @@ def _on_grad_path(args: tuple, kwargs: dict | None) -> bool:
         if isinstance(a, torch.Tensor):
             if a.requires_grad:
                 return True
-        elif isinstance(a, (list, tuple)):
-            if any(isinstance(b, torch.Tensor) and b.requires_grad for b in a):
-                return True
+        elif isinstance(a, (list, tuple)) and any(
+                isinstance(b, torch.Tensor) and b.requires_grad for b in a):
+            return True
     return False
 
 
