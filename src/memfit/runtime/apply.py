@@ -17,6 +17,7 @@ from torch import nn
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import policies as _policies
+from memfit.runtime.divergence import resolve_check
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.wrap import unwrap, wrap
 
@@ -91,15 +92,17 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     return targets
 
 
-def apply(model: nn.Module, plan: Plan, *, check: bool = True) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
 
     Args:
         model: the model the plan was made for.
         plan: a ``memfit.Plan``.
-        check: compare each recomputation op by op with its forward and raise
-            ``RecomputeMismatch`` at the first difference (default True; False saves the
-            Python cost of the check, a few percent of a step on small blocks).
+        check: compare each recomputation with its forward, op by op and value by value,
+            and raise ``RecomputeMismatch`` at the first difference: True (default: each
+            region's first 3 calls, then one in 100), "always", "ops" (no values, for
+            nondeterministic GPU kernels), False, or a ``DivergenceCheck``
+            (NOTE [check sampling] in ``memfit.runtime.divergence``).
 
     Returns:
         ``model``, with ``model.memfit_plan`` set to ``plan``.
@@ -118,6 +121,7 @@ def apply(model: nn.Module, plan: Plan, *, check: bool = True) -> nn.Module:
         raise TypeError(f"apply expects a memfit.Plan, got {type(plan).__name__}")
     if "_memfit_applied" in model.__dict__:
         unapply(model)
+    resolve_check(check)  # a bad check= raises before anything is wrapped
     targets = _check(model, plan)
     applied = _Applied()
     try:

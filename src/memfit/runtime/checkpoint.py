@@ -29,7 +29,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.runtime import policies as _policies
 from memfit.runtime.buffers import BufferGuard
-from memfit.runtime.divergence import OpChecker, OpRecorder
+from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
 
 __all__ = ["checkpoint", "RegionContexts"]
 
@@ -101,25 +101,28 @@ class RegionContexts:
     """The ``context_fn`` of one checkpointed call (torch calls it once per call).
 
     Attributes:
-        recorder: the forward's op recorder (counts ops always; records them if ``check``).
+        check: the check this call runs (None: unchecked), from ``check``: a region's
+            ``CheckSampler`` (counts the call), else anything ``resolve_check`` takes.
+        recorder: the forward's op recorder (counts ops always; records them if checked).
     """
 
     def __init__(
         self,
         policy: _policies.Policy | None,
         *,
-        check: bool,
+        check: Any,
         name: str,
         modules: Sequence[nn.Module] = (),
         count_ops: bool = False,
     ) -> None:
         self.policy = policy
-        self.check = check
+        self.check = check.next_call() if isinstance(check, CheckSampler) else resolve_check(check)
         self.name = name
         self.guard = BufferGuard(modules)
-        self.recorder: OpRecorder | None = (
-            OpRecorder(record=check) if (check or count_ops) else None
-        )
+        self.recorder: OpRecorder | None = None
+        if self.check is not None or count_ops:
+            self.recorder = OpRecorder(record=self.check is not None,
+                                       values=self.check is not None and self.check.values)
 
     def __call__(self) -> tuple[Any, Any]:
         forward: list[Any] = [
@@ -137,7 +140,7 @@ class RegionContexts:
             recompute.append(cached)
         elif self.recorder is not None:
             forward.append(self.recorder)
-        if self.recorder is not None and self.check:
+        if self.recorder is not None and self.check is not None:
             recompute.append(OpChecker(self.recorder, self.name))
         return _Composite(forward), _Composite(recompute)
 
@@ -163,7 +166,7 @@ def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
     return (owner,) if isinstance(owner, nn.Module) else ()
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: bool = True,
+def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: Any = True,
                **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its activations dropped and recomputed in backward.
 
@@ -182,16 +185,21 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: bo
             **kwargs) -> CheckpointPolicy | bool``, or a collection of op names/overloads
             (``{"aten.mm", "aten.addmm.default", torch.ops.aten.bmm}``). Outputs of in-place
             and random ops are always recomputed.
-        check: compare the recomputation op by op with the forward and raise
-            ``RecomputeMismatch`` at the first difference (default True).
+        check: compare the recomputation with the forward, op by op (overload, shapes,
+            dtypes) and value by value (output fingerprints), and raise ``RecomputeMismatch``
+            at the first difference: True (default), "always", "ops" (no values: for
+            nondeterministic GPU kernels), False, or a ``DivergenceCheck``. This function
+            form checks every call its check allows (NOTE [check sampling] in
+            ``memfit.runtime.divergence``: ``wrap`` samples calls).
         **kwargs: keyword arguments of ``fn``.
 
     Returns:
         What ``fn`` returns.
 
     Raises:
-        TypeError: ``fn`` is not callable, or ``policy`` has an unsupported type.
-        ValueError: ``policy`` names an unknown op, or ``use_reentrant=True`` was passed.
+        TypeError: ``fn`` is not callable, or ``policy`` or ``check`` has an unsupported type.
+        ValueError: ``policy`` names an unknown op, ``check`` is an unknown string, or
+            ``use_reentrant=True`` was passed.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -209,7 +217,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: bo
             "is not supported (drop the argument)"
         )
     resolved = _policies.resolve(policy)
-    return run_region(fn, args, kwargs, policy=resolved, check=check, name=describe(fn),
+    return run_region(fn, args, kwargs, policy=resolved, check=resolve_check(check), name=describe(fn),
                       modules=_modules_of(fn))
 
 
@@ -222,7 +230,7 @@ def run_region(
     kwargs: dict,
     *,
     policy: _policies.Policy | None,
-    check: bool,
+    check: Any,
     name: str,
     modules: Sequence[nn.Module] = (),
 ) -> Any:

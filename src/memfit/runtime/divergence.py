@@ -1,10 +1,11 @@
-"""Divergence detection: the recomputation of a region must replay its forward op for op.
+"""Divergence detection: the recomputation of a region must replay its forward op for op,
+value for value.
 
 NOTE [divergence check]
     torch's own determinism check compares the shapes, dtypes and devices of the *saved*
     tensors once recomputation is over. A region whose second call takes another branch with
     the same shapes (a flag flipped, a global read) passes that check and silently gets
-    wrong gradients. With ``check=True`` memfit records, during the forward, every op the
+    wrong gradients. With a check on, memfit records, during the forward, every op the
     region dispatches (overload, output shapes and dtypes) and compares the recomputation
     against that record as it runs, raising ``RecomputeMismatch`` at the first difference,
     before a wrong value can reach a gradient. ``aten.detach.default`` is skipped: the
@@ -12,21 +13,269 @@ NOTE [divergence check]
 
     The recorder also counts ops when recording is off; chain segments use the count to see
     whether the parent ran ops between two blocks (see ``memfit.runtime.segment``).
+
+NOTE [value check]
+    Same ops are not same values: a block scaled by ``random.uniform`` (Python's RNG, which
+    checkpointing does not replay) or a forward hook reading a call counter runs the same op
+    sequence with other numbers, and its gradients are silently wrong. So the check also
+    fingerprints every op output, in the forward and in the recomputation, and compares them
+    when the recomputation ends (early stop included: what was not recomputed reaches no
+    gradient). The rules:
+
+    1. A fingerprint is exact: the bit patterns of a strided sample of the output (at most
+       ``SAMPLE`` elements spread over every dimension, with an odd stride so that a sample
+       of a power-of-two row does not sit in one column), viewed as integers and summed in
+       int64. Same ops on the same inputs give the same bits on CPU (memfit's bitwise
+       invariant), so any difference is a divergence, NaNs included.
+    2. It catches a change that reaches a sampled element of some op output: a scaling, a
+       shifted or re-drawn tensor, another constant. It misses a change confined to elements
+       it does not sample (a single element written differently) and, rarely, two different
+       samples whose sums collide.
+    3. On a GPU, kernels that use atomics (``index_add``, ``scatter_add``, some convolution
+       algorithms) can give other bits on the second call. The comparison stays exact; pass
+       ``check="ops"`` (ops, shapes, dtypes only) for a region that runs such kernels, or
+       ``torch.use_deterministic_algorithms(True)``.
+    4. Fingerprints are computed below every dispatch mode (memfit's own, torch's
+       selective-checkpoint cache, a user's), so they change no op count and no cache index,
+       and on CPU they are Python ints: no tensor memory is held. On other devices they stay
+       0-dim device tensors, compared with one synchronisation per recomputation.
+    5. Only plain tensors with a strided layout and 1, 2, 4 or 8-byte elements are
+       fingerprinted; other outputs (subclasses, sparse, meta, complex128) are compared by
+       op, shape and dtype only. So are the outputs of ops that allocate without writing
+       (``empty``, ``empty_like``, ``new_empty``...): their bits are whatever the allocator
+       held; the ops that fill them are fingerprinted.
+    6. Only outputs on the differentiable path are fingerprinted: ops run with grad mode on
+       and a tensor input that requires grad. Other values reach a gradient only through
+       such an op, whose output then differs too. This leaves out the buffer updates that
+       the recomputation legitimately does differently and memfit undoes (BatchNorm's
+       ``num_batches_tracked.add_(1)`` sees the forward's increment; NOTE [BatchNorm once]
+       in ``memfit.runtime.buffers``), and the masks, indices and counters a region
+       computes without grad.
+
+NOTE [check sampling]
+    A divergence is nearly always there from the first step (a hook counter, Python's RNG,
+    a flag set once): checking every call costs a region its op-by-op Python work on every
+    step, for nothing after the first few. ``check=True`` therefore checks the first
+    ``DivergenceCheck.first_calls`` forward calls of each wrapped module or segment, then one
+    call in ``every`` (calls 0, every, 2*every... counted from 0 per region), and the other
+    calls run exactly as with ``check=False``. A divergence that appears only later in
+    training (a flag flipped at step 1000) is caught at the next sampled call, or never if it
+    comes and goes between samples; ``check="always"`` checks every call.
+    ``memfit.checkpoint(fn, ...)`` (the function form) has no identity across calls to count
+    with, so it checks every call its ``check`` allows; wrap the module to sample.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import RecomputeMismatch
 from memfit.ops import IGNORED_OPS  # re-exported: NOTE [ignored ops] in memfit.ops
+from memfit.runtime.segment import no_python_dispatch
 
-__all__ = ["OpRecorder", "OpChecker"]
+__all__ = ["DivergenceCheck", "CheckSampler", "CheckArg", "resolve_check", "fingerprint",
+           "OpRecorder", "OpChecker"]
+
+# Elements of an op output a fingerprint reads at most (NOTE [value check], rule 1).
+SAMPLE = 64
 
 
+@dataclass(frozen=True)
+class DivergenceCheck:
+    """When and what the divergence check compares (NOTE [divergence check]).
+
+    Attributes:
+        first_calls: check every one of the region's first ``first_calls`` forward calls.
+        every: after those, check one call in ``every`` (calls 0, every, 2*every...; 0: none).
+        values: compare op output values (NOTE [value check]) besides ops, shapes and dtypes.
+
+    Example:
+        >>> wrap(block, check=DivergenceCheck(first_calls=10, every=50))   # doctest: +SKIP
+    """
+
+    first_calls: int = 3
+    every: int = 100
+    values: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("first_calls", "every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"DivergenceCheck.{name} must be an int >= 0, got {value!r}")
+
+    def checks(self, call: int) -> bool:
+        """True if the region's forward call number ``call`` (from 0) is checked."""
+        return call < self.first_calls or (self.every > 0 and call % self.every == 0)
+
+
+ALWAYS = DivergenceCheck(first_calls=0, every=1)
+
+# What ``check=`` accepts at the API edge.
+CheckArg = Union[bool, str, DivergenceCheck, "CheckSampler"]
+
+_NAMED = {"always": ALWAYS, "ops": DivergenceCheck(values=False),
+          "always-ops": DivergenceCheck(first_calls=0, every=1, values=False)}
+
+
+def resolve_check(check: Any) -> DivergenceCheck | None:
+    """Turn what users pass as ``check=`` into a :class:`DivergenceCheck` (None: off).
+
+    ``True`` (the default): ops and values, the first 3 calls then one in 100;
+    ``"always"``: ops and values on every call; ``"ops"``: ops, shapes and dtypes only,
+    sampled like ``True``; ``"always-ops"``: ops only, every call; ``False``: no check; or a
+    ``DivergenceCheck``.
+
+    Raises:
+        ValueError: an unknown string.
+        TypeError: another type.
+    """
+    if check is True:
+        return DivergenceCheck()
+    if check is False or check is None:
+        return None
+    if isinstance(check, DivergenceCheck):
+        return check
+    if isinstance(check, str):
+        found = _NAMED.get(check)
+        if found is None:
+            raise ValueError(f"check={check!r} is not a known check; use True, False, "
+                             f"{', '.join(repr(n) for n in _NAMED)} or a DivergenceCheck")
+        return found
+    raise TypeError(f"check must be a bool, one of {sorted(_NAMED)} or a DivergenceCheck, "
+                    f"got {type(check).__name__}")
+
+
+class CheckSampler:
+    """One region's call counter: decides which of its forward calls are checked
+    (NOTE [check sampling]).
+
+    Attributes:
+        check: the resolved check (None: off).
+        calls: forward calls seen so far.
+        checked: how many of them were checked.
+    """
+
+    def __init__(self, check: Any) -> None:
+        self.check: DivergenceCheck | None = (
+            check.check if isinstance(check, CheckSampler) else resolve_check(check))
+        self.calls = 0
+        self.checked = 0
+
+    def __repr__(self) -> str:
+        return f"CheckSampler({self.check!r}, calls={self.calls}, checked={self.checked})"
+
+    def next_call(self) -> DivergenceCheck | None:
+        """Count one forward call; return the check to run on it (None: unchecked)."""
+        call = self.calls
+        self.calls += 1
+        if self.check is None or not self.check.checks(call):
+            return None
+        self.checked += 1
+        return self.check
+
+
+# ---- fingerprints (NOTE [value check]) ---------------------------------------------------
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """A strided view of at most SAMPLE elements of ``t``, spread over every dimension."""
+    n = t.numel()
+    if n <= SAMPLE:
+        return t
+    if t.is_contiguous():
+        step = (n // SAMPLE) | 1
+        count = (n - 1) // step + 1
+        return t.as_strided((count,), (step,), t.storage_offset())
+    dims = [(size, stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1]
+    per_dim = max(2, math.ceil(SAMPLE ** (1 / len(dims))))
+    sizes, strides = [], []
+    for size, stride in dims:
+        step = max(1, size // per_dim) | 1 if size > per_dim else 1
+        sizes.append((size - 1) // step + 1)
+        strides.append(stride * step)
+    return t.as_strided(sizes, strides, t.storage_offset())
+
+
+def fingerprint(t: Any) -> int | torch.Tensor | None:
+    """The exact fingerprint of one op output (NOTE [value check]); None if not taken.
+
+    A Python int for a CPU tensor, a 0-dim int64 tensor on the tensor's device otherwise.
+    Call it below the dispatch modes (``no_python_dispatch``) when modes are active.
+    """
+    if type(t) not in _PLAIN or t.layout != torch.strided or t.is_meta:
+        return None
+    as_int = _INT_OF_SIZE.get(t.element_size())
+    if as_int is None or t.numel() == 0:
+        return None
+    s = _sample(t).view(as_int).sum(dtype=torch.int64)
+    return int(s) if s.device.type == "cpu" else s
+
+
+_UNWRITTEN: dict[Any, bool] = {}
+
+
+def _unwritten(func: Any) -> bool:
+    """True for ops whose outputs hold uninitialized memory (``aten.empty_like``...)."""
+    found = _UNWRITTEN.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = _UNWRITTEN[func] = schema is not None and "empty" in schema.name
+    return found
+
+
+def _on_grad_path(args: tuple, kwargs: dict | None) -> bool:
+    """True if grad mode is on and a tensor argument (or one in a list) requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(
+                isinstance(b, torch.Tensor) and b.requires_grad for b in a):
+            return True
+    return False
+
+
+def _take_prints(func: Any, out: Any, op_index: int, prints: list, where: list) -> None:
+    if _unwritten(func):
+        return
+    if isinstance(out, torch.Tensor):
+        outs: tuple = (out,)
+    elif isinstance(out, (tuple, list)):
+        outs = tuple(out)
+    else:
+        return
+    with no_python_dispatch():
+        for k, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                fp = fingerprint(o)
+                if fp is not None:
+                    prints.append(fp)
+                    where.append((op_index, k))
+
+
+def _as_ints(prints: list) -> list[int]:
+    """Fingerprints as ints: device tensors read back with one copy per device."""
+    if all(isinstance(p, int) for p in prints):
+        return prints
+    tensors = [p for p in prints if not isinstance(p, int)]
+    with no_python_dispatch():
+        try:
+            values = iter(torch.stack(tensors).tolist())
+        except RuntimeError:  # several devices
+            values = iter([int(p) for p in tensors])
+        return [p if isinstance(p, int) else next(values) for p in prints]
+
+
+# ---- recording and checking --------------------------------------------------------------
 def _meta(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return (out.shape, out.dtype)
@@ -45,43 +294,52 @@ def _format_meta(meta: Any) -> str:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Forward side: counts (and, if ``record``, records) the ops a region dispatches."""
+    """Forward side: counts (and, if ``record``, records) the ops a region dispatches, and
+    if ``values`` the fingerprints of their outputs."""
 
-    def __init__(self, *, record: bool) -> None:
+    def __init__(self, *, record: bool, values: bool = False) -> None:
         super().__init__()
         self.record = record
+        self.values = values and record
         self.count = 0
         self.ops: list[tuple[Any, Any]] = []
+        # Fingerprints of op outputs, and where each comes from: (op index, output index).
+        self.prints: list[int | torch.Tensor] = []
+        self.where: list[tuple[int, int]] = []
         # Number of leading recorded ops the recomputation must reproduce (None: all).
         self.replayed_prefix: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func not in IGNORED_OPS:
-            self.count += 1
-            if self.record:
-                self.ops.append((func, _meta(out)))
+            self.note(func, out, args, kwargs)
         return out
 
-    def note(self, func: Any, out: Any) -> None:
+    def note(self, func: Any, out: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         """Count (and record) one op without dispatching it (called by the region policy)."""
         self.count += 1
         if self.record:
             self.ops.append((func, _meta(out)))
+            if self.values and _on_grad_path(args, kwargs):
+                _take_prints(func, out, len(self.ops) - 1, self.prints, self.where)
 
 
 class OpChecker(TorchDispatchMode):
     """Recompute side: compares each op against the forward's record, raising at the first
-    difference (NOTE [divergence check])."""
+    difference (NOTE [divergence check]); compares output fingerprints when the
+    recomputation ends (NOTE [value check])."""
 
     def __init__(self, recorder: OpRecorder, region: str) -> None:
         super().__init__()
         self.recorder = recorder
         self.region = region
         self.position = 0
+        self.prints: list[int | torch.Tensor] = []
+        self._where: list[tuple[int, int]] = []
 
     def __enter__(self):
         self.position = 0
+        self.prints, self._where = [], []
         return super().__enter__()
 
     def _expected_len(self) -> int:
@@ -102,16 +360,53 @@ class OpChecker(TorchDispatchMode):
         got = _meta(out)
         if got != expected[1]:
             self._fail(i, expected, (func, got))
+        if self.recorder.values and _on_grad_path(args, kwargs):
+            _take_prints(func, out, i, self.prints, self._where)
         return out
 
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
-        # An exception (torch's early stop included) ends the replay before its end on purpose.
+        # An exception (torch's early stop included) ends the replay before its end on
+        # purpose; the values replayed so far are still compared.
+        if exc_type is None or not issubclass(exc_type, RecomputeMismatch):
+            self._check_values(self.position)
         if exc_type is None and self.position < self._expected_len():
             self._fail(self.position, self.recorder.ops[self.position], None)
         return result
 
+    def _check_values(self, before_op: int) -> None:
+        """Raise at the first output, among ops ``< before_op``, whose fingerprint differs."""
+        forward = {where: n for n, where in enumerate(self.recorder.where)}
+        pairs = [(where, fp, forward[where]) for where, fp in zip(self._where, self.prints,
+                                                                  strict=True)
+                 if where[0] < before_op and where in forward]
+        if not pairs:
+            return
+        got = _as_ints([fp for _, fp, _ in pairs])
+        expected = _as_ints([self.recorder.prints[n] for _, _, n in pairs])
+        if got == expected:
+            return
+        j = next(j for j in range(len(pairs)) if got[j] != expected[j])
+        i, k = pairs[j][0]
+        op, meta = self.recorder.ops[i]
+        if isinstance(meta, tuple) and meta and not isinstance(meta[1], torch.dtype):
+            meta, which = meta[k], f"output {k} of "
+        else:
+            which = ""
+        raise RecomputeMismatch(
+            f"recomputation of {self.region} gave other values than its forward at op {i} "
+            f"({which}{op} -> {_format_meta(meta)}): fingerprint {got[j]} vs {expected[j]} in "
+            "the forward, although the ops, shapes and dtypes up to there agree. Its gradients "
+            "would be wrong. The region computes something else when called again (Python's "
+            "random module, a counter in a hook, a global changed between forward and "
+            "backward): make it deterministic (torch's RNG is replayed), pass check=\"ops\" "
+            "if it runs nondeterministic GPU kernels, or check=False to skip the check."
+        )
+
     def _fail(self, i: int, expected: tuple[Any, Any] | None, got: tuple[Any, Any] | None) -> None:
+        # A value that diverged earlier is the first difference (and likely the cause).
+        self._check_values(i)
+
         def describe(entry: tuple[Any, Any] | None, what: str) -> str:
             if entry is None:
                 return f"the {what} had no op there (it ran {i} ops)"

@@ -368,7 +368,7 @@ class RegionPolicy:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self.recorder is not None:
-            self.recorder.note(op, getattr(ctx, "op_output", None))
+            self.recorder.note(op, getattr(ctx, "op_output", None), args, kwargs)
         name = _NAMES.get(op) or op_name(op)
         counts = self.counts
         k = counts.get(name, 0)

@@ -132,6 +132,12 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def no_python_dispatch() -> Any:
+    """A context in which ops skip every Python dispatch mode (and tensor subclass): the
+    divergence check's fingerprints (NOTE [value check] in memfit.runtime.divergence)."""
+    return torch._C._DisableTorchDispatch()
+
+
 _EXPECTED_PARAMS = (
     "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
     "args", "kwargs",
@@ -241,11 +247,13 @@ class SegmentHandle:
         name: how errors and logs name the segment.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], policy: Any, *, check: bool,
+    def __init__(self, blocks: Sequence[nn.Module], policy: Any, *, check: Any,
                  name: str) -> None:
         self.blocks = tuple(blocks)
         self.policy = policy
-        self.check = check
+        from memfit.runtime.divergence import CheckSampler
+
+        self.check = CheckSampler(check)  # one call counter per segment
         self.name = name
         self.cuts: set[int] = set()
         self._tls = _ThreadState()
@@ -478,7 +486,7 @@ def checkpoint_segment(
     names_or_indices: Sequence[str | int],
     policy: Any = None,
     *,
-    check: bool = True,
+    check: bool | str | Any = True,
     name: str | None = None,
 ) -> SegmentHandle:
     """Checkpoint a run of consecutive sibling modules as one region (NOTE [chain segments]).
@@ -490,7 +498,9 @@ def checkpoint_segment(
             children, consecutive and in order (``[2, 3, 4]`` or ``["2", "3", "4"]``).
         policy: as for ``memfit.runtime.checkpoint.checkpoint``; op keys count over the
             whole segment.
-        check: compare the replay with the forward op by op (default True).
+        check: compare the replay with the forward op by op and value by value: True
+            (default: the first calls, then one in 100), "always", "ops", False, or a
+            ``DivergenceCheck`` (NOTE [check sampling] in ``memfit.runtime.divergence``).
         name: how errors name the segment (default: parent class and block names).
 
     Returns:

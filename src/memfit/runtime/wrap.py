@@ -33,16 +33,17 @@ from torch import nn
 from memfit.errors import WrapError
 from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
+from memfit.runtime.divergence import CheckSampler
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
 
 class _WrapState:
     """What ``wrap`` stored on a module; kept as ``module._memfit_wrap``."""
 
-    def __init__(self, policy: _policies.Policy | None, check: bool, name: str,
+    def __init__(self, policy: _policies.Policy | None, check: Any, name: str,
                  instance_forward: Any) -> None:
         self.policy = policy
-        self.check = check
+        self.check = CheckSampler(check)  # one call counter per wrapped module
         self.name = name
         self.instance_forward = instance_forward  # None: the class's forward
 
@@ -96,7 +97,7 @@ def is_wrapped(module: nn.Module) -> bool:
     return "_memfit_wrap" in module.__dict__
 
 
-def wrap(module: nn.Module, policy: Any = None, *, check: bool = True,
+def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
          name: str | None = None) -> nn.Module:
     """Checkpoint ``module`` in place: its activations are recomputed in backward.
 
@@ -104,7 +105,10 @@ def wrap(module: nn.Module, policy: Any = None, *, check: bool = True,
         module: the module to checkpoint (changed in place and returned).
         policy: which op outputs to keep, as for ``memfit.runtime.checkpoint.checkpoint``
             (default None: recompute everything).
-        check: compare the recomputation op by op with the forward (default True).
+        check: compare the recomputation with the forward op by op and value by value:
+            True (default: the first 3 calls, then one in 100), "always", "ops" (no
+            values), False, or a ``DivergenceCheck`` (NOTE [check sampling] in
+            ``memfit.runtime.divergence``).
         name: how errors name the module (default: its class name); ``apply`` passes the
             module's path in the model.
 
