@@ -27,7 +27,8 @@ NOTE [op positions while tracing]
 
 NOTE [workspace measurement]
     A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
-    invisible here, so with ``measure_workspace=True`` an op whose name contains ``conv`` (and
+    invisible here, so with ``measure_workspace=True`` an op whose name contains ``conv`` or
+    ``scaled_dot_product`` (CPU flash attention keeps per-thread scratch buffers) (and
     that writes no input) is run once more right after its real call, inside this handler
     (where the mode is already off, so the rerun is not recorded), under ``torch.no_grad`` and
     the CPU allocator meter (``memfit.profiling.measure.allocator_peak``); its outputs are
@@ -59,7 +60,7 @@ __all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "is_random_
 
 log = logging.getLogger(__name__)
 
-_WORKSPACE_PATTERNS = ("conv",)  # op names whose CPU kernels allocate internal buffers
+_WORKSPACE_PATTERNS = ("conv", "scaled_dot_product")  # op names whose CPU kernels allocate internal buffers
 
 _RANDOM_NAMES = (
     "bernoulli", "rand", "randn", "randint", "randperm", "native_dropout", "normal", "uniform",
