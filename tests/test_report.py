@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -129,3 +130,30 @@ def test_sweep_reports_an_infeasible_budget_as_a_row():
     assert row.label == "100 B" and row.plan is None and row.measured_peak_bytes is None
     assert row.error is not None and row.error.startswith("infeasible: smallest feasible ")
     assert "infeasible" in s.table()
+
+
+@pytest.mark.parametrize(("plain_spread", "row_spread", "cell"), [
+    (0.002, 0.003, "+10.0%"),                                    # spreads of 2-3 ms < 10 ms
+    (0.080, 0.003, "~+10% (noisy: repeats spread 80%)"),         # the plain step's repeats
+    (0.002, 0.120, "~+10% (noisy: repeats spread 120%)"),        # the row's own repeats
+    (None, None, "+10.0%"),                                      # one repeat: nothing to judge
+], ids=["quiet", "noisy-plain", "noisy-row", "single-repeat"])
+def test_overhead_is_marked_noisy_when_repeats_spread_more_than_it(plain_spread, row_spread, cell):
+    s = _hand_sweep()
+    rows = list(s.rows)
+    rows[0] = dataclasses.replace(rows[0], step_spread_s=plain_spread)
+    rows[1] = dataclasses.replace(rows[1], step_spread_s=row_spread)  # overhead +10% = 10 ms
+    s = dataclasses.replace(s, rows=tuple(rows))
+    line = s.table().splitlines()[3]
+    assert f" {cell} |" in line, line
+    assert s.table().splitlines()[2].split("|")[8].strip() == "+0.0%"  # the plain row as is
+    assert Sweep.from_dict(json.loads(json.dumps(s.to_dict()))) == s  # the spread round-trips
+
+
+def test_sweep_keeps_the_spread_of_its_repeats():
+    model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    x = zoo.example_inputs(model, batch=2)
+    s = sweep(model, x, (0.8,), baselines=(), repeats=2, progress=False)
+    assert [r.label for r in s.rows] == ["plain", "80%"] and s.rows[1].error is None
+    for r in s.rows:
+        assert r.step_spread_s is not None and 0.0 <= r.step_spread_s <= r.step_time_s, r

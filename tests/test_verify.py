@@ -13,7 +13,8 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
-from memfit.verification import verify
+from memfit.units import format_bytes
+from memfit.verification import PEAK_ATOL_BYTES, peak_tolerance, rng_state_bytes, verify
 
 
 def _small_gpt(n_layer: int = 2) -> nn.Module:
@@ -149,3 +150,56 @@ def test_verify_is_public_even_after_importing_its_module():
 
     assert memfit.verify is verify
     assert memfit.VerifyReport is memfit.verification.VerifyReport
+
+
+# ---- peak tolerance on tiny steps (NOTE [peak tolerance]) ----------------------------------
+@pytest.fixture(scope="module")
+def planned_tiny_gpt():
+    """A step of ~40 KiB whose two regions' CPU RNG states (5056 B each) are 3% many times."""
+    model = zoo.gpt(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32)
+    x = zoo.example_inputs(model, batch=1)
+    plan = _hand_plan(model, x, ("blocks.0", "blocks.1"))
+    apply(model, plan)
+    return model, x, plan
+
+
+def test_tiny_step_passes_within_the_floor_and_says_so(planned_tiny_gpt):
+    model, x, plan = planned_tiny_gpt
+    report = verify(model, x)
+    assert report.ok and report.bitwise, str(report)
+    excess = report.peak_bytes - plan.predicted_peak_bytes
+    assert excess > 0.03 * plan.predicted_peak_bytes  # the bare 3% would have failed it
+    assert excess <= rng_state_bytes() * len(plan.regions)  # the checkpoints' RNG states
+    check = next(c for c in report.checks if c.name == "peak matches prediction")
+    floor = PEAK_ATOL_BYTES + 2 * rng_state_bytes()
+    assert f"tolerance {format_bytes(floor)}: floor 16.00 KiB + 2 region RNG states of 5056 B" in check.detail
+
+
+def test_tiny_step_fails_when_off_by_more_than_the_floor(planned_tiny_gpt):
+    model, x, plan = planned_tiny_gpt
+    peak = verify(model, x).peak_bytes
+    floor = PEAK_ATOL_BYTES + 2 * rng_state_bytes()
+    wrong = dataclasses.replace(plan, predicted_peak_bytes=peak - floor - 1024)
+    report = verify(model, x, plan=wrong)
+    assert report.bitwise and [c.name for c in report.failures] == ["peak matches prediction"]
+    report = verify(model, x, budget_bytes=peak - floor - 1024)
+    assert [c.name for c in report.failures] == ["peak within budget"]
+    assert "> budget" in report.failures[0].detail
+    assert "floor 16.00 KiB + 2 region RNG states" in report.failures[0].detail
+
+
+def test_peak_atol_bytes_overrides_the_floor(planned_tiny_gpt):
+    model, x, _ = planned_tiny_gpt
+    report = verify(model, x, peak_atol_bytes=0)
+    assert [c.name for c in report.failures] == ["peak matches prediction"]
+    assert "tolerance" in report.failures[0].detail and "3% of" in report.failures[0].detail
+
+
+@pytest.mark.parametrize(("reference", "regions", "expected"), [
+    (100 * 2**20, 4, (int(0.03 * 100 * 2**20), "3% of 100.00 MiB")),
+    (40_000, 2, (16 * 1024 + 2 * 5056, "floor 16.00 KiB + 2 region RNG states of 5056 B, above 3%")),
+    (40_000, 1, (16 * 1024 + 5056, "floor 16.00 KiB + 1 region RNG state of 5056 B, above 3%")),
+], ids=["large-relative", "tiny-two-regions", "tiny-one-region"])
+def test_peak_tolerance_is_the_larger_of_relative_and_floor(reference, regions, expected):
+    assert rng_state_bytes() == 5056  # mt19937 state on torch 2.13 CPU (NOTE [peak tolerance])
+    assert peak_tolerance(reference, regions) == expected

@@ -14,6 +14,7 @@ __all__ = [
     "ProfileMismatch",
     "RecomputeMismatch",
     "SchemaError",
+    "SolverTimeout",
     "WrapError",
 ]
 
@@ -65,6 +66,23 @@ class RecomputeMismatch(MemfitError):
 
 class SchemaError(MemfitError):
     """A saved file (profile, plan) is corrupt or from another schema version."""
+
+
+class SolverTimeout(MemfitError, TimeoutError):
+    """A solver chosen by name found no plan within its time limit.
+
+    Only an explicitly chosen solver raises it: ``solver="auto"`` falls back to another solver
+    instead. It is also a ``TimeoutError``.
+
+    Attributes:
+        solver: the solver's name.
+        time_limit_s: the time limit it ran under, seconds.
+    """
+
+    def __init__(self, message: str, *, solver: str, time_limit_s: float) -> None:
+        super().__init__(message)
+        self.solver = solver
+        self.time_limit_s = time_limit_s
 
 
 class WrapError(MemfitError):

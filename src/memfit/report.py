@@ -52,6 +52,8 @@ class SweepRow:
     """One configuration of the sweep and what it measured.
 
     ``overhead`` is the measured step time over the plain step's, minus one (0.25 = +25%).
+    ``step_spread_s`` is the spread (max - min) of the row's timed repeats, seconds (``None``
+    with a single repeat): NOTE [noisy overhead].
     ``error`` says why a row has no plan (an infeasible budget, a solver that failed).
     """
 
@@ -68,6 +70,7 @@ class SweepRow:
     n_regions: int = 0
     error: str | None = None
     plan: Plan | None = dataclasses.field(default=None, compare=False)
+    step_spread_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
@@ -128,7 +131,7 @@ class Sweep:
             body.append([
                 r.label, r.solver, _b(r.budget_bytes), _b(r.predicted_peak_bytes), _b(r.measured_peak_bytes),
                 frac, format_seconds(r.step_time_s) if r.step_time_s is not None else "-",
-                f"{r.overhead:+.1%}" if r.overhead is not None else "-", str(r.n_regions),
+                self._overhead_cell(r), str(r.n_regions),
             ])
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
         numeric = {3, 4, 5, 6, 7, 8}
@@ -145,6 +148,21 @@ class Sweep:
             lines.append("  ".join("-" * w for w in widths))
         lines += [fmt(b) for b in body]
         return "\n".join(lines)
+
+    def _overhead_cell(self, r: SweepRow) -> str:
+        """NOTE [noisy overhead] A step time differs from the plain one only by more than the
+        repeats of either spread; when it does not, the overhead is marked ``~`` and ``noisy``,
+        with the larger spread as a fraction of the plain step, instead of read as a result."""
+        if r.overhead is None:
+            return "-"
+        plain = self.rows[0] if self.rows and self.rows[0].kind is RowKind.PLAIN else None
+        spreads = [x.step_spread_s for x in (r, plain) if x is not None and x.step_spread_s is not None]
+        if r.kind is RowKind.PLAIN or not spreads or self.plain_step_s <= 0:
+            return f"{r.overhead:+.1%}"
+        spread = max(spreads) / self.plain_step_s
+        if spread < abs(r.overhead):
+            return f"{r.overhead:+.1%}"
+        return f"~{r.overhead:+.0%} (noisy: repeats spread {spread:.0%})"
 
     def summary(self) -> str:
         """Two lines: the plain step, and the smallest peak a memfit plan reached at what cost."""
@@ -324,6 +342,10 @@ class _Config:
     def time_s(self) -> float:
         return statistics.median(self.times_s)
 
+    @property
+    def spread_s(self) -> float | None:
+        return max(self.times_s) - min(self.times_s) if len(self.times_s) > 1 else None
+
 
 def _meter_config(model: nn.Module, cfg: _Config, example_inputs: Any,
                   loss_fn: Callable[[Any], torch.Tensor] | None, device: torch.device) -> None:
@@ -459,7 +481,7 @@ def sweep(
     plain_s = plain.time_s
     rows = [SweepRow("plain", RowKind.PLAIN, "none", predicted_peak_bytes=prof.peak_bytes,
                      measured_peak_bytes=plain.peak_bytes, step_time_s=plain_s, overhead=0.0,
-                     predicted_overhead=0.0)]
+                     predicted_overhead=0.0, step_spread_s=plain.spread_s)]
     for row_label, kind, solver_name, spec, result in planned:
         if isinstance(result, InfeasibleBudget):
             rows.append(SweepRow(row_label, kind, solver_name, spec, result.budget_bytes,
@@ -470,7 +492,7 @@ def sweep(
         rows.append(SweepRow(
             row_label, kind, result.solver, spec, result.budget_bytes if kind is RowKind.MEMFIT else None,
             result.predicted_peak_bytes, cfg.peak_bytes, t, t / plain_s - 1 if plain_s > 0 else None,
-            result.overhead, len(result.regions), None, result))
+            result.overhead, len(result.regions), None, result, cfg.spread_s))
     return Sweep(tuple(rows), label, str(device), plain.peak_bytes, plain_s, repeats)
 
 

@@ -15,6 +15,24 @@ NOTE [verify leaves the model alone]
     the plan to a copy checks the plan itself (what ``model.memfit_plan`` says), which is
     also what a fresh process loading the plan would run.
 
+NOTE [peak tolerance]
+    A measured peak passes when it is within ``max(PEAK_RTOL x reference, floor)`` of the
+    prediction (and of the budget), ``floor = PEAK_ATOL_BYTES + regions x rng_state_bytes()``;
+    the check's text names the tolerance that applied. The floor is what the CPU allocator
+    meter sees beyond the prediction on tiny steps, where 3% is a few KiB. Measured on this
+    machine (torch 2.13, CPU; hand plans of 0-8 block regions on zoo GPTs of 2-8 layers,
+    d_model 32-64, and ``fit(budget="min")`` + ``verify`` on the 27 tiny models of
+    ``tests/test_breadth.py``; allocator peak minus predicted peak):
+      1. plain steps: 0-64 bytes;
+      2. planned steps: 5056 bytes times the number of regions whose forward had run and whose
+         recompute had not at the peak (up to every region), plus 0-6.2 KiB, 36 KiB at most
+         (BART, 6 regions: 30336 + 6216) on steps of 86 KiB-99 MiB.
+    The 5056 bytes are torch's: the non-reentrant checkpoint keeps the CPU RNG state
+    (``torch.get_rng_state()``, an mt19937 state of 5056 bytes) from each region's forward to
+    its recompute, created outside the dispatcher, so the profile never sees it. The rest is
+    kernel scratch and rounding of the tensor model. ``PEAK_ATOL_BYTES`` bounds that remainder
+    with room (16 KiB); on steps of hundreds of MiB the 3% dominates and the floor is moot.
+
 NOTE [repeatable steps]
     ``measure`` may run a step more than once. Each run therefore starts from the same state:
     no parameter or input gradients (as after ``zero_grad(set_to_none=True)``), buffers copied
@@ -44,12 +62,14 @@ from memfit.profiling.inputs import default_loss, iter_tensors, normalize_inputs
 from memfit.units import format_bytes
 
 __all__ = ["Check", "VerifyReport", "StepResult", "verify", "print_verify", "make_step", "plain_copy",
-           "model_device"]
+           "model_device", "peak_tolerance", "rng_state_bytes", "PEAK_RTOL", "PEAK_ATOL_BYTES"]
 
 log = logging.getLogger(__name__)
 
-#: Peak memory may exceed the budget, or differ from the prediction, by this fraction.
+#: Peak memory may exceed the budget, or differ from the prediction, by this fraction...
 PEAK_RTOL = 0.03
+#: ...or by this many bytes plus one CPU RNG state per region, if more (NOTE [peak tolerance]).
+PEAK_ATOL_BYTES = 16 * 1024
 # Off CPU some kernels are not run-to-run deterministic (atomic adds in embedding and
 # index backward, split-K matmuls), so two plain steps can already differ in the last bits;
 # these bounds are a few float32 ulps of accumulated rounding, far below any real bug.
@@ -380,22 +400,48 @@ def _compare_steps(got: StepResult, ref: StepResult, bitwise_required: bool) -> 
     return checks, total, buf.passed
 
 
+def rng_state_bytes() -> int:
+    """Bytes of the CPU RNG state each checkpointed region holds (5056 on torch 2.13)."""
+    return int(torch.get_rng_state().numel())
+
+
+def peak_tolerance(reference: int, n_regions: int, rtol: float = PEAK_RTOL,
+                   atol_bytes: int | None = None) -> tuple[int, str]:
+    """Allowed excess over ``reference`` bytes, and what set it (NOTE [peak tolerance]).
+
+    Example:
+        >>> peak_tolerance(100 * 2**20, 4)[1]
+        '3% of 100.00 MiB'
+    """
+    rel = int(rtol * reference)
+    floor = atol_bytes if atol_bytes is not None else PEAK_ATOL_BYTES + n_regions * rng_state_bytes()
+    if rel >= floor:
+        return rel, f"{rtol:.0%} of {format_bytes(reference)}"
+    if atol_bytes is not None:
+        return floor, f"floor {format_bytes(floor)}, above {rtol:.0%}"
+    return floor, (f"floor {format_bytes(PEAK_ATOL_BYTES)} + {n_regions} region RNG state"
+                   f"{'s' if n_regions != 1 else ''} of {rng_state_bytes()} B, above {rtol:.0%}")
+
+
 def _peak_checks(peak: int, plain_peak: int, predicted: int | None, budget: int | None,
-                 rtol: float, tracked: int = 0) -> list[Check]:
+                 rtol: float, tracked: int = 0, n_regions: int = 0,
+                 atol_bytes: int | None = None) -> list[Check]:
     checks = []
     if budget is not None:
-        limit = budget * (1 + rtol)
+        tol, why = peak_tolerance(budget, n_regions, rtol, atol_bytes)
+        ok = peak <= budget + tol
         checks.append(Check(
-            "peak within budget", peak <= limit,
-            f"measured {format_bytes(peak)} {'<=' if peak <= limit else '>'} budget "
-            f"{format_bytes(budget)} (+{rtol:.0%})"))
+            "peak within budget", ok,
+            f"measured {format_bytes(peak)} {'<=' if ok else '>'} budget {format_bytes(budget)} "
+            f"+ {format_bytes(tol)} ({why})"))
     if predicted is not None:
+        tol, why = peak_tolerance(predicted, n_regions, rtol, atol_bytes)
         err = (peak - predicted) / predicted if predicted else (0.0 if peak == 0 else math.inf)
-        ok = abs(err) <= rtol
         checks.append(Check(
-            "peak matches prediction", ok,
+            "peak matches prediction", abs(peak - predicted) <= tol,
             f"measured {format_bytes(peak)} vs predicted {format_bytes(predicted)} ({err:+.1%}, "
-            f"tolerance {rtol:.0%}; tensors alone {format_bytes(tracked)})"))
+            f"{peak - predicted:+d} B; tolerance {format_bytes(tol)}: {why}; "
+            f"tensors alone {format_bytes(tracked)})"))
     saved = 1 - peak / plain_peak if plain_peak else 0.0
     checks.append(Check("peak vs plain step", True,
                         f"{format_bytes(peak)} vs {format_bytes(plain_peak)} un-checkpointed ({saved:.0%} saved)"))
@@ -411,13 +457,15 @@ def verify(
     budget_bytes: int | None = None,
     seed: int = 0,
     peak_rtol: float = PEAK_RTOL,
+    peak_atol_bytes: int | None = None,
 ) -> VerifyReport:
     """Check that a plan changes memory, not results: one step against the un-checkpointed twin.
 
     The planned step (``plan``, else ``model.memfit_plan``) and a plain step run from the same
     RNG seed on deep copies; loss, outputs, parameter and input gradients, buffers and the RNG
     state after the step must be bitwise equal on CPU (within ``DEVICE_RTOL`` elsewhere), and the
-    measured peak must stay within ``peak_rtol`` of the prediction and under the budget. The
+    measured peak must stay within tolerance of the prediction and under the budget (``peak_rtol``,
+    or a floor of bytes on tiny steps: NOTE [peak tolerance]). The
     model, its parameters, buffers, ``.grad`` and the RNG state are left as they were (NOTE
     [verify leaves the model alone]).
 
@@ -429,6 +477,8 @@ def verify(
         budget_bytes: the budget to check the measured peak against, bytes; default the plan's.
         seed: the RNG seed both steps start from.
         peak_rtol: allowed relative excess over the budget and error of the prediction (0.03).
+        peak_atol_bytes: allowed absolute excess and error, bytes, when larger than
+            ``peak_rtol``'s; default ``PEAK_ATOL_BYTES`` plus one CPU RNG state per region.
 
     Returns:
         A ``VerifyReport``; ``print(report)`` explains every check.
@@ -481,7 +531,7 @@ def verify(
     tensor_checks, total, bn_ok = _compare_steps(got, ref, bitwise_required)
     checks += tensor_checks
     checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
-                           got.tracked_peak_bytes)
+                           got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes)
     ok = all(c.passed for c in checks)
     report = VerifyReport(
         ok=ok, bitwise=total.bitwise, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,

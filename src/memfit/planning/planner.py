@@ -34,7 +34,8 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             of the plans with the smallest peak any plan of ``solver`` reaches.
         solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, ``"brute"``, or a
             baseline: ``"none"``, ``"every_block"``, ``"sqrt"``, ``"save_matmuls"``.
-        time_limit_s: seconds the MILP may search (default 10.0).
+        time_limit_s: seconds the MILP may search (default 10.0). Past it, ``"auto"`` keeps
+            the best plan found (the MILP's, else the chain or greedy solver's).
 
     Returns:
         A :class:`~memfit.planning.plan.Plan` whose ``predicted_peak_bytes`` and
@@ -43,6 +44,8 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     Raises:
         InfeasibleBudget: no plan fits; the message and ``min_feasible_bytes`` give the smallest
             predicted peak any plan reaches.
+        SolverTimeout: only for ``solver="milp"``: it found no plan within ``time_limit_s``
+            (``"auto"`` then returns the chain or greedy solver's plan instead).
         ValueError: an unknown solver or a bad budget.
 
     Example:

@@ -3,7 +3,7 @@
 NOTE [workspace measurement]
     A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
     invisible to a dispatch mode, so with ``measure_workspace=True`` the tracker runs an op
-    that may have one (``memfit.ops.uses_workspace``: a convolution) and that writes no input
+    that may have one (``memfit.ops.uses_workspace``: a convolution or an attention kernel) and that writes no input
     once more right after its real call, inside its dispatch handler (where the mode is
     already off, so the rerun is not recorded), under ``torch.no_grad`` and the CPU allocator
     meter (``memfit.profiling.meters.AllocatorMeter``); its outputs are dropped.

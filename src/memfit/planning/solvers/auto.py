@@ -1,10 +1,13 @@
 """Pick a solver for the profile: chain when a chain's regions can drop most of what any
 region could drop, else milp (greedy when the MILP would be huge). On a chain profile small
 enough, milp also runs (its plan space includes sub-modules of blocks) and the faster plan wins.
+When the MILP runs out of time, the chain's or greedy's plan is returned (NOTE [auto never
+times out]).
 """
 
 from __future__ import annotations
 
+from memfit.errors import SolverTimeout
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.solvers import Infeasible, Solution
 
@@ -30,8 +33,28 @@ def _tag(sol: Solution, solver: str, why: str) -> Solution:
     return Solution(sol.regions, sol.predicted_peak_bytes, sol.recompute_s, solver, (why, *sol.notes))
 
 
+def _greedy_or(ctx: PlanningContext, budget_bytes: int, time_limit_s: float,
+               infeasible: Infeasible | None) -> Solution:
+    """Greedy's plan; when it has none, the smaller of its and ``infeasible``'s minimum raised."""
+    from memfit.planning.solvers import greedy
+
+    try:
+        return greedy.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
+    except Infeasible as e:
+        if infeasible is not None and infeasible.min_bytes <= e.min_bytes:
+            raise infeasible from None
+        raise
+
+
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0) -> Solution:
     """The plan of the solver suited to the profile (see the module docstring).
+
+    NOTE [auto never times out]
+        The MILP may run out of its ``time_limit_s`` before it finds any plan
+        (``SolverTimeout``). ``auto`` then returns the chain solver's plan when it has one, else
+        the greedy solver's, with a note saying so; that error reaches a user only who chose
+        ``solver="milp"``. The MILP's smallest peak (on ``Infeasible``) is likewise only as good
+        as its time allowed, so greedy's is asked too and the smaller one reported.
 
     Raises:
         Infeasible: no plan of the solvers tried fits (``min_bytes``: the smallest peak found).
@@ -47,6 +70,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
                "activation bytes any region can drop")
     n_vars, n_points = milp_cells(ctx)
     cells = n_vars * n_points
+    timed_out = f"milp found no plan within its time limit of {time_limit_s:g} s"
     if ctx.chains and share >= CHAIN_SHARE:
         sol: Solution | None = None
         infeasible: Infeasible | None = None
@@ -72,10 +96,11 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
                     assert infeasible is not None
                     raise e if e.min_bytes < infeasible.min_bytes else infeasible from None
                 alt = None
-            except TimeoutError:
-                if sol is None:
-                    raise infeasible from None  # type: ignore[misc]
-                alt = None
+            except SolverTimeout:
+                if sol is None:  # NOTE [auto never times out]
+                    return _tag(_greedy_or(ctx, budget_bytes, time_limit_s, infeasible), "greedy",
+                                f"auto: greedy ({why}; the chain has no plan and {timed_out})")
+                return _tag(sol, "chain", f"auto: chain ({why}; {timed_out})")
             if sol is not None and (alt is None or sol.recompute_s <= alt.recompute_s):
                 return _tag(sol, "chain", f"auto: chain ({why}; not slower than milp)")
             assert alt is not None
@@ -83,4 +108,11 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     if cells > MILP_MAX_CELLS:
         return _tag(greedy.solve(ctx, budget_bytes, time_limit_s=time_limit_s), "greedy",
                     f"auto: greedy ({why}; MILP of {n_vars} variables x {n_points} points too large)")
-    return _tag(milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s), "milp", f"auto: milp ({why})")
+    try:
+        return _tag(milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s), "milp", f"auto: milp ({why})")
+    except SolverTimeout:  # NOTE [auto never times out]
+        return _tag(_greedy_or(ctx, budget_bytes, time_limit_s, None), "greedy",
+                    f"auto: greedy ({why}; {timed_out})")
+    except Infeasible as e:
+        return _tag(_greedy_or(ctx, budget_bytes, time_limit_s, e), "greedy",
+                    f"auto: greedy ({why}; milp has no plan, greedy's heuristic found one)")

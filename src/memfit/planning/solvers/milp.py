@@ -58,9 +58,11 @@ from functools import reduce
 import numpy as np
 
 from memfit._native_output import silenced_fd
+from memfit.errors import SolverTimeout
 from memfit.planning.candidates import PlanningContext, overlap_groups
 from memfit.planning.costs import LinearModel
 from memfit.planning.solvers import Infeasible, Solution
+from memfit.units import format_bytes
 
 __all__ = ["solve", "min_peak", "MemoryRows", "memory_rows"]
 
@@ -411,7 +413,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
         ctx: the planning context of the profile.
         budget_bytes: the largest predicted peak allowed (bytes).
         time_limit_s: seconds HiGHS may search (default 10.0); past it the best plan found is
-            returned with a note, or ``TimeoutError`` raised when none was found.
+            returned with a note, or ``SolverTimeout`` raised when none was found.
         compress: compress the memory rows (default ``True``; NOTE [compressed memory rows]);
             ``False`` builds the dense model, for tests.
         report_min: on infeasibility, solve for the smallest peak to report (default
@@ -420,6 +422,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
 
     Raises:
         Infeasible: no plan fits (``min_bytes``: the smallest peak found).
+        SolverTimeout: the time limit passed before HiGHS found any plan.
 
     Example:
         >>> sol = solve(PlanningContext(profile), 6 * 2**30)   # doctest: +SKIP
@@ -453,7 +456,12 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             return solve(ctx, budget_bytes, time_limit_s=time_limit_s, compress=False, report_min=report_min)
         if status == 2:
             raise Infeasible(min_peak(ctx, time_limit_s=time_limit_s, compress=compress)[0] if report_min else 0)
-        raise TimeoutError(f"milp found no plan within its time limit of {time_limit_s:g} s")
+        raise SolverTimeout(
+            f"solver 'milp' found no plan for a budget of {format_bytes(budget_bytes)} within its "
+            f"time limit of {time_limit_s:g} s ({lm.n_vars} variables, {n_rows} memory rows). "
+            "Give it more time (memfit.plan(..., time_limit_s=...)), or use solver='auto', which "
+            "falls back to the chain or greedy solver when the MILP runs out of time.",
+            solver="milp", time_limit_s=float(time_limit_s))
     if status != 0:
         notes.append(f"milp: time limit {time_limit_s:g} s hit; returning the best plan found "
                      f"(not proven optimal: {res.message})")  # type: ignore[attr-defined]
