@@ -72,7 +72,8 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
     """Plan the Trainer's model for ``budget`` on the first batch and apply it before the
     first step (NOTE [planning on the first real batch]).
 
-    With ``TrainingArguments(gradient_checkpointing=True)`` also set, memfit takes over the
+    With ``TrainingArguments(gradient_checkpointing=True)`` (``activation_checkpointing`` in
+    transformers 5) also set, memfit takes over the
     checkpointing (a warning says so): both would checkpoint the same layers twice.
 
     Args:
@@ -97,10 +98,13 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
 
         if model is None:
             raise ValueError("MemfitCallback needs the model; the Trainer passes it to callbacks")
-        if getattr(args, "gradient_checkpointing", False):
-            log.warning("memfit: TrainingArguments(gradient_checkpointing=True) and MemfitCallback "
-                        "both checkpoint; memfit's plan replaces Hugging Face's checkpointing "
-                        "(set gradient_checkpointing=False to silence this)")
+        # transformers 5 renamed it activation_checkpointing (the old name mirrors the new one)
+        for name in ("activation_checkpointing", "gradient_checkpointing"):
+            if getattr(args, name, None):
+                log.warning("memfit: TrainingArguments(%s=True) and MemfitCallback both "
+                            "checkpoint; memfit's plan replaces Hugging Face's checkpointing "
+                            "(set %s=False to silence this)", name, name)
+                break
         take_over_hf_checkpointing(model)
         if "memfit_plan" in model.__dict__ or self._hook is not None:
             return  # planned already (a second train() call)
