@@ -6,12 +6,11 @@ import logging
 
 import pytest
 import torch
+from hf_models import MODELS, assert_same_weights, batch, llama, train
 
 import memfit
 from memfit.integrations import hf
 from memfit.integrations.hf_state import CacheOff
-
-from hf_models import MODELS, assert_same_weights, batch, llama, train
 
 pytestmark = pytest.mark.hf
 
@@ -58,19 +57,14 @@ def test_training_calls_drop_the_cache_exactly_as_hf_checkpointing_does():
 def test_fit_says_once_that_it_turns_the_cache_off(caplog):
     model = llama()
     with caplog.at_level(logging.WARNING, logger="memfit"):
+        with pytest.raises(memfit.InfeasibleBudget):  # a failed fit leaves no hook, says nothing
+            memfit.fit(model, batch(), budget=0.05, solver="chain")
+        assert _cache_hooks(model) == [] and model(**batch()).cache is not None
         memfit.fit(model, batch(), budget=0.6, solver="chain")
         memfit.fit(model, batch(), budget=0.5, solver="chain")  # re-fit: the hook is already there
     said = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
     assert len(said) == 1 and "LlamaForCausalLM" in said[0].getMessage()
     assert len(_cache_hooks(model)) == 1
-
-
-def test_failed_fit_leaves_no_hook():
-    model = llama()
-    with pytest.raises(memfit.InfeasibleBudget):
-        memfit.fit(model, batch(), budget=0.05, solver="chain")
-    assert _cache_hooks(model) == []
-    assert model(**batch()).cache is not None
 
 
 def test_fit_refuses_hf_checkpointing_before_profiling():

@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from memfit.integrations.hf_state import (
     restore_hf_checkpointing,
     suspend_hf_checkpointing,
 )
+
+if TYPE_CHECKING:
+    from memfit.integrations.hf_trainer import MemfitCallback
 
 __all__ = [
     "enable",

@@ -42,9 +42,11 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CARRIED_STATE_KWARGS",
     "CacheOff",
     "cache_module",
     "cache_off_for_training",
+    "install_cache_off",
     "remove_cache_off",
     "hf_checkpointing_modules",
     "suspend_hf_checkpointing",
@@ -134,12 +136,6 @@ def install_cache_off(model: nn.Module) -> CacheOff | None:
     position = _use_cache_position(target)
     hook = CacheOff(model, -1 if position is None else position)
     target.register_forward_pre_hook(hook, with_kwargs=True)
-    log.warning(
-        "memfit: %s caches keys/values by default (config.use_cache=True), which breaks "
-        "recomputation; as with Hugging Face's gradient checkpointing, its training calls "
-        "(train mode, grad enabled) now run with use_cache=False while it carries a memfit "
-        "plan. config.use_cache is unchanged; eval and no_grad calls keep the cache.",
-        type(target).__name__)
     return hook
 
 
@@ -176,6 +172,17 @@ def cache_off_for_training(model: nn.Module) -> Iterator[CacheOff | None]:
         raise
     finally:
         hook.profiling -= 1
+    if new:
+        _announce(target)
+
+
+def _announce(target: nn.Module | None) -> None:
+    log.warning(
+        "memfit: %s caches keys/values by default (config.use_cache=True), which breaks "
+        "recomputation; as with Hugging Face's gradient checkpointing, its training calls "
+        "(train mode, grad enabled) now run with use_cache=False while it carries a memfit "
+        "plan. config.use_cache is unchanged; eval and no_grad calls keep the cache.",
+        type(target).__name__)
 
 
 def hf_checkpointing_modules(model: nn.Module) -> list[str]:
@@ -193,7 +200,7 @@ def suspend_hf_checkpointing(model: nn.Module) -> list[str]:
         if "gradient_checkpointing" in m.__dict__:
             saved.append((m, m.__dict__["gradient_checkpointing"],
                           m.__dict__.get("_gradient_checkpointing_func")))
-            m.gradient_checkpointing = False
+            setattr(m, "gradient_checkpointing", False)  # noqa: B010
     if paths:
         model.__dict__.setdefault("_memfit_hf_checkpointing", saved)
     return paths
@@ -205,9 +212,9 @@ def restore_hf_checkpointing(model: nn.Module) -> bool:
     if saved is None:
         return False
     for m, flag, func in saved:
-        m.gradient_checkpointing = flag
+        setattr(m, "gradient_checkpointing", flag)  # noqa: B010
         if func is not None:
-            m._gradient_checkpointing_func = func
+            setattr(m, "_gradient_checkpointing_func", func)  # noqa: B010
     return True
 
 
