@@ -69,12 +69,12 @@ def fit(
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     refuse_carried_state(model, normalize_inputs(example_inputs)[1])  # NOTE [Hugging Face models in fit]
-    previous = [(m, m.__dict__["memfit_plan"]) for m in model.modules()
+    previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
                 if "_memfit_applied" in m.__dict__]
-    for m, _ in previous:  # NOTE [re-fitting]
+    for path, m, _ in previous:  # NOTE [re-fitting]
         if m is not model:
-            log.warning("memfit: removing the plan on %s, made before it was wrapped in %s; "
-                        "re-planning the whole model", type(m).__name__, type(model).__name__)
+            log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
+                        "to re-plan the whole %s", path, type(m).__name__, type(model).__name__)
         unapply(m)
     try:
         with cache_off_for_training(model):
@@ -82,7 +82,7 @@ def fit(
             prof = profile(model, example_inputs, loss_fn=loss_fn, mode=mode)
             new_plan = make_plan(prof, budget=budget, solver=solver)
     except BaseException:
-        for m, old in previous:
+        for _, m, old in previous:
             apply(m, old)
         raise
     apply(model, new_plan)
