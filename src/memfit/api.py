@@ -51,6 +51,8 @@ def fit(
 
     Raises:
         memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
+        ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
+            (NOTE [Hugging Face models in fit]).
 
     Example:
         >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
@@ -58,22 +60,30 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
+    from memfit.profiling.inputs import normalize_inputs
     from memfit.profiling.tracer import profile
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
-    previous = getattr(model, "memfit_plan", None)
-    if previous is not None:  # NOTE [re-fitting]
-        unapply(model)
+    refuse_carried_state(model, normalize_inputs(example_inputs)[1])  # NOTE [Hugging Face models in fit]
+    previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
+                if "_memfit_applied" in m.__dict__]
+    for path, m, _ in previous:  # NOTE [re-fitting]
+        if m is not model:
+            log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
+                        "to re-plan the whole %s", path, type(m).__name__, type(model).__name__)
+        unapply(m)
     try:
-        mode = "fake" if _on_meta(model) else "measure"
-        prof = profile(model, example_inputs, loss_fn=loss_fn, mode=mode)
-        new_plan = make_plan(prof, budget=budget, solver=solver)
+        with cache_off_for_training(model):
+            mode = "fake" if _on_meta(model) else "measure"
+            prof = profile(model, example_inputs, loss_fn=loss_fn, mode=mode)
+            new_plan = make_plan(prof, budget=budget, solver=solver)
     except BaseException:
-        if previous is not None:
-            apply(model, previous)
+        for _, m, old in previous:
+            apply(m, old)
         raise
     apply(model, new_plan)
     log.info("%s", new_plan)

@@ -4,13 +4,13 @@ chosen ``milp`` lets its timeout reach the user, as a ``SolverTimeout`` saying w
 from __future__ import annotations
 
 import pytest
+from profile_builders import chain_profile, decoder_profile, residual_block, unet_profile
 
 from memfit.errors import InfeasibleBudget, MemfitError, SolverTimeout
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import milp
-from memfit.planning.testing import chain_profile, decoder_profile, residual_block, unet_profile
 
 # HiGHS checks its clock before it finds any incumbent: a limit of 1 ns is a MILP that always
 # runs out of time, whatever the machine's load.

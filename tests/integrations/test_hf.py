@@ -1,0 +1,119 @@
+"""Hugging Face models with their default configs: cache on, dropout on (memfit.fit, hf.enable)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hf_models import MODELS, assert_same_weights, batch, llama, train
+
+import memfit
+from memfit.integrations import hf
+from memfit.integrations.hf_state import CacheOff
+
+pytestmark = pytest.mark.hf
+
+
+def _cache_hooks(model: torch.nn.Module) -> list[CacheOff]:
+    return [h for m in model.modules() for h in m._forward_pre_hooks.values()
+            if isinstance(h, CacheOff)]
+
+
+@pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))
+def test_fit_default_config_trains_bitwise_within_budget(name):
+    model = MODELS[name]()
+    assert model.config.use_cache  # the default every causal LM config ships with
+    memfit.fit(model, batch(), budget=0.5)
+    report = memfit.verify(model, batch())
+    assert report.ok and report.bitwise, str(report)
+    assert report.peak_bytes <= report.budget_bytes * 1.03
+    assert_same_weights(train(model), train(MODELS[name]()))
+    assert model.config.use_cache  # never changed
+
+
+def test_training_calls_drop_the_cache_exactly_as_hf_checkpointing_does():
+    """Cache per call (train+grad, eval, no_grad), planned with memfit vs HF's checkpointing."""
+    ids = batch()["input_ids"]
+
+    def caches(model: torch.nn.Module) -> tuple[bool, bool, bool]:
+        train_call = model(input_ids=ids).cache is not None
+        with torch.no_grad():
+            no_grad_call = model(input_ids=ids).cache is not None
+        model.eval()
+        eval_call = model(input_ids=ids).cache is not None
+        model.train()
+        return train_call, no_grad_call, eval_call
+
+    ours = memfit.fit(llama(), batch(), budget=0.5, solver="chain")
+    theirs = llama()
+    theirs.activation_checkpointing_enable()
+    assert caches(ours) == caches(theirs) == (False, True, True)
+    memfit.unapply(ours)
+    assert caches(ours) == caches(llama()) == (True, True, True)
+    assert ours.config.use_cache
+
+
+def test_fit_says_once_that_it_turns_the_cache_off(caplog):
+    model = llama()
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        with pytest.raises(memfit.InfeasibleBudget):  # a failed fit leaves no hook, says nothing
+            memfit.fit(model, batch(), budget=0.05, solver="chain")
+        assert _cache_hooks(model) == [] and model(**batch()).cache is not None
+        memfit.fit(model, batch(), budget=0.6, solver="chain")
+        memfit.fit(model, batch(), budget=0.5, solver="chain")  # re-fit: the hook is already there
+    said = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and "LlamaForCausalLM" in said[0].getMessage()
+    assert len(_cache_hooks(model)) == 1
+
+
+def test_fit_refuses_hf_checkpointing_before_profiling():
+    model = llama()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient checkpointing on \(model, model\.layers\.0.*checkpoint the same layers twice"):
+        memfit.fit(model, batch(), budget=0.5)
+    assert "memfit_plan" not in model.__dict__
+
+
+def test_fit_refuses_inputs_that_carry_a_cache():
+    from transformers import DynamicCache
+
+    model = llama()
+    x = {**batch(), "past_key_values": DynamicCache(config=model.config)}
+    with pytest.raises(ValueError, match="past_key_values=DynamicCache: state from an earlier call"):
+        memfit.fit(model, x, budget=0.5)
+
+
+def test_enable_builds_inputs_from_the_config_and_disable_undoes_it():
+    model = llama()
+    hf.enable(model, budget=0.5, batch_size=4, seq_len=64, solver="chain")
+    plan = model.memfit_plan
+    assert plan.budget_bytes == int(0.5 * plan.plain_peak_bytes)
+    # the same plan as fit on (4, 64) token ids with labels
+    refit = memfit.fit(llama(), {k: torch.zeros_like(v) for k, v in batch().items()}, budget=0.5, solver="chain")
+    assert plan.profile_signature == refit.memfit_plan.profile_signature
+    assert_same_weights(train(model), train(llama()))
+    hf.disable(model)
+    assert "memfit_plan" not in model.__dict__ and _cache_hooks(model) == []
+    assert not any(memfit.runtime.wrap.is_wrapped(m) for m in model.modules())
+
+
+def test_enable_takes_over_hf_checkpointing_and_disable_gives_it_back(caplog):
+    model = llama()
+    model.activation_checkpointing_enable()
+    funcs = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+             if getattr(m, "gradient_checkpointing", False)}
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        hf.enable(model, budget=0.5, batch_size=4, seq_len=64)
+    assert any("gradient checkpointing on for 7 modules" in r.getMessage() for r in caplog.records)
+    assert not model.is_activation_checkpointing
+    assert_same_weights(train(model), train(llama()))
+    hf.disable(model)
+    now = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+           if getattr(m, "gradient_checkpointing", False)}
+    assert now.keys() == funcs.keys() and all(now[n] is funcs[n] for n in funcs)
+
+
+def test_enable_rejects_inputs_with_a_shape():
+    with pytest.raises(ValueError, match="not both"):
+        hf.enable(llama(), budget=0.5, example_inputs=batch(), seq_len=64)
