@@ -61,6 +61,8 @@ __all__ = [
     "storage_key",
     "tensor_version",
     "module_buffers",
+    "forward_pre_hooks",
+    "remove_forward_pre_hook",
     "set_display_name",
     "clear_display_name",
     "current_autograd_node",
@@ -183,6 +185,17 @@ def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     """The module's own buffer slots, by name: the live dict, to read or replace a buffer
     without the bookkeeping of ``register_buffer`` (its persistence is left as it is)."""
     return module._buffers
+
+
+def forward_pre_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
+    """The module's forward pre-hooks by handle id, in call order (the live dict: read it)."""
+    return module._forward_pre_hooks
+
+
+def remove_forward_pre_hook(module: nn.Module, key: int) -> None:
+    """Remove the forward pre-hook with handle id ``key`` (as its handle's ``remove()``)."""
+    del module._forward_pre_hooks[key]
+    module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def set_display_name(module: nn.Module, name: Callable[[], str]) -> None:
