@@ -411,7 +411,7 @@ def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
     done = _run("""
         import torch
         del torch._C._DisableTorchDispatch   # as on a torch without it
-        import memfit                        # planning needs no torch internals
+        import memfit                        # needs no torch internals
         try:
             import memfit.runtime.wrap
         except ImportError as e:

@@ -10,11 +10,11 @@ NOTE [private torch APIs]
        ``._version``...). Every other module uses the names defined here;
        ``tests/test_torch_internals.py`` scans the source for exceptions and exercises every
        name on the installed torch.
-    2. Each API is looked up when this module is imported. It is imported by every
-       profiling and runtime module, so that is the first ``memfit.profile``, ``memfit.wrap``,
-       ``memfit.apply``... of a process (or the first import of such a module), not
-       ``import memfit`` itself: reading, planning and simulating saved profiles needs no
-       torch internals and works on any torch.
+    2. Each API is looked up when this module is first imported: by ``memfit.ops`` (the op
+       facts that profiling, planning and runtime share) and by every profiling and runtime
+       module, so at the first ``memfit.profile``, ``memfit.plan``, ``memfit.wrap``... of a
+       process (or the first import of such a module). ``import memfit`` itself, and loading
+       a ``Profile`` or ``Plan`` from JSON, do not import it.
     3. A missing API that every stage needs raises ``memfit.errors.UnsupportedTorch`` (also an
        ``ImportError``) from that import, naming the API, the installed torch version and the
        supported range (``SUPPORTED_TORCH``).
