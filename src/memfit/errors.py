@@ -15,6 +15,7 @@ __all__ = [
     "RecomputeMismatch",
     "SchemaError",
     "SolverTimeout",
+    "UnsupportedTorch",
     "WrapError",
 ]
 
@@ -83,6 +84,16 @@ class SolverTimeout(MemfitError, TimeoutError):
         super().__init__(message)
         self.solver = solver
         self.time_limit_s = time_limit_s
+
+
+class UnsupportedTorch(MemfitError, ImportError):
+    """The installed torch lacks a private API memfit relies on (``memfit._torch``).
+
+    Raised when ``memfit._torch`` is first imported (by the first profiling, planning or
+    runtime module imported) for the APIs every stage needs, or when a feature is first used
+    for the APIs only that feature needs (chain segments, the CPU allocator meter). It is
+    also an ``ImportError``. NOTE [private torch APIs] in ``memfit._torch``.
+    """
 
 
 class WrapError(MemfitError):

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from memfit._torch import OpOverloadPacket, op_packet, op_schema
+
 __all__ = [
     "RandomKind",
     "random_kind",
@@ -92,10 +94,6 @@ _writes: dict[Any, bool] = {}
 _views: dict[Any, bool] = {}
 
 
-def _schema(op: Any) -> Any:
-    return getattr(op, "_schema", None)
-
-
 def random_kind(op: Any) -> RandomKind:
     """How ``op`` (an ``OpOverload``) uses the RNG, from its tags and schema.
 
@@ -107,7 +105,7 @@ def random_kind(op: Any) -> RandomKind:
     """
     kind = _random_kinds.get(op)
     if kind is None:
-        schema = _schema(op)
+        schema = op_schema(op)
         if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
             kind = RandomKind.NEVER
         elif schema is not None and any(
@@ -140,7 +138,7 @@ def is_random(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -
         return True
     kwargs = kwargs or {}
     dropout = False
-    for i, a in enumerate(_schema(op).arguments):
+    for i, a in enumerate(op_schema(op).arguments):
         if a.name not in _DROPOUT_ARGS and a.name != "train":
             continue
         if i < len(args) and not a.kwarg_only:
@@ -169,7 +167,7 @@ def writes_input(op: Any) -> bool:
     """
     hit = _writes.get(op)
     if hit is None:
-        schema = _schema(op)
+        schema = op_schema(op)
         hit = schema is not None and any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         _writes[op] = hit
@@ -186,7 +184,7 @@ def is_view(op: Any) -> bool:
     """
     hit = _views.get(op)
     if hit is None:
-        schema = _schema(op)
+        schema = op_schema(op)
         hit = schema is not None and not writes_input(op) and any(
             r.alias_info is not None for r in schema.returns)
         _views[op] = hit
@@ -216,7 +214,7 @@ def uses_workspace(op: Any) -> bool:
         >>> uses_workspace(torch.ops.aten.convolution.default)
         True
     """
-    name = op._overloadpacket.__name__
+    name = op_packet(op).__name__
     return any(p in name for p in WORKSPACE_PATTERNS)
 
 
@@ -227,7 +225,7 @@ def aten_overloads() -> Iterator[Any]:
             packet = getattr(torch.ops.aten, packet_attr)
         except (AttributeError, RuntimeError):
             continue
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+        if not isinstance(packet, OpOverloadPacket):
             continue
         for overload in packet.overloads():
             yield getattr(packet, overload)

@@ -5,7 +5,7 @@ chain segment over ``up.0..up.1`` is cut at its first step (NOTE [chain segments
 transposed convolution between the blocks saves its input and weight for backward; those
 used to be packed by the still-open checkpoint, which the replay never recomputes, and
 backward raised torch's CheckpointError ("a different number of tensors was saved during
-the original forward and recomputation"). NOTE [between blocks] in memfit.runtime.segment.
+the original forward and recomputation"). NOTE [chain segments] in memfit.runtime.segment, rule 5.
 """
 
 from __future__ import annotations

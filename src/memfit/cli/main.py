@@ -84,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     if not debug:  # fake mode logs a traceback for a failing op; the one-line error says it all
-        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+        from memfit._torch import FAKE_TENSOR_LOGGER
+
+        logging.getLogger(FAKE_TENSOR_LOGGER).setLevel(logging.CRITICAL)
     from memfit.errors import InfeasibleBudget, MemfitError, ModelError, PlanMismatch, SchemaError
     from memfit.units import format_bytes
 

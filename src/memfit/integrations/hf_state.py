@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._torch import forward_pre_hooks, remove_forward_pre_hook
+
 __all__ = [
     "CARRIED_STATE_KWARGS",
     "CacheOff",
@@ -117,7 +119,7 @@ class CacheOff:
 
 
 def _find_hook(module: nn.Module) -> tuple[int, CacheOff] | None:
-    for key, hook in module._forward_pre_hooks.items():
+    for key, hook in forward_pre_hooks(module).items():
         if isinstance(hook, CacheOff):
             return key, hook
     return None
@@ -146,8 +148,7 @@ def remove_cache_off(model: nn.Module) -> bool:
         found = _find_hook(module)
         if found is not None:
             key, _ = found
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
+            remove_forward_pre_hook(module, key)
             removed = True
     return removed
 

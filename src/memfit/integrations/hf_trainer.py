@@ -23,6 +23,7 @@ from typing import Any
 import transformers
 from torch import nn
 
+from memfit._torch import forward_pre_hooks
 from memfit.integrations.hf_state import CacheOff, cache_module
 
 __all__ = ["MemfitCallback"]
@@ -62,7 +63,7 @@ class _PlanOnFirstCall:
         # just installed would miss this first call: run it here.
         target = cache_module(module)
         if target is module:
-            for hook in module._forward_pre_hooks.values():
+            for hook in forward_pre_hooks(module).values():
                 if isinstance(hook, CacheOff):
                     return hook(module, args, kwargs)
         return None

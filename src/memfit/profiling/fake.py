@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memfit._torch import FakeTensorMode
 from memfit.profiling.inputs import map_tensors
 
 __all__ = ["meta_like", "meta_state", "meta_inputs", "new_fake_mode"]
@@ -25,8 +26,6 @@ __all__ = ["meta_like", "meta_state", "meta_inputs", "new_fake_mode"]
 
 def new_fake_mode() -> Any:
     """A ``FakeTensorMode`` for one traced step (the tensors below must be made under it)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 

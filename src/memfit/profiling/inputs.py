@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
+from memfit._torch import tree_flatten, tree_map
 from memfit.errors import MemfitError, ModelError
 
 __all__ = ["normalize_inputs", "default_loss", "iter_tensors", "map_tensors",

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memfit._native_output import silenced_fd
+from memfit._torch import cpu_memory_events
 from memfit.profiling.storages import LiveStorages
 
 __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
@@ -70,14 +71,9 @@ class AllocatorMeter(PeakMeter):
     def __exit__(self, *exc: object) -> None:
         with silenced_fd(2):
             self._prof.stop()
-        events = [
-            e for e in self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        ]
-        events.sort(key=lambda e: e.start_ns())  # stable: equal stamps keep record order
         live = peak = 0
-        for e in events:
-            live += e.nbytes()  # type: ignore[union-attr]
+        for _, nbytes in cpu_memory_events(self._prof):
+            live += nbytes
             peak = max(peak, live)
         self.peak_bytes = peak
         del self._prof

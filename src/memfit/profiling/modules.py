@@ -6,7 +6,7 @@ NOTE [module paths of backward ops]
     A backward op takes the module of the forward op whose autograd node it runs: a node with
     ``sequence_nr = s`` is created by the autograd kernel just before it redispatches the
     forward op, so that op is the first forward op dispatched while the sequence counter
-    (``torch._C._autograd._get_sequence_nr()``) was above ``s``. Gradient accumulation
+    (``memfit._torch.peek_sequence_nr()``) was above ``s``. Gradient accumulation
     (``AccumulateGrad``) takes the module owning the parameter. See ``StorageTracker``.
 """
 

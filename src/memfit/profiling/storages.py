@@ -10,7 +10,7 @@ NOTE [storage identity and frees]
     alive for as long as the C++ ``StorageImpl`` lives (PyObject preservation; checked in
     ``tests/profiling/test_tracker.py``), so ``t.untyped_storage()`` returns the same object on
     every call and a ``weakref.finalize`` on it fires exactly when the memory is released. The
-    live key of a storage is ``storage._cdata`` (its ``StorageImpl*``); the finalizer drops the
+    live key of a storage is its ``StorageImpl*`` (``memfit._torch.storage_key``); the finalizer drops the
     key before the address can be reused. Storages live before the step that the step only
     reads get ``created_by = None`` and never count as activation memory.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit._torch import TorchDispatchMode, op_namespace, storage_key
 from memfit.profiling.profile import StorageKind
 
 __all__ = ["LiveStorages", "TracedStorage", "live_timeline", "iter_arg_tensors", "out_tensors",
@@ -76,11 +76,6 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # storage-less subclasses
         return None
-
-
-def storage_key(st: torch.UntypedStorage) -> int:
-    """The identity of a live storage: its ``StorageImpl*`` (NOTE [storage identity and frees])."""
-    return int(st._cdata)
 
 
 @dataclass
@@ -161,7 +156,7 @@ class LiveStorages(TorchDispatchMode):
 
     def _new(self, st: torch.UntypedStorage, kind: StorageKind, created_by: int | None) -> int:
         sid = len(self.storages)
-        key = st._cdata
+        key = storage_key(st)
         rec = TracedStorage(nbytes=st.nbytes(), kind=kind, created_by=created_by)
         self.storages.append(rec)
         self._live_key[key] = sid
@@ -177,7 +172,7 @@ class LiveStorages(TorchDispatchMode):
         st = storage_of(t)
         if st is None:
             return None
-        sid = self._live_key.get(st._cdata)
+        sid = self._live_key.get(storage_key(st))
         return sid if sid is not None else self._new(st, kind, None)
 
     def sid(self, t: torch.Tensor) -> int | None:
@@ -185,7 +180,7 @@ class LiveStorages(TorchDispatchMode):
         st = storage_of(t)
         if st is None:
             return None
-        sid = self._live_key.get(st._cdata)
+        sid = self._live_key.get(storage_key(st))
         if sid is None:
             sid = self._new(st, StorageKind.OTHER, None)
             if not self._closed and (self.pos >= 0 or self._in_op):
@@ -225,7 +220,7 @@ class LiveStorages(TorchDispatchMode):
     # ---- the dispatch hook ---------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func._namespace == "prim":  # metadata queries (a fake tensor's device): no op
+        if op_namespace(func) == "prim":  # metadata queries (a fake tensor's device): no op
             return func(*args, **kwargs)
         i = self.pos + 1
         self.pos = i
@@ -245,6 +240,6 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in out_tensors(out):
             st = storage_of(t)
-            if st is not None and st._cdata not in self._live_key:
+            if st is not None and storage_key(st) not in self._live_key:
                 self._new_output(st, i)
         return out

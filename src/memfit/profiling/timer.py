@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from memfit._torch import TorchDispatchMode
 
 __all__ = ["OpTimer"]
 

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from memfit import ops
+from memfit._torch import current_autograd_node, node_sequence_nr, op_packet, peek_sequence_nr
 from memfit.profiling.storages import (
     LiveStorages,
     TracedStorage,
     iter_arg_tensors,
     live_timeline,
     out_tensors,
+    storage_key,
     storage_of,
 )
 from memfit.profiling.timer import OpTimer
@@ -136,7 +138,7 @@ class StorageTracker(LiveStorages):
     # ---- backward attribution -------------------------------------------------------------
     def _backward_origin(self) -> tuple[str, int | None]:
         """Module path and forward op of the autograd node now running (see tracer NOTE)."""
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return "", None
         if node is self._node:
@@ -148,7 +150,7 @@ class StorageTracker(LiveStorages):
         else:
             # The node with sequence_nr s was created just before the forward op whose
             # sequence peek is s + 1 was dispatched: the first forward op with peek > s.
-            j = bisect.bisect_right(self._seq, node._sequence_nr())
+            j = bisect.bisect_right(self._seq, node_sequence_nr(node))
             if j < len(self._seq):
                 info = (self.ops[j].module, j)
         self._node, self._node_info = node, info
@@ -173,7 +175,7 @@ class StorageTracker(LiveStorages):
             module, fwd = self._backward_origin()
         else:
             module, fwd = self.module_of(), None
-            self._seq.append(torch._C._autograd._get_sequence_nr())
+            self._seq.append(peek_sequence_nr())
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         dt = time.perf_counter() - t0 if self.time_ops else 0.0
@@ -184,7 +186,7 @@ class StorageTracker(LiveStorages):
             st = storage_of(t)
             if st is None:
                 continue
-            sid = self._live_key.get(st._cdata)
+            sid = self._live_key.get(storage_key(st))
             if sid is None:
                 sid = self._new_output(st, i)
                 aliased = False
@@ -229,4 +231,4 @@ def op_flags(func: Any, args: Any = None, kwargs: dict[str, Any] | None = None) 
 def _flop_formula(func: Any) -> Callable[..., int] | None:
     from torch.utils.flop_counter import flop_registry
 
-    return flop_registry.get(func._overloadpacket)
+    return flop_registry.get(op_packet(func))

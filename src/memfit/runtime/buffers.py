@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.runtime import segment as _internals
+from memfit._torch import TorchDispatchMode, module_buffers, written_tensors
+from memfit.ops import writes_input
 
 __all__ = ["BufferGuard"]
 
@@ -73,7 +73,6 @@ _UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
     _aten.miopen_batch_norm.default: (3, 4),
 }
 _TRAINING_ARG = 5
-_WRITES: dict[Any, bool] = {}  # op -> does its schema mark an argument written (cache)
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
@@ -86,10 +85,7 @@ def _written(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
             return [], True
         return [args[i] for i in positions
                 if i < len(args) and isinstance(args[i], torch.Tensor)], True
-    writes = _WRITES.get(func)
-    if writes is None:
-        writes = _WRITES[func] = _internals.op_writes_inputs(func)
-    return (_internals.written_tensors(func, args, kwargs) if writes else []), False
+    return (written_tensors(func, args, kwargs) if writes_input(func) else []), False
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -199,7 +195,7 @@ class BufferGuard:
             self._hook.remove()
             self._hook = None
         for module, name, old in self._named:
-            current = module._buffers.get(name, old)  # a deleted buffer is left alone
+            current = module_buffers(module).get(name, old)  # a deleted buffer is left alone
             if current is not old and current is not None:  # replaced, not written in place
                 self._replaced.append((module, name, old))
         for i in self._update_only:  # rule 2: the recomputation needs no pre-forward value
@@ -209,14 +205,14 @@ class BufferGuard:
     # ---- recompute side --------------------------------------------------------------
     def recompute_enter(self) -> None:
         written = [buf for buf, _ in self._pre.values()]
-        replaced = [m._buffers[n] for m, n, _ in self._replaced]
+        replaced = [module_buffers(m)[n] for m, n, _ in self._replaced]
         with torch.no_grad():
             self._now.append(([b.detach().clone() for b in written], replaced))
             for buf, before in self._pre.values():
                 if before is not None:
                     buf.copy_(before)
         for module, name, old in self._replaced:
-            module._buffers[name] = old
+            module_buffers(module)[name] = old
 
     def recompute_exit(self) -> None:
         now, replaced = self._now.pop()
@@ -224,4 +220,4 @@ class BufferGuard:
             for (buf, _), value in zip(self._pre.values(), now, strict=True):
                 buf.copy_(value)
         for (module, name, _), tensor in zip(self._replaced, replaced, strict=True):
-            module._buffers[name] = tensor
+            module_buffers(module)[name] = tensor

@@ -72,11 +72,10 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit._torch import TorchDispatchMode, no_python_dispatch, op_schema
 from memfit.errors import RecomputeMismatch
 from memfit.ops import IGNORED_OPS  # re-exported: NOTE [ignored ops] in memfit.ops
-from memfit.runtime.segment import no_python_dispatch
 
 __all__ = ["DivergenceCheck", "CheckSampler", "CheckArg", "resolve_check", "fingerprint",
            "OpRecorder", "OpChecker"]
@@ -225,7 +224,7 @@ def _unwritten(func: Any) -> bool:
     """True for ops whose outputs hold uninitialized memory (``aten.empty_like``...)."""
     found = _UNWRITTEN.get(func)
     if found is None:
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         found = _UNWRITTEN[func] = schema is not None and "empty" in schema.name
     return found
 

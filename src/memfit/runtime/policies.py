@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from memfit._torch import OpOverload, OpOverloadPacket, sac_forget, written_tensors
 from memfit.ops import MATMUL_PACKETS, is_random, writes_input
 from memfit.planning.plan import OpPolicy
-from memfit.runtime import segment as _internals
 
 __all__ = [
     "Policy",
@@ -80,7 +80,7 @@ class Policy:
     decision unless it is RECOMPUTE, else ``b``'s.
     """
 
-    def decision(self, op: _internals.OpOverload, key: str, args: tuple, kwargs: dict) -> OpPolicy:
+    def decision(self, op: OpOverload, key: str, args: tuple, kwargs: dict) -> OpPolicy:
         raise NotImplementedError
 
     def decide(self, op: Any, name: str, k: int, args: tuple, kwargs: dict) -> OpPolicy:
@@ -202,7 +202,7 @@ def save_matmuls() -> Policy:
     return save_ops(*MATMUL_OPS)
 
 
-def save_ops(*names: str | _internals.OpOverload | _internals.OpOverloadPacket) -> Policy:
+def save_ops(*names: str | OpOverload | OpOverloadPacket) -> Policy:
     """Save the outputs of the named ops, every occurrence; recompute the rest.
 
     Args:
@@ -299,7 +299,7 @@ def resolve(policy: Any) -> Policy | None:
     """
     if policy is None or isinstance(policy, Policy):
         return policy
-    if isinstance(policy, (str, _internals.OpOverload, _internals.OpOverloadPacket)):
+    if isinstance(policy, (str, OpOverload, OpOverloadPacket)):
         raise TypeError(
             f"policy={policy!r} is a single op; pass a collection such as {{{str(policy)!r}}} "
             "or save_ops(...)"
@@ -317,9 +317,9 @@ def resolve(policy: Any) -> Policy | None:
 
 def _resolve_op_name(name: Any) -> tuple[str, str]:
     """Return ("overload"|"packet", canonical name) or raise ValueError naming the bad name."""
-    if isinstance(name, _internals.OpOverload):
+    if isinstance(name, OpOverload):
         return "overload", str(name)
-    if isinstance(name, _internals.OpOverloadPacket):
+    if isinstance(name, OpOverloadPacket):
         return "packet", str(name)
     if not isinstance(name, str):
         raise ValueError(
@@ -335,7 +335,7 @@ def _resolve_op_name(name: Any) -> tuple[str, str]:
     try:
         packet = getattr(getattr(torch.ops, parts[0]), parts[1])
         if len(parts) == 2:
-            if not isinstance(packet, _internals.OpOverloadPacket):
+            if not isinstance(packet, OpOverloadPacket):
                 raise AttributeError(parts[1])
             return "packet", str(packet)
         overload = getattr(packet, parts[2])
@@ -389,9 +389,9 @@ class RegionPolicy:
     def _forget_written(self, op: Any, args: tuple, kwargs: dict) -> None:
         """A saved tensor written in place later in the forward must be recomputed instead:
         the cache would hand the recomputation the written value (torch raises)."""
-        for t in _internals.written_tensors(op, args, kwargs):
+        for t in written_tensors(op, args, kwargs):
             for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
-                _internals.sac_forget(self.caching_mode, saved_op, index)
+                sac_forget(self.caching_mode, saved_op, index)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -1,50 +1,73 @@
 """Chain segments: one checkpoint spanning several consecutive sibling module calls.
 
-This is also the only module of memfit that touches private torch APIs (the section just
-below); everything else in memfit goes through the names defined there.
-
 NOTE [chain segments]
     Hugging Face models call their blocks from a Python loop (``for layer in self.layers:
-    h = layer(h, ...)``), so ``checkpoint_sequential`` cannot checkpoint a run of them as
-    one region. A segment does it with module hooks: block k's forward pre-hook enters
-    torch's non-reentrant checkpoint (its generator form, which can be entered and left in
-    different functions), and block j's forward hook leaves it. Every op between the two
-    hooks belongs to the region, and the recomputation must replay exactly those ops. The
-    replay function re-calls blocks k..j with the arguments they got in the forward, where an
-    argument that was the output of an earlier block of the segment (or an element of it) is
-    replaced by that block's recomputed output; any other tensor is held by reference (and
-    its version counter checked before the replay).
+    h = layer(h, ...)``), so ``checkpoint_sequential`` cannot checkpoint a run of them as one
+    region. A segment does it with module hooks on blocks k..j, under these rules.
 
-    That replay is exact only if the parent ran no op between two blocks. memfit counts the
-    ops the region dispatches; if the parent ran ops between blocks i-1 and i (``h = h * 2``,
-    logging a norm), the segment is cut there for this call (the ops run after block i-1
-    end the first checkpoint, which the replay does not redo; what they save for backward is
-    saved outside it, NOTE [between blocks]), a warning is logged, and from then on the segment is closed at
-    block i-1's forward hook, so that the parent's code runs outside any checkpoint. A block
-    called out of order is handled the same way.
+    Rule 1. The region is every op that runs from block k's forward pre-hook to block j's
+            forward hook: the pre-hook enters torch's non-reentrant checkpoint (its
+            generator form, which can be entered and left in different functions:
+            ``memfit._torch.open_checkpoint``) and the forward hook leaves it.
 
-    NOTE [between blocks]: the ops the parent runs after block i-1, before block i's pre-hook
-    sees that it must cut, run inside the open checkpoint. The tensors they save for backward
-    would be packed by the checkpoint, which the replay (blocks only) never recomputes: torch
-    would raise "a different number of tensors was saved" in backward. So between two
-    blocks the segment puts the saved-tensor hooks of the code outside the checkpoint back on
-    top (autograd's default when there were none), and takes them off at the next block's
-    pre-hook: what the parent saves between blocks is saved as without the segment, and the
-    cut step's backward is correct (only its memory is what the cut segment would have).
+    Rule 2. The recomputation replays exactly the region's ops, by re-calling blocks k..j
+            with the arguments they got in the forward. An argument that was the output of
+            an earlier block of the segment (or an element of it) is replaced by that
+            block's recomputed output, a tensor passed into the checkpoint by the copy torch
+            saved, and any other tensor is held by reference, its version counter checked
+            before the replay.
 
-    The hooks do nothing while a replay runs. Blocks whose forward raises close the
-    checkpoint (``always_call`` forward hooks). Limitations: every block of the segment must
-    be called in each forward (a loop stopping early leaves the checkpoint open until the
-    next call, and everything the parent runs meanwhile is inside it); forward hooks on the
-    last block registered after the segment, and global forward pre-hooks, run outside the
-    region in forward but inside the replay (the divergence check reports it if they run
-    ops); KV caches must be off (``use_cache=False``), since a replay would update them again.
+    Rule 3. The segment's hooks do nothing while a replay runs.
+
+    Rule 4. The parent runs no op inside the region. memfit counts the ops the region
+            dispatches; if the parent ran ops between blocks i-1 and i (``h = h * 2``,
+            logging a norm), or calls block i after another block than i-1, the segment is
+            cut there: this call's checkpoint ends (covering blocks up to i-1, a new one
+            starting at block i), a warning is logged, and from then on the segment closes
+            its checkpoint at block i-1's forward hook, so the parent's code runs outside
+            any checkpoint.
+
+    Rule 5. What the parent saves for backward between two blocks is saved as without the
+            segment: from a block's forward hook to the next block's pre-hook, the
+            saved-tensor hooks of the code outside the checkpoint are put back on top
+            (autograd's default when there were none).
+
+    Rule 6. A block whose forward raises abandons the checkpoint (``always_call`` forward
+            hooks).
+
+    Consequence: the step's gradients are bitwise those of the plain step. In the usual case
+    every forward calls every block in order with nothing in between, and the replay redoes
+    the region op for op (rules 1-3). The first call in which the parent runs ops between
+    blocks i-1 and i runs them inside the open checkpoint (rule 4 sees them only at block
+    i's pre-hook): the replay does not redo them (the divergence check expects only the ops
+    up to block i-1's end), and by rule 5 what they save is saved outside the checkpoint, so
+    torch finds the saved tensors it expects (it would raise "a different number of tensors
+    was saved") and that step's backward is correct too; only its memory is what the cut
+    segment would have. Later calls close the checkpoint before that code.
+
+    Limitations: every block of the segment must be called in each forward (a loop stopping
+    early leaves the checkpoint open until the next call, and everything the parent runs
+    meanwhile is inside it); forward hooks on the last block registered after the segment,
+    and global forward pre-hooks, run outside the region in forward but inside the replay
+    (the divergence check reports it if they run ops); KV caches must be off
+    (``use_cache=False``), since a replay would update them again.
+
+    Implementation: ``SegmentHandle`` puts a ``_PreHook`` (prepended) and a ``_PostHook``
+    (``always_call``) on each block. Block i's pre-hook, with a checkpoint open: takes the
+    rule-5 hooks off, then cuts (rule 4: block 0 again means the last forward stopped early;
+    another block than the next; an op count above the one at the last block's end, the
+    ``boundary``) or records the call (rule 2). With none open (or just cut) and autograd
+    recording (NOTE [when a region checkpoints] in ``memfit.runtime.wrap``), it opens one
+    whose ``context_fn`` is a ``RegionContexts`` counting ops. Block i's forward hook records
+    its outputs and the boundary, then closes the checkpoint at the last block or before a
+    learnt cut, and puts the rule-5 hooks on otherwise. The records and the ``Replay`` that
+    torch calls to recompute live in ``memfit.runtime.replay``.
 
 NOTE [segments and threads]
     Several threads may run the same segmented model at once (each its own forward and
     backward). What a segment tracks for one forward (the open checkpoint, the saved-tensor
     hooks put back between two blocks, whether a replay is running) is therefore per thread
-    (``_ThreadState``): torch's saved-tensor hooks and dispatch modes are thread-local too, so
+    (``ThreadState``): torch's saved-tensor hooks and dispatch modes are thread-local too, so
     the thread whose pre-hook opened a checkpoint closes it, and a replay silences the hooks
     of the thread running it only (the one running backward, which sets and reads the flag).
     The handle holds what every call shares: blocks, policy, cuts learnt. Random ops are
@@ -55,188 +78,34 @@ NOTE [segments and threads]
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
-import threading
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.utils.checkpoint as _tc
 from torch import nn
 
-from memfit.errors import RecomputeMismatch, WrapError
+from memfit._torch import (
+    close_checkpoint,
+    open_checkpoint,
+    outer_saved_tensors_hooks,
+    require_chain_segments,
+)
+from memfit.errors import WrapError
+from memfit.runtime import checkpoint as _checkpoint
+from memfit.runtime import policies as _policies
+from memfit.runtime.divergence import CheckSampler
+from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark
+from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
 
 __all__ = ["checkpoint_segment", "SegmentHandle", "segment_of"]
 
 log = logging.getLogger(__name__)
 
-# =======================================================================================
-# torch internals: the only place memfit uses private torch APIs. Each is checked here.
-# =======================================================================================
-OpOverload = torch._ops.OpOverload
-OpOverloadPacket = torch._ops.OpOverloadPacket
-
-
-def op_writes_inputs(op: Any) -> bool:
-    """True if the op's schema marks an argument as written (``Tensor(a!)``)."""
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
-def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments the op's schema marks as written."""
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
-
-
-def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
-    """Turn a saved entry of torch's selective-checkpoint cache back into "recompute".
-
-    Used when the forward writes in place into a tensor the cache holds (NOTE [forced
-    recompute] in memfit.runtime.policies). Returns False if this torch lays the cache out
-    differently (the selective checkpoint then raises its own "has been mutated" error).
-    """
-    storage = getattr(caching_mode, "storage", None)
-    marker = getattr(_tc, "_RECOMPUTE", None)
-    if storage is None or marker is None or op not in storage or index not in storage[op]:
-        return False
-    storage[op][index] = marker
-    return True
-
-
-def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
-    """The (pack, unpack) saved-tensor hooks in effect now (None: autograd's default)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(True) if top is not None else None
-
-
-def tensor_version(t: torch.Tensor) -> int:
-    """The tensor's version counter (bumped by every in-place write)."""
-    return t._version
-
-
-def no_python_dispatch() -> Any:
-    """A context in which ops skip every Python dispatch mode (and tensor subclass): the
-    divergence check's fingerprints (NOTE [value check] in memfit.runtime.divergence)."""
-    return torch._C._DisableTorchDispatch()
-
-
-_EXPECTED_PARAMS = (
-    "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-    "args", "kwargs",
-)
-_generator = getattr(_tc, "_checkpoint_without_reentrant_generator", None)
-_GENERATOR_PROBLEM: str | None = None
-if _generator is None:
-    _GENERATOR_PROBLEM = (
-        f"torch {torch.__version__} has no torch.utils.checkpoint."
-        "_checkpoint_without_reentrant_generator"
-    )
-else:
-    _params = tuple(inspect.signature(_generator).parameters)
-    if _params != _EXPECTED_PARAMS or not inspect.isgeneratorfunction(_generator):
-        _GENERATOR_PROBLEM = (
-            f"torch {torch.__version__}'s _checkpoint_without_reentrant_generator has "
-            f"parameters {_params}, memfit expects {_EXPECTED_PARAMS}"
-        )
-# =======================================================================================
-
-
-@dataclass(frozen=True)
-class _Out:
-    """Placeholder: the recomputed output of the segment's call ``call`` (element ``index``)."""
-
-    call: int
-    index: int | str | None
-
-
-@dataclass(frozen=True)
-class _In:
-    """Placeholder: the i-th tensor passed to the checkpoint (saved by torch)."""
-
-    i: int
-
-
-@dataclass
-class _Call:
-    module: nn.Module
-    args: Any
-    kwargs: Any
-
-
-@dataclass
-class _Open:
-    """State of a segment checkpoint open in the current forward."""
-
-    gen: Any
-    contexts: Any
-    start: int
-    last: int = -1
-    boundary: int = 0
-    calls: list[_Call] = field(default_factory=list)
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    input_ids: dict[int, int] = field(default_factory=dict)
-    outputs: dict[int, tuple[weakref.ref, int, int | str | None]] = field(default_factory=dict)
-    held: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    # The saved-tensor hooks in effect outside the checkpoint, and the context that puts them
-    # back in effect between two blocks (NOTE [between blocks]).
-    outer_hooks: tuple[Any, Any] | None = None
-    between: Any = None
-
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _map(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_map(v, fn) for v in value)
-    if isinstance(value, list):
-        return [_map(v, fn) for v in value]
-    if type(value) is dict:
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
-
-
-def _resolve(value: Any, inputs: Sequence[torch.Tensor], outs: list[Any]) -> Any:
-    if isinstance(value, _In):
-        return inputs[value.i]
-    if isinstance(value, _Out):
-        out = outs[value.call]
-        return out if value.index is None else out[value.index]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_resolve(v, inputs, outs) for v in value)
-    if isinstance(value, list):
-        return [_resolve(v, inputs, outs) for v in value]
-    if type(value) is dict:
-        return {k: _resolve(v, inputs, outs) for k, v in value.items()}
-    return value
-
-
-class _ThreadState(threading.local):
-    """Per-thread state of a segment (NOTE [segments and threads])."""
-
-    open: _Open | None = None
-    replaying: int = 0
 
 
 class SegmentHandle:
@@ -251,19 +120,17 @@ class SegmentHandle:
                  name: str) -> None:
         self.blocks = tuple(blocks)
         self.policy = policy
-        from memfit.runtime.divergence import CheckSampler
-
         self.check = CheckSampler(check)  # one call counter per segment
         self.name = name
         self.cuts: set[int] = set()
-        self._tls = _ThreadState()
+        self._tls = ThreadState()
         self._hooks: list[Any] = []
         for pos, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(
                 _PreHook(self, pos), with_kwargs=True, prepend=True))
             self._hooks.append(block.register_forward_hook(
                 _PostHook(self, pos), with_kwargs=True, always_call=True))
-            block._memfit_segment = self  # type: ignore[assignment]
+            setattr(block, SEGMENT_ATTR, self)
 
     def __repr__(self) -> str:
         return f"SegmentHandle({self.name}, {len(self.blocks)} blocks, policy={self.policy!r})"
@@ -275,7 +142,7 @@ class SegmentHandle:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._tls = _ThreadState()
+        self._tls = ThreadState()
 
     def remove(self) -> None:
         """Uninstall the segment: the blocks run plainly again."""
@@ -285,68 +152,42 @@ class SegmentHandle:
             h.remove()
         self._hooks = []
         for block in self.blocks:
-            if block.__dict__.get("_memfit_segment") is self:
-                del block._memfit_segment
+            if segment_mark(block) is self:
+                delattr(block, SEGMENT_ATTR)
 
-    # ---- forward-time logic ------------------------------------------------------------
+    # ---- forward-time logic (NOTE [chain segments], Implementation) ---------------------
     def _wants_checkpoint(self, pos: int, args: Any, kwargs: Any) -> bool:
         if not torch.is_grad_enabled():  # also in eval(): NOTE [when a region checkpoints], wrap.py
             return False
         found = []
-        _map((args, kwargs), lambda t: found.append(t.requires_grad))
+        map_tensors((args, kwargs), lambda t: found.append(t.requires_grad))
         if any(found):
             return True
         return any(p.requires_grad for b in self.blocks[pos:] for p in b.parameters())
 
-    def _encode(self, op: _Open, value: Any) -> Any:
-        def one(t: torch.Tensor) -> Any:
-            entry = op.outputs.get(id(t))
-            if entry is not None and entry[0]() is t:
-                return _Out(entry[1], entry[2])
-            i = op.input_ids.get(id(t))
-            if i is not None and op.inputs[i] is t:
-                return _In(i)
-            op.held.append((t, tensor_version(t)))
-            return t
-
-        return _map(value, one)
-
     def _start(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-        from memfit.runtime.checkpoint import RegionContexts
-
-        assert _generator is not None
-        contexts = RegionContexts(self.policy, check=self.check, name=self.name,
-                                  modules=self.blocks[pos:], count_ops=True)
-        op = _Open(gen=None, contexts=contexts, start=pos, outer_hooks=outer_saved_tensors_hooks())
-
-        def collect(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in op.input_ids:
-                op.input_ids[id(t)] = len(op.inputs)
-                op.inputs.append(t)
-            return t
-
-        _map((args, kwargs), collect)
-        op.gen = _generator(_Replay(self, op.calls, op.held), True, contexts, "default", False,
-                            True, *op.inputs)
-        next(op.gen)
+        # Looked up at call time: tests count the contexts made by replacing the class.
+        contexts = _checkpoint.RegionContexts(self.policy, check=self.check, name=self.name,
+                                              modules=self.blocks[pos:], count_ops=True)
+        op = OpenCheckpoint(gen=None, contexts=contexts, start=pos,
+                            outer_hooks=outer_saved_tensors_hooks())
+        map_tensors((args, kwargs), op.add_input)
+        op.gen = open_checkpoint(Replay(self.name, self._tls, op.calls, op.held), contexts,
+                                 op.inputs)
         self._tls.open = op
-        self._add_call(op, pos, module, args, kwargs)
+        op.add_call(pos, module, args, kwargs)
 
     @staticmethod
-    def _enter_between(op: _Open) -> None:
+    def _enter_between(op: OpenCheckpoint) -> None:  # rule 5
         pack, unpack = op.outer_hooks if op.outer_hooks is not None else (_keep, _keep)
         op.between = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         op.between.__enter__()
 
     @staticmethod
-    def _leave_between(op: _Open) -> None:
+    def _leave_between(op: OpenCheckpoint) -> None:
         if op.between is not None:
             between, op.between = op.between, None
             between.__exit__(None, None, None)
-
-    def _add_call(self, op: _Open, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-        op.calls.append(_Call(module, self._encode(op, args), self._encode(op, kwargs)))
-        op.last = pos
 
     def _close(self, *, replayed_prefix: int | None = None) -> None:
         op = self._tls.open
@@ -354,11 +195,7 @@ class SegmentHandle:
         self._tls.open = None
         if replayed_prefix is not None and op.contexts.recorder is not None:
             op.contexts.recorder.replayed_prefix = replayed_prefix
-        try:
-            next(op.gen)
-        except StopIteration:
-            return
-        raise AssertionError("torch's checkpoint generator yielded more than twice")
+        close_checkpoint(op.gen)
 
     def _abort(self) -> None:
         op = self._tls.open
@@ -367,7 +204,7 @@ class SegmentHandle:
             self._leave_between(op)
             op.gen.close()
 
-    def _cut(self, pos: int, why: str) -> None:
+    def _cut(self, pos: int, why: str) -> None:  # rule 4
         op = self._tls.open
         assert op is not None
         self._close(replayed_prefix=op.boundary)
@@ -381,7 +218,7 @@ class SegmentHandle:
             )
 
     def pre_hook(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._tls.replaying:
+        if self._tls.replaying:  # rule 3
             return
         op = self._tls.open
         if op is not None:
@@ -395,35 +232,21 @@ class SegmentHandle:
             elif op.contexts.recorder.count != op.boundary:
                 self._cut(pos, "the parent ran tensor ops")
             else:
-                self._add_call(op, pos, module, args, kwargs)
+                op.add_call(pos, module, args, kwargs)
                 return
         if self._wants_checkpoint(pos, args, kwargs):
             self._start(pos, module, args, kwargs)
 
     def post_hook(self, pos: int, module: nn.Module, output: Any) -> None:
-        if self._tls.replaying:
+        if self._tls.replaying:  # rule 3
             return
         op = self._tls.open
         if op is None or op.last != pos or op.calls[-1].module is not module:
             return
-        if output is None and sys.exc_info()[1] is not None:  # the block's forward raised
+        if output is None and sys.exc_info()[1] is not None:  # rule 6: the forward raised
             self._abort()
             return
-        index = len(op.calls) - 1
-
-        def register(t: torch.Tensor, key: int | str | None) -> None:
-            op.outputs[id(t)] = (weakref.ref(t), index, key)
-
-        if isinstance(output, torch.Tensor):
-            register(output, None)
-        elif isinstance(output, (tuple, list)):
-            for i, v in enumerate(output):
-                if isinstance(v, torch.Tensor):
-                    register(v, i)
-        elif isinstance(output, dict):
-            for k, v in output.items():
-                if isinstance(v, torch.Tensor):
-                    register(v, k)
+        op.add_output(output)
         op.boundary = op.contexts.recorder.count
         if pos == len(self.blocks) - 1 or (pos + 1) in self.cuts:
             self._close()
@@ -449,36 +272,9 @@ class _PostHook:
         self.handle.post_hook(self.pos, module, output)
 
 
-class _Replay:
-    """The recompute function of one segment checkpoint: re-calls its blocks in order."""
-
-    def __init__(self, handle: SegmentHandle, calls: list[_Call],
-                 held: list[tuple[torch.Tensor, int]]) -> None:
-        self.handle, self.calls, self.held = handle, calls, held
-
-    def __call__(self, *inputs: torch.Tensor) -> None:
-        for t, version in self.held:
-            if tensor_version(t) != version:
-                raise RecomputeMismatch(
-                    f"segment {self.handle.name}: a tensor passed to one of its blocks "
-                    f"(shape {list(t.shape)}) was modified in place after the forward "
-                    f"(version {version} -> {tensor_version(t)}), so the recomputation "
-                    "cannot replay it; avoid in-place updates of tensors fed to the blocks"
-                )
-        outs: list[Any] = []
-        self.handle._tls.replaying += 1
-        try:
-            for call in self.calls:
-                args = _resolve(call.args, inputs, outs)
-                kwargs = _resolve(call.kwargs, inputs, outs)
-                outs.append(call.module(*args, **kwargs))
-        finally:
-            self.handle._tls.replaying -= 1
-
-
 def segment_of(module: nn.Module) -> SegmentHandle | None:
     """The segment a module belongs to, if any."""
-    return module.__dict__.get("_memfit_segment")
+    return cast("SegmentHandle | None", segment_mark(module))
 
 
 def checkpoint_segment(
@@ -507,20 +303,17 @@ def checkpoint_segment(
         A handle; ``handle.remove()`` undoes it.
 
     Raises:
-        WrapError: unknown or non-consecutive blocks, a block already wrapped or in a
-            segment, or a torch whose private checkpoint generator memfit does not know.
+        WrapError: unknown or non-consecutive blocks, or a block already wrapped or in a
+            segment.
+        UnsupportedTorch: this torch's private checkpoint generator is missing or has
+            another signature (NOTE [private torch APIs] in ``memfit._torch``).
 
     Example:
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
         >>> handle = checkpoint_segment(layers, [1, 2])
         >>> handle.remove()
     """
-    from memfit.runtime import policies as _policies
-    from memfit.runtime.wrap import is_wrapped
-
-    if _GENERATOR_PROBLEM is not None:
-        raise WrapError(f"chain segments are unavailable: {_GENERATOR_PROBLEM}; wrap the "
-                        "blocks one by one with memfit.wrap instead")
+    require_chain_segments()
     if not isinstance(parent, nn.Module):
         raise TypeError(f"checkpoint_segment expects the parent module, got {type(parent).__name__}")
     if isinstance(names_or_indices, (str, int)) or not names_or_indices:

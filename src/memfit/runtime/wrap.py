@@ -30,15 +30,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._torch import clear_display_name, set_display_name
 from memfit.errors import WrapError
 from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
 from memfit.runtime.divergence import CheckSampler
+from memfit.runtime.marks import WRAP_ATTR, is_wrapped, segment_mark
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
 
+
 class _WrapState:
-    """What ``wrap`` stored on a module; kept as ``module._memfit_wrap``."""
+    """What ``wrap`` stored on a module; kept as ``module._memfit_wrap`` (``WRAP_ATTR``)."""
 
     def __init__(self, policy: _policies.Policy | None, check: Any, name: str,
                  instance_forward: Any) -> None:
@@ -70,7 +73,7 @@ class _CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        state: _WrapState = module.__dict__["_memfit_wrap"]
+        state: _WrapState = module.__dict__[WRAP_ATTR]
         if state.instance_forward is None:
             inner = type(module).forward.__get__(module, type(module))
         else:
@@ -83,18 +86,13 @@ class _CheckpointedForward:
 
 
 class _WrappedName:
-    """Instance-level ``_get_name`` so that ``repr`` shows the module is wrapped."""
+    """The class name ``repr`` shows for a wrapped module (``set_display_name``)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
     def __call__(self) -> str:
         return f"memfit.checkpoint({type(self.module).__name__})"
-
-
-def is_wrapped(module: nn.Module) -> bool:
-    """True if ``wrap`` checkpointed this module."""
-    return "_memfit_wrap" in module.__dict__
 
 
 def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
@@ -125,26 +123,24 @@ def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
         memfit.checkpoint(Sequential)(...)
         >>> unwrap(block)                            # doctest: +SKIP
     """
-    from memfit.runtime.segment import segment_of
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"wrap expects an nn.Module, got {type(module).__name__}; "
                         "use memfit.checkpoint for functions")
     label = name or type(module).__name__
     if is_wrapped(module):
         raise WrapError(
-            f"{label} is already wrapped (policy {module.__dict__['_memfit_wrap'].policy!r}); "
+            f"{label} is already wrapped (policy {module.__dict__[WRAP_ATTR].policy!r}); "
             "wrapping twice would checkpoint it twice. Call memfit.unwrap(module) first"
         )
-    segment = segment_of(module)
+    segment = segment_mark(module)
     if segment is not None:
         raise WrapError(f"{label} is part of the chain segment {segment.name}; "
                         "remove the segment first")
     resolved = _policies.resolve(policy)
     instance_forward = module.__dict__.get("forward")
-    module._memfit_wrap = _WrapState(resolved, check, label, instance_forward)  # type: ignore[assignment]
+    setattr(module, WRAP_ATTR, _WrapState(resolved, check, label, instance_forward))
     module.forward = _CheckpointedForward(module)  # type: ignore[method-assign]
-    module._get_name = _WrappedName(module)  # type: ignore[method-assign]
+    set_display_name(module, _WrappedName(module))
     return module
 
 
@@ -165,8 +161,8 @@ def unwrap(module: nn.Module) -> nn.Module:
             f"{type(module).__name__} is not wrapped by memfit, so there is nothing to unwrap "
             "(is it the module you wrapped, or a copy made before wrapping?)"
         )
-    state: _WrapState = module.__dict__.pop("_memfit_wrap")
-    del module.__dict__["_get_name"]
+    state: _WrapState = module.__dict__.pop(WRAP_ATTR)
+    clear_display_name(module)
     if state.instance_forward is None:
         del module.__dict__["forward"]
     else:

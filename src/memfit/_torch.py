@@ -1,0 +1,328 @@
+"""Every private torch API memfit uses, in one place, checked against the installed torch.
+
+NOTE [private torch APIs]
+    memfit needs a few things torch's public API does not offer: a dispatch mode base class,
+    op schemas, storage identities, autograd sequence numbers, a checkpoint that can be
+    entered and left in different functions. The rules:
+
+    1. This module is the only one of memfit that imports ``torch._*`` or ``torch.utils._*``
+       or reads a private attribute of a torch object (``._schema``, ``._cdata``,
+       ``._version``...). Every other module uses the names defined here;
+       ``tests/test_torch_internals.py`` scans the source for exceptions and exercises every
+       name on the installed torch.
+    2. Each API is looked up when this module is first imported: by ``memfit.ops`` (the op
+       facts that profiling, planning and runtime share) and by every profiling and runtime
+       module, so at the first ``memfit.profile``, ``memfit.plan``, ``memfit.wrap``... of a
+       process (or the first import of such a module). ``import memfit`` itself, and loading
+       a ``Profile`` or ``Plan`` from JSON, do not import it.
+    3. A missing API that every stage needs raises ``memfit.errors.UnsupportedTorch`` (also an
+       ``ImportError``) from that import, naming the API, the installed torch version and the
+       supported range (``SUPPORTED_TORCH``).
+    4. A missing API that only one feature needs is recorded at import and raised, as
+       ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
+       working: chain segments (torch's non-reentrant checkpoint generator with the
+       positional order memfit calls it with; ``require_chain_segments``) and the CPU
+       allocator meter (the profiler's kineto results, an attribute of a finished profile;
+       ``cpu_memory_events``).
+    5. Two lookups fall back instead of raising, as memfit did before they moved here:
+       ``sac_forget`` returns False if the selective-checkpoint cache is laid out differently
+       (torch then raises its own "has been mutated" error), and ``outer_saved_tensors_hooks``
+       returns None (autograd's default) if torch cannot report the saved-tensor hook stack.
+
+    Consequence: supporting a new torch means changing this file (and its test) only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from memfit.errors import UnsupportedTorch
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "TorchDispatchMode",
+    "FakeTensorMode",
+    "FAKE_TENSOR_LOGGER",
+    "OpOverload",
+    "OpOverloadPacket",
+    "tree_flatten",
+    "tree_map",
+    "op_schema",
+    "op_packet",
+    "op_namespace",
+    "written_tensors",
+    "storage_key",
+    "tensor_version",
+    "module_buffers",
+    "forward_pre_hooks",
+    "remove_forward_pre_hook",
+    "set_display_name",
+    "clear_display_name",
+    "current_autograd_node",
+    "node_sequence_nr",
+    "peek_sequence_nr",
+    "no_python_dispatch",
+    "outer_saved_tensors_hooks",
+    "sac_forget",
+    "require_chain_segments",
+    "open_checkpoint",
+    "close_checkpoint",
+    "cpu_memory_events",
+]
+
+SUPPORTED_TORCH = ">=2.6"
+_TESTED = "2.13"
+
+
+def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> UnsupportedTorch:
+    """The error for a torch that lacks ``what`` (NOTE [private torch APIs], rules 3 and 4)."""
+    user = f"memfit's {feature}" if feature else "memfit"
+    return UnsupportedTorch(
+        f"{user} needs {what}, which torch {torch.__version__} does not provide. memfit "
+        f"supports torch {SUPPORTED_TORCH} (tested with {_TESTED}): install a supported "
+        f"torch{'; or ' + advice if advice else ''}"
+    )
+
+
+def lookup(path: str) -> Any:
+    """The object at a dotted path (``"torch._C._DisableTorchDispatch"``), importing
+    submodules as needed; raises ``UnsupportedTorch`` naming the path if it is missing."""
+    parts = path.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+            except ImportError:
+                raise unsupported(path) from None
+    return obj
+
+
+# ---- rule 2/3: what every stage needs, looked up now ------------------------------------
+try:
+    from torch._ops import OpOverload, OpOverloadPacket
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten, tree_map
+except ImportError as e:  # pragma: no cover - only on an unsupported torch
+    raise unsupported(f"{e.name or 'a private module'} ({e})") from e
+
+for _path in (
+    "torch._C._DisableTorchDispatch",
+    "torch._C._current_autograd_node",
+    "torch._C._autograd._get_sequence_nr",
+    "torch._C._functions.AccumulateGrad._sequence_nr",
+    "torch.Tensor._version",
+    "torch.UntypedStorage._cdata",
+    "torch.nn.Module._get_name",
+):
+    lookup(_path)
+for _attr in ("_schema", "_overloadpacket", "_namespace"):  # instance attributes: probe one op
+    if not hasattr(torch.ops.aten.add_.Tensor, _attr):
+        raise unsupported(f"OpOverload.{_attr}")
+if not isinstance(nn.Module().__dict__.get("_buffers"), dict):
+    raise unsupported("nn.Module._buffers (a dict of the module's own buffers)")
+
+# Logger of the fake-tensor machinery (the CLI quiets its tracebacks of failing ops).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+# ---- ops -----------------------------------------------------------------------------------
+def op_schema(op: Any) -> Any:
+    """The op's ``torch.FunctionSchema`` (None for an object without one)."""
+    return getattr(op, "_schema", None)
+
+
+def op_packet(op: OpOverload) -> OpOverloadPacket:
+    """The packet of an overload: ``aten.mm`` for ``aten.mm.default``."""
+    return op._overloadpacket
+
+
+def op_namespace(op: OpOverload) -> str:
+    """The overload's namespace: ``"aten"``, ``"prim"``..."""
+    return op._namespace
+
+
+def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments of this call that the op's schema marks written (``Tensor(a!)``)."""
+    schema = op_schema(op)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+# ---- tensors, storages, modules ------------------------------------------------------------
+def storage_key(st: torch.UntypedStorage) -> int:
+    """The identity of a live storage: its ``StorageImpl*`` (NOTE [storage identity and frees]
+    in ``memfit.profiling.storages``)."""
+    return int(st._cdata)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place write)."""
+    return t._version
+
+
+def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffer slots, by name: the live dict, to read or replace a buffer
+    without the bookkeeping of ``register_buffer`` (its persistence is left as it is)."""
+    return module._buffers
+
+
+def forward_pre_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
+    """The module's forward pre-hooks by handle id, in call order (the live dict: read it)."""
+    return module._forward_pre_hooks
+
+
+def remove_forward_pre_hook(module: nn.Module, key: int) -> None:
+    """Remove the forward pre-hook with handle id ``key`` (as its handle's ``remove()``)."""
+    del module._forward_pre_hooks[key]
+    module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def set_display_name(module: nn.Module, name: Callable[[], str]) -> None:
+    """Make ``repr(module)`` show ``name()`` as the module's class name (an instance attribute
+    over ``nn.Module._get_name``)."""
+    module._get_name = name  # type: ignore[method-assign]
+
+
+def clear_display_name(module: nn.Module) -> None:
+    """Undo ``set_display_name``."""
+    module.__dict__.pop("_get_name", None)
+
+
+# ---- autograd ------------------------------------------------------------------------------
+def current_autograd_node() -> Any:
+    """The autograd node whose backward runs now on this thread (None outside backward)."""
+    return torch._C._current_autograd_node()
+
+
+def node_sequence_nr(node: Any) -> int:
+    """An autograd node's sequence number (order of creation in its thread)."""
+    return int(node._sequence_nr())
+
+
+def peek_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get."""
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+def no_python_dispatch() -> Any:
+    """A context in which ops skip every Python dispatch mode and tensor subclass (the
+    divergence check's fingerprints, NOTE [value check] in ``memfit.runtime.divergence``)."""
+    return torch._C._DisableTorchDispatch()
+
+
+def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) saved-tensor hooks in effect now (None: autograd's default, or a
+    torch that cannot tell: rule 5)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
+
+
+# ---- torch.utils.checkpoint ----------------------------------------------------------------
+def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
+    """Turn a saved entry of torch's selective-checkpoint cache back into "recompute".
+
+    Used when the forward writes in place into a tensor the cache holds (NOTE [forced
+    recompute] in ``memfit.runtime.policies``). Returns False if this torch lays the cache
+    out differently (rule 5).
+    """
+    storage = getattr(caching_mode, "storage", None)
+    marker = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+    if storage is None or marker is None or op not in storage or index not in storage[op]:
+        return False
+    storage[op][index] = marker
+    return True
+
+
+_GENERATOR_PARAMS = (
+    "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+    "args", "kwargs",
+)
+_GENERATOR_NAME = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"
+
+
+def generator_problem(generator: Any) -> str | None:
+    """What is wrong with a candidate checkpoint generator (None: memfit can drive it)."""
+    if generator is None:
+        return _GENERATOR_NAME
+    params = tuple(inspect.signature(generator).parameters)
+    if params != _GENERATOR_PARAMS or not inspect.isgeneratorfunction(generator):
+        return (f"{_GENERATOR_NAME} as a generator function with parameters "
+                f"{_GENERATOR_PARAMS} (this torch's has {params})")
+    return None
+
+
+_generator = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+_CHAIN_SEGMENTS_PROBLEM = generator_problem(_generator)
+
+
+def require_chain_segments() -> None:
+    """Raise ``UnsupportedTorch`` if this torch cannot run chain segments (rule 4)."""
+    if _CHAIN_SEGMENTS_PROBLEM is not None:
+        raise unsupported(_CHAIN_SEGMENTS_PROBLEM, feature="chain segments",
+                          advice="wrap the blocks one by one with memfit.wrap")
+
+
+def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]],
+                    inputs: list[torch.Tensor]) -> Generator[None, None, None]:
+    """Enter torch's non-reentrant checkpoint; the ops run until ``close_checkpoint`` are its
+    region, ``fn(*inputs)`` its recomputation (NOTE [chain segments] in
+    ``memfit.runtime.segment``). RNG state preserved, default determinism check, early stop.
+
+    Returns:
+        The open checkpoint: pass it to ``close_checkpoint``, or ``.close()`` it to abandon it.
+    """
+    require_chain_segments()
+    assert _generator is not None
+    gen = _generator(fn, True, context_fn, "default", False, True, *inputs)
+    next(gen)
+    return gen
+
+
+def close_checkpoint(gen: Generator[None, None, None]) -> None:
+    """Leave a checkpoint ``open_checkpoint`` entered: what ran since is its region."""
+    try:
+        next(gen)
+    except StopIteration:
+        return
+    raise AssertionError("torch's checkpoint generator yielded more than once")
+
+
+# ---- torch.profiler ------------------------------------------------------------------------
+def cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of the CPU allocator's alloc (+) and free (-) events recorded by a
+    finished ``torch.profiler.profile(profile_memory=True)``, in time order (ties keep record
+    order).
+
+    Raises:
+        UnsupportedTorch: this torch's profiler keeps no kineto results (rule 4).
+    """
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise unsupported("torch.profiler.profile().profiler.kineto_results",
+                          feature="allocator meter", advice="measure with meter='dispatch'")
+    cpu = torch.autograd.DeviceType.CPU
+    events = [(e.start_ns(), e.nbytes()) for e in results.events()
+              if e.name() == "[memory]" and e.device_type() == cpu]
+    events.sort(key=lambda e: e[0])
+    return events

@@ -1,0 +1,580 @@
+"""memfit._torch: every private torch API memfit uses works on this torch, and no other module
+of memfit touches one (NOTE [private torch APIs] in memfit._torch)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from memfit import _torch as T
+from memfit.errors import MemfitError, UnsupportedTorch
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
+aten = torch.ops.aten
+
+
+# ---- one exercise per public name of memfit._torch ---------------------------------------
+def _supported_torch() -> None:
+    assert T.SUPPORTED_TORCH == ">=2.6"
+    major, minor = (int(p) for p in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    assert (major, minor) >= (2, 6)
+
+
+def _torch_dispatch_mode() -> None:
+    class Names(T.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names() as mode:
+        torch.ones(2, 2).mm(torch.ones(2, 2))
+    assert "aten.mm.default" in mode.names
+
+
+def _fake_tensor_mode() -> None:
+    with T.FakeTensorMode():
+        t = torch.empty(3, 5)
+    assert type(t).__name__ == "FakeTensor"
+    assert t.shape == (3, 5) and t.untyped_storage().nbytes() == 60
+
+
+def _fake_tensor_logger() -> None:
+    # the logger the fake-tensor module logs its failing ops to
+    module = sys.modules[T.FakeTensorMode.__module__]
+    assert T.FakeTensorMode.__module__ == T.FAKE_TENSOR_LOGGER
+    assert module.log is logging.getLogger(T.FAKE_TENSOR_LOGGER)
+
+
+def _op_overload() -> None:
+    assert isinstance(aten.mm.default, T.OpOverload)
+    assert not isinstance(aten.mm, T.OpOverload)
+
+
+def _op_overload_packet() -> None:
+    assert isinstance(aten.mm, T.OpOverloadPacket)
+    assert not isinstance(aten.mm.default, T.OpOverloadPacket)
+
+
+def _tree_flatten() -> None:
+    a, b = torch.ones(1), torch.zeros(2)
+    leaves, _ = T.tree_flatten({"x": [a, 3], "y": (b,)})
+    assert leaves[0] is a and leaves[1] == 3 and leaves[2] is b
+
+
+def _tree_map() -> None:
+    out = T.tree_map(lambda v: v * 2, {"x": [1, 2], "y": (3,)})
+    assert out == {"x": [2, 4], "y": (6,)}
+
+
+def _op_schema() -> None:
+    schema = T.op_schema(aten.add_.Tensor)
+    assert schema.name == "aten::add_"
+    assert schema.arguments[0].alias_info.is_write
+    assert T.op_schema(len) is None
+
+
+def _op_packet() -> None:
+    assert T.op_packet(aten.mm.default) is aten.mm
+    assert T.op_packet(aten.add.out).__name__ == "add"
+
+
+def _op_namespace() -> None:
+    assert T.op_namespace(aten.mm.default) == "aten"
+    assert T.op_namespace(torch.ops.prim.device.default) == "prim"
+
+
+def _written_tensors() -> None:
+    a, b, out = torch.ones(2), torch.ones(2), torch.empty(2)
+    assert [t is a for t in T.written_tensors(aten.add_.Tensor, (a, b), {})] == [True]
+    assert [t is out for t in T.written_tensors(aten.add.out, (a, b), {"out": out})] == [True]
+    assert T.written_tensors(aten.add.Tensor, (a, b), {}) == []
+    assert T.written_tensors(len, (a,), {}) == []
+
+
+def _storage_key() -> None:
+    a, b = torch.ones(4), torch.ones(4)
+    assert T.storage_key(a.untyped_storage()) == T.storage_key(a[1:].untyped_storage())
+    assert T.storage_key(a.untyped_storage()) != T.storage_key(b.untyped_storage())
+    assert isinstance(T.storage_key(a.untyped_storage()), int)
+
+
+def _tensor_version() -> None:
+    t = torch.zeros(2)
+    before = T.tensor_version(t)
+    t.add_(1)
+    t[0] = 5
+    assert T.tensor_version(t) == before + 2
+
+
+def _module_buffers() -> None:
+    bn = nn.BatchNorm1d(3)
+    slots = T.module_buffers(bn)
+    assert set(slots) == {"running_mean", "running_var", "num_batches_tracked"}
+    new = torch.full((3,), 7.0)
+    slots["running_mean"] = new  # the live dict: the module sees the replacement
+    assert bn.running_mean is new
+    assert "running_mean" in bn.state_dict()
+
+
+def _hooked() -> tuple[nn.Module, list[str], object, object]:
+    lin, calls = nn.Linear(2, 2), []
+
+    def plain(m, args):
+        calls.append("plain")
+
+    def with_kwargs(m, args, kwargs):
+        calls.append("kwargs")
+
+    first = lin.register_forward_pre_hook(plain)
+    second = lin.register_forward_pre_hook(with_kwargs, with_kwargs=True)
+    return lin, calls, first, second
+
+
+def _forward_pre_hooks() -> None:
+    lin, _, first, second = _hooked()
+    hooks = T.forward_pre_hooks(lin)
+    assert list(hooks) == [first.id, second.id]
+    assert [h.__name__ for h in hooks.values()] == ["plain", "with_kwargs"]
+
+
+def _remove_forward_pre_hook() -> None:
+    lin, calls, first, second = _hooked()
+    T.remove_forward_pre_hook(lin, second.id)  # a with_kwargs hook: both records go
+    T.remove_forward_pre_hook(lin, first.id)
+    lin(torch.ones(1, 2))
+    assert calls == [] and T.forward_pre_hooks(lin) == {}
+    lin, calls, first, second = _hooked()
+    T.remove_forward_pre_hook(lin, first.id)
+    lin(torch.ones(1, 2))
+    assert calls == ["kwargs"]
+
+
+def _set_display_name() -> None:
+    lin = nn.Linear(2, 2)
+    T.set_display_name(lin, lambda: "Renamed")
+    assert repr(lin).startswith("Renamed(")
+    assert copy.deepcopy(lin) is not None
+
+
+def _clear_display_name() -> None:
+    lin = nn.Linear(2, 2)
+    T.set_display_name(lin, lambda: "Renamed")
+    T.clear_display_name(lin)
+    assert repr(lin).startswith("Linear(")
+    T.clear_display_name(lin)  # a module never renamed: nothing to undo
+
+
+def _current_autograd_node() -> None:
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(T.current_autograd_node())
+            return g
+
+    x = torch.ones(2, requires_grad=True)
+    y = Probe.apply(x)
+    assert T.current_autograd_node() is None
+    y.sum().backward()
+    assert len(seen) == 1 and seen[0] is not None
+    assert type(seen[0]).__name__ == type(y.grad_fn).__name__
+
+
+def _node_sequence_nr() -> None:
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    z = y + 1
+    assert T.node_sequence_nr(z.grad_fn) == T.node_sequence_nr(y.grad_fn) + 1
+
+
+def _peek_sequence_nr() -> None:
+    x = torch.ones(2, requires_grad=True)
+    s = T.peek_sequence_nr()
+    y = x * 2  # the next node created on this thread gets s
+    assert T.node_sequence_nr(y.grad_fn) == s
+    assert T.peek_sequence_nr() == s + 1
+
+
+def _no_python_dispatch() -> None:
+    class Count(T.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.ones(2).sum()
+        seen = Count.n
+        with T.no_python_dispatch():
+            torch.ones(2).sum()
+    assert seen == 2 and Count.n == 2
+
+
+def _outer_saved_tensors_hooks() -> None:
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    assert T.outer_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert T.outer_saved_tensors_hooks() == (pack, unpack)
+    assert T.outer_saved_tensors_hooks() is None
+
+
+def _mm_then_written(forget: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selective checkpoint saving mm, whose output the forward then writes in place."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    caching, cached = create_selective_checkpoint_contexts(policy)
+
+    def fn(x, w):
+        h = torch.mm(x, w)
+        if forget:
+            assert T.sac_forget(caching, aten.mm.default, 0)
+        h.mul_(2)
+        return h.sin()
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(fn, x, w, use_reentrant=False,
+                                            context_fn=lambda: (caching, cached))
+    out.sum().backward()
+    return x.grad, w.grad
+
+
+def _sac_forget() -> None:
+    with pytest.raises(Exception, match="mutated"):  # why it exists: torch refuses otherwise
+        _mm_then_written(forget=False)
+    gx, gw = _mm_then_written(forget=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    (torch.mm(x, w) * 2).sin().sum().backward()
+    assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+    caching, _ = create_selective_checkpoint_contexts(lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+    assert not T.sac_forget(caching, aten.mm.default, 0)  # nothing saved: nothing to forget
+    assert not T.sac_forget(object(), aten.mm.default, 0)  # another layout: fall back
+
+
+def _require_chain_segments() -> None:
+    assert T.require_chain_segments() is None
+
+
+def _open_and_close(x: torch.Tensor, w: torch.Tensor, calls: list[int]) -> torch.Tensor:
+    def replay(x_saved: torch.Tensor) -> None:
+        calls.append(1)
+        torch.tanh(torch.mm(x_saved, w)).exp()
+
+    gen = T.open_checkpoint(replay, lambda: (torch.enable_grad(), torch.enable_grad()), [x])
+    h = torch.tanh(torch.mm(x, w))  # entered in one function...
+    out = h.exp()
+    T.close_checkpoint(gen)  # ...and left in another: what ran between is the region
+    return out
+
+
+def _open_checkpoint() -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    calls: list[int] = []
+    out = _open_and_close(x, w, calls)
+    assert calls == []
+    out.sum().backward()
+    assert calls == [1]  # recomputed once in backward
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.tanh(torch.mm(x2, w2)).exp().sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def _close_checkpoint() -> None:
+    x = torch.ones(2, 4, requires_grad=True)
+    w = torch.eye(4, requires_grad=True)
+    gen = T.open_checkpoint(lambda *a: None, lambda: (torch.enable_grad(), torch.enable_grad()),
+                            [x])
+    T.close_checkpoint(gen)
+    with pytest.raises(StopIteration):  # closed: the generator is finished
+        next(gen)
+    assert _open_and_close(x, w, []).shape == (2, 4)
+
+
+def _cpu_memory_events() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t = torch.empty(4096)  # 16,384 bytes
+        del t
+    events = T.cpu_memory_events(prof)
+    assert [b for _, b in events] == [16384, -16384]
+    assert events[0][0] <= events[1][0]
+    with pytest.raises(UnsupportedTorch, match="allocator meter"):
+        T.cpu_memory_events(object())
+
+
+EXERCISES: dict[str, Callable[[], None]] = {
+    "SUPPORTED_TORCH": _supported_torch,
+    "TorchDispatchMode": _torch_dispatch_mode,
+    "FakeTensorMode": _fake_tensor_mode,
+    "FAKE_TENSOR_LOGGER": _fake_tensor_logger,
+    "OpOverload": _op_overload,
+    "OpOverloadPacket": _op_overload_packet,
+    "tree_flatten": _tree_flatten,
+    "tree_map": _tree_map,
+    "op_schema": _op_schema,
+    "op_packet": _op_packet,
+    "op_namespace": _op_namespace,
+    "written_tensors": _written_tensors,
+    "storage_key": _storage_key,
+    "tensor_version": _tensor_version,
+    "module_buffers": _module_buffers,
+    "forward_pre_hooks": _forward_pre_hooks,
+    "remove_forward_pre_hook": _remove_forward_pre_hook,
+    "set_display_name": _set_display_name,
+    "clear_display_name": _clear_display_name,
+    "current_autograd_node": _current_autograd_node,
+    "node_sequence_nr": _node_sequence_nr,
+    "peek_sequence_nr": _peek_sequence_nr,
+    "no_python_dispatch": _no_python_dispatch,
+    "outer_saved_tensors_hooks": _outer_saved_tensors_hooks,
+    "sac_forget": _sac_forget,
+    "require_chain_segments": _require_chain_segments,
+    "open_checkpoint": _open_checkpoint,
+    "close_checkpoint": _close_checkpoint,
+    "cpu_memory_events": _cpu_memory_events,
+}
+
+
+def test_every_name_of_memfit_torch_has_an_exercise():
+    assert sorted(EXERCISES) == sorted(T.__all__)
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_private_api_wrapper_works_on_this_torch(name):
+    EXERCISES[name]()
+
+
+# ---- version checks ---------------------------------------------------------------------------
+def test_lookup_resolves_submodules_and_names_a_missing_api():
+    assert T.lookup("torch._C._DisableTorchDispatch") is torch._C._DisableTorchDispatch
+    assert T.lookup("torch.utils._pytree.tree_map") is T.tree_map
+    with pytest.raises(UnsupportedTorch) as info:
+        T.lookup("torch.utils.checkpoint._no_such_api")
+    message = str(info.value)
+    assert "torch.utils.checkpoint._no_such_api" in message
+    assert f"torch {torch.__version__}" in message and ">=2.6" in message
+    assert isinstance(info.value, MemfitError) and isinstance(info.value, ImportError)
+
+
+def test_generator_problem_names_what_differs():
+    assert T.generator_problem(torch.utils.checkpoint._checkpoint_without_reentrant_generator) \
+        is None
+    assert "_checkpoint_without_reentrant_generator" in T.generator_problem(None)
+
+    def moved(fn, context_fn, preserve_rng_state=True, *args, **kwargs):
+        yield
+
+    problem = T.generator_problem(moved)
+    assert "('fn', 'context_fn', 'preserve_rng_state', 'args', 'kwargs')" in problem
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(SRC.parent), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
+    done = _run("""
+        import torch
+        del torch._C._DisableTorchDispatch   # as on a torch without it
+        import memfit                        # needs no torch internals
+        try:
+            import memfit.runtime.wrap
+        except ImportError as e:
+            print(type(e).__name__, "|", e)
+    """)
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.strip().split(" | ", 1)
+    assert kind == "UnsupportedTorch"
+    assert "torch._C._DisableTorchDispatch" in message
+    assert f"torch {torch.__version__}" in message and ">=2.6" in message
+
+
+def test_a_changed_checkpoint_generator_fails_chain_segments_only():
+    done = _run("""
+        import torch, torch.utils.checkpoint
+        def changed(fn, context_fn, *args, **kwargs):  # as on a torch that reordered it
+            yield
+        torch.utils.checkpoint._checkpoint_without_reentrant_generator = changed
+        import memfit
+        from memfit.errors import UnsupportedTorch
+        from memfit.runtime.segment import checkpoint_segment
+        layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+        memfit.wrap(layers[0])                    # the rest of memfit works
+        layers[0](torch.ones(1, 2, requires_grad=True)).sum().backward()
+        try:
+            checkpoint_segment(layers, [1, 2])
+        except UnsupportedTorch as e:
+            print(e)
+    """)
+    assert done.returncode == 0, done.stderr
+    message = done.stdout.strip()
+    assert message.startswith("memfit's chain segments need")
+    assert "_checkpoint_without_reentrant_generator" in message
+    assert "(this torch's has ('fn', 'context_fn', 'args', 'kwargs'))" in message
+    assert ">=2.6" in message and "memfit.wrap" in message
+
+
+# ---- no private torch API outside memfit._torch -----------------------------------------------
+# The text pattern of the project's structure check, over whole files (docstrings included).
+_PRIVATE_TEXT = re.compile(r"\btorch\.(_C\b|_[a-z]\w*|utils\._\w+)|\._schema\b|\._cdata\b")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_private_attributes() -> set[str]:
+    """Private attribute names of the torch objects memfit handles."""
+    x = torch.ones(1, requires_grad=True)
+    objects = [torch.Tensor, x, x.untyped_storage(), nn.Module(), nn.Linear(1, 1), aten.mm,
+               aten.mm.default, (x * 2).grad_fn, T.TorchDispatchMode,
+               torch.utils.checkpoint, torch.autograd.profiler.profile()]
+    names = set()
+    for obj in objects:
+        names |= {n for n in dir(obj) if _private(n)}
+        names |= {n for n in getattr(obj, "__dict__", {}) if _private(n)}
+    return names | {"kineto_results"}
+
+
+def _defined_names(trees: list[ast.AST]) -> set[str]:
+    """Attribute names memfit defines itself: attributes it assigns (``self._x = ...``) and
+    the methods and class attributes of its classes."""
+    out = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        out.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        out.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        out |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _torch_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> torch module path, from the file's imports."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    out[a.asname or "torch"] = a.name if a.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def private_torch_uses(path: Path, tree: ast.AST, private_attrs: set[str]) -> list[str]:
+    """Where a module imports a private torch module or reads a private torch attribute."""
+    found = []
+    where = path.name if path.parent.name == "memfit" else f"{path.parent.name}/{path.name}"
+    for m in _PRIVATE_TEXT.finditer(path.read_text()):
+        found.append(f"{where}: text {m.group(0)!r}")
+    aliases = _torch_aliases(tree)
+    for node in ast.walk(tree):
+        line = f"{where}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{line}: import {a.name}" for a in node.names
+                      if a.name.startswith("torch.") and any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            names = [*node.module.split("."), *(a.name for a in node.names)]
+            if any(map(_private, names)):
+                found.append(f"{line}: from {node.module} import ...")
+        elif isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            if chain is not None and chain[0] in aliases and any(map(_private, chain[1:])):
+                found.append(f"{line}: {'.'.join(chain)}")
+            elif node.attr in private_attrs:
+                found.append(f"{line}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in private_attrs):
+            found.append(f"{line}: {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def scan(root: Path) -> list[str]:
+    """Private torch API uses in every module under ``root`` except ``memfit/_torch.py``."""
+    files = sorted(p for p in root.rglob("*.py") if p.name != "_torch.py" or p.parent != root)
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in files}
+    attrs = _torch_private_attributes() - _defined_names(list(trees.values()))
+    return [hit for p, tree in trees.items() for hit in private_torch_uses(p, tree, attrs)]
+
+
+def test_no_module_but_memfit_torch_uses_private_torch_apis():
+    assert scan(SRC) == []
+
+
+def test_the_scan_finds_each_kind_of_private_use(tmp_path):
+    root = tmp_path / "memfit"
+    root.mkdir()
+    (root / "_torch.py").write_text("import torch._C\n")  # the one allowed home
+    (root / "bad.py").write_text(textwrap.dedent("""
+        import torch
+        import torch.utils.checkpoint as tc
+        from torch.utils._pytree import tree_map
+        from torch import _ops
+
+        def f(t, op, st):
+            torch._C._DisableTorchDispatch()
+            tc._RECOMPUTE
+            getattr(op, "_overloadpacket")
+            return t._version, st.nbytes()
+    """))
+    found = scan(root)
+    for needle in ("from torch.utils._pytree", "from torch import", "torch._C._Disable",
+                   "tc._RECOMPUTE", "'_overloadpacket'", "._version"):
+        assert any(needle in hit for hit in found), (needle, found)
+    assert not any("_torch.py" in hit for hit in found)
