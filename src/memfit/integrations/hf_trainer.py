@@ -44,7 +44,7 @@ class _PlanOnFirstCall:
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         import torch
 
-        from memfit.integrations.hf import enable
+        from memfit.integrations.hf_enable import enable
 
         if self.running or not (module.training and torch.is_grad_enabled()):
             return None
@@ -95,7 +95,7 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
-        from memfit.integrations.hf import take_over_hf_checkpointing
+        from memfit.integrations.hf_enable import take_over_hf_checkpointing
 
         if model is None:
             raise ValueError("MemfitCallback needs the model; the Trainer passes it to callbacks")
