@@ -12,7 +12,7 @@ from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
-from memfit.planning.solvers import auto, chain, milp
+from memfit.planning.solvers import auto, chain, milp, milp_rows
 
 
 def gpt_like(n_blocks: int, *, d: int = 1024, seq_factor: int = 4, seed: int = 0):
@@ -99,7 +99,7 @@ def test_compressed_rows_are_few(gpt12):
     ctx = PlanningContext(gpt12)
     lm = LinearModel(ctx, ctx.region_candidates())
     A = lm.matrix()
-    rows = milp.memory_rows(lm, A, int(0.5 * gpt12.peak_bytes))
+    rows = milp_rows.memory_rows(lm, A, int(0.5 * gpt12.peak_bytes))
     # measured: 187 of 5,934 rows; 2,380 nonzero differences for 36,182 nonzero coefficients
     assert rows.n_rows * 20 < lm.n_points
     diffs = A[rows.points] - A[rows.points[rows.parent]] * (rows.parent >= 0)[:, None]

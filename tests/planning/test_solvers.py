@@ -21,7 +21,7 @@ from profile_builders import (
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan
 from memfit.planning.simulate import simulate
-from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp
+from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp, milp_rows
 
 
 def _budgets(lo: int, hi: int) -> list[int]:
@@ -161,8 +161,8 @@ def test_compressed_rows_accept_exactly_the_plans_dense_rows_accept(seed, kind, 
     lo = min(pk for _, pk, _ in plans)
     budget = lo + int(frac * (prof.peak_bytes - lo))
     lower = int((lm.base + np.where(A < 0, A, 0).sum(axis=1)).max())
-    fit_rows = milp.memory_rows(lm, A, budget)
-    peak_rows = milp.memory_rows(lm, A, lower)
+    fit_rows = milp_rows.memory_rows(lm, A, budget)
+    peak_rows = milp_rows.memory_rows(lm, A, lower)
     for rows in (fit_rows, peak_rows):
         assert (rows.parent < np.arange(rows.n_rows)).all()  # differences form a forest
     X = np.zeros((len(plans), lm.n_vars), dtype=np.int64)  # one row per plan
@@ -221,7 +221,7 @@ def test_dropped_rows_are_implied_by_kept_rows(seed):
     lm, R, base, X = _toy(rng, rng.randint(2, 12))
     _, first = np.unique(R, axis=0, return_index=True)  # memory_rows merges equal rows first
     R, base = R[np.sort(first)], base[np.sort(first)]
-    gone = milp._dominated(lm, R, base)
+    gone = milp_rows._dominated(lm, R, base)
     vals = base[:, None] + R @ X  # (rows, plans)
     kept = vals[~gone]
     assert kept.size
@@ -237,7 +237,7 @@ def test_dropped_rows_are_implied_by_kept_rows(seed):
 ], ids=["save-offsets-y", "save-exceeds", "backward", "base-larger"])
 def test_row_dominance_counts_saves_per_candidate(rows, base, gone):
     lm = SimpleNamespace(cands=[None], var_owner=[0, 0], n_vars=2)  # y_0 and one save s_0
-    got = milp._dominated(lm, np.array(rows, dtype=np.int64), np.array(base, dtype=np.int64))
+    got = milp_rows._dominated(lm, np.array(rows, dtype=np.int64), np.array(base, dtype=np.int64))
     assert got.tolist() == gone
 
 
