@@ -223,3 +223,21 @@ class _TwoInputs(torch.nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.lin(a) * b
+
+
+def test_mutable_twins_have_the_frozen_records_fields():
+    """TracedStorage and the module recorder's records freeze into StorageRecord and
+    ModuleRecord field for field, so the two cannot drift apart."""
+    from dataclasses import fields
+
+    from memfit.profiling.modules import _Mod
+    from memfit.profiling.profile import ModuleRecord, StorageKind, StorageRecord
+    from memfit.profiling.storages import TracedStorage
+
+    assert [f.name for f in fields(TracedStorage)] == [f.name for f in fields(StorageRecord)][1:]
+    assert [f.name for f in fields(_Mod)] == [f.name for f in fields(ModuleRecord)][:-1]
+    ts = TracedStorage(64, StorageKind.ACTIVATION, created_by=3, freed_after=9, saved=True,
+                       first_unpack=7, last_forward_use=4)
+    assert ts.freeze(5) == StorageRecord(5, 64, StorageKind.ACTIVATION, 3, 9, True, 7, 4)
+    m = _Mod("a.b", "Linear", "a", ["a.b.c"], 1, 2, 1, (0,), (1,), 128)
+    assert m.freeze(0.5) == ModuleRecord("a.b", "Linear", "a", ("a.b.c",), 1, 2, 1, (0,), (1,), 128, 0.5)

@@ -12,7 +12,7 @@ NOTE [module paths of backward ops]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -37,6 +37,12 @@ class _Mod:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     parameter_bytes: int = 0
+
+    def freeze(self, backward_time_s: float) -> ModuleRecord:
+        """The frozen record of this module (same fields, plus its backward seconds)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["children"] = tuple(self.children)
+        return ModuleRecord(**values, backward_time_s=backward_time_s)
 
 
 def param_owners(model: torch.nn.Module) -> dict[str, str]:
@@ -131,8 +137,5 @@ class ModuleRecorder:
         for m in self._mods.values():
             prefix = m.path + "." if m.path else ""
             total = sum(t for p, t in bt.items() if p == m.path or p.startswith(prefix))
-            out.append(ModuleRecord(
-                path=m.path, type=m.type, parent=m.parent, children=tuple(m.children),
-                first_op=m.first_op, last_op=m.last_op, calls=m.calls, inputs=m.inputs,
-                outputs=m.outputs, parameter_bytes=m.parameter_bytes, backward_time_s=total))
+            out.append(m.freeze(total))
         return tuple(out)

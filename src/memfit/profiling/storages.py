@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from memfit._torch import TorchDispatchMode, op_namespace, storage_key
-from memfit.profiling.profile import StorageKind
+from memfit.profiling.profile import StorageKind, StorageRecord
 
 __all__ = ["LiveStorages", "TracedStorage", "live_timeline", "iter_arg_tensors", "out_tensors",
            "storage_of", "storage_key"]
@@ -89,6 +89,10 @@ class TracedStorage:
     saved: bool = False
     first_unpack: int | None = None
     last_forward_use: int | None = None
+
+    def freeze(self, sid: int) -> StorageRecord:
+        """The frozen record of this storage, numbered ``sid`` (same fields, plus ``id``)."""
+        return StorageRecord(id=sid, **{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:

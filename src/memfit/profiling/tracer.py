@@ -230,10 +230,7 @@ def profile(
             time_s=t, inplace=op.inplace, random=op.random, flops=op.flops,
             workspace_bytes=op.workspace_bytes))
     storages = tuple(
-        StorageRecord(id=sid, nbytes=s.nbytes, kind=s.kind, created_by=s.created_by,
-                      freed_after=s.freed_after, saved=s.saved, first_unpack=s.first_unpack,
-                      last_forward_use=s.last_forward_use)
-        for sid, s in enumerate(tr.storages))
+s.freeze(sid) for sid, s in enumerate(tr.storages))
     live = live_bytes_of(storages, len(ops), [op.workspace_bytes for op in ops])
     bwd: dict[str, float] = {}
     for rec_op in ops[n_forward:]:
