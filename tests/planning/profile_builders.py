@@ -1,4 +1,4 @@
-"""Hand-built, self-consistent Profiles for solver tests and benchmarks (no model, no torch).
+"""Hand-built, self-consistent Profiles for solver tests and benchmarks (no model).
 
 :class:`StepBuilder` records forward ops with what autograd saves, then derives a backward
 pass (one backward op per forward op, in reverse order), storage lifetimes and the live-bytes
@@ -32,6 +32,7 @@ from memfit.profiling.profile import (
     TensorMeta,
     op_signature,
 )
+from memfit.profiling.storages import live_timeline
 
 __all__ = ["StepBuilder", "OpSpec", "chain_profile", "residual_block", "unet_profile", "decoder_profile",
            "random_chain", "random_unet", "TICK"]
@@ -224,7 +225,7 @@ class StepBuilder:
             )
             for s in range(len(self._nbytes))
         )
-        live = _live_bytes(storages, n, [o.workspace_bytes for o in ops])
+        live = tuple(live_timeline(storages, n, [o.workspace_bytes for o in ops]))
         modules = self._module_records(fwd, nf)
         baseline = sum(s.nbytes for s in storages if s.created_by is None)
         return Profile(
@@ -253,20 +254,6 @@ class StepBuilder:
                 parameter_bytes=pbytes,
             ))
         return tuple(out)
-
-
-def _live_bytes(storages: tuple[StorageRecord, ...], n: int, workspace: Sequence[int]) -> tuple[int, ...]:
-    delta = [0] * (n + 1)
-    for s in storages:
-        if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
-            continue
-        delta[s.created_by] += s.nbytes
-        delta[n if s.freed_after is None else s.freed_after + 1] -= s.nbytes
-    out, live = [], 0
-    for i in range(n):
-        live += delta[i]
-        out.append(live + workspace[i])
-    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,13 @@ from memfit.profiling.profile import (
     Phase,
     Profile,
     StorageKind,
-    StorageRecord,
     TensorMeta,
     op_signature,
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
 from memfit.step import ModelState, Step
 
-__all__ = ["ProfileMode", "profile", "check_profile_matches", "live_bytes_of"]
+__all__ = ["ProfileMode", "profile", "check_profile_matches"]
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +52,6 @@ log = logging.getLogger(__name__)
 class ProfileMode(str, enum.Enum):
     MEASURE = "measure"  # run the step for real, time ops
     FAKE = "fake"        # run it on the meta device, times from the cost model
-
-
-def live_bytes_of(storages: tuple[StorageRecord, ...], n_ops: int,
-                  workspace: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
-    """``live_bytes[i]``: bytes of activation/gradient storages live at op ``i`` plus op ``i``'s
-    kernel workspace (the contract the simulator relies on: ``created_by <= i`` and not
-    ``freed_after < i``, plus ``workspace[i]``; NOTE [storage lifetimes])."""
-    return tuple(live_timeline(storages, n_ops, workspace))
 
 
 @dataclass
@@ -231,7 +222,7 @@ def profile(
             workspace_bytes=op.workspace_bytes))
     storages = tuple(
 s.freeze(sid) for sid, s in enumerate(tr.storages))
-    live = live_bytes_of(storages, len(ops), [op.workspace_bytes for op in ops])
+    live = tuple(live_timeline(storages, len(ops), [op.workspace_bytes for op in ops]))
     bwd: dict[str, float] = {}
     for rec_op in ops[n_forward:]:
         bwd[rec_op.module] = bwd.get(rec_op.module, 0.0) + rec_op.time_s
