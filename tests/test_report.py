@@ -10,7 +10,8 @@ import torch
 
 from memfit import zoo
 from memfit.planning.plan import Plan, Region
-from memfit.report import RowKind, Sweep, SweepRow, print_sweep, sweep
+from memfit.report import RowKind, Sweep, SweepRow, print_sweep
+from memfit.tradeoff import sweep
 
 MIB = 1024**2
 
@@ -109,7 +110,7 @@ def test_sweep_measures_budgets_and_baselines(tmp_path):
 
     from memfit.profiling.measure import measure
     from memfit.runtime.apply import apply
-    from memfit.verification import make_step
+    from memfit.twins import make_step
 
     for r in (row70, rowmin, every):
         twin = apply(copy.deepcopy(model), r.plan)

@@ -51,8 +51,8 @@ def _pick(rows: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.sweep import write_outputs
-    from memfit.report import sweep
     from memfit.runtime.apply import apply
+    from memfit.tradeoff import sweep
     from memfit.verification import verify
 
     if args.repeats < 1:
