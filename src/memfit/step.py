@@ -206,19 +206,19 @@ class ModelState:
                         if buffers and b.device.type != "meta"]
 
     def reset(self) -> None:
+        self._reset(seeded=True)
+
+    def _reset(self, *, seeded: bool) -> None:
         self.clear_grads()
-        self._reset_rng()
+        if seeded and self.seed is not None:
+            torch.manual_seed(self.seed)
+        else:
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(self.cuda_rng)
         with torch.no_grad():
             for b, snap in self.buffers:
                 b.copy_(snap)
-
-    def _reset_rng(self) -> None:
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
-            return
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
 
     def run(self, step: Step, *, keep: Callable[[Any, torch.Tensor], None] | None = None) -> None:
         """Run ``step`` from the snapshot's start and drop its gradients at the end.
@@ -241,7 +241,7 @@ class ModelState:
             p.grad = None
 
     def restore(self) -> None:
-        self.reset()
+        self._reset(seeded=False)
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
 
