@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.cli.models import UsageError, load_model
+from memfit.cli.models import UsageError
 from memfit.cli.output import emit, say
+from memfit.models import load_model
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["add_parser", "run", "DEMO_MODELS"]
