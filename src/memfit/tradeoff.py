@@ -146,7 +146,9 @@ def sweep(
         solver: memfit's solver for the budget rows (default ``"auto"``).
         name: the model's name in tables and plots (default its class name).
         step: the step to measure instead of ``example_inputs`` and ``loss_fn``: a
-            ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included).
+            ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included);
+            a step given as a callable cannot run on the twins peaks are metered on and
+            raises ``TypeError``.
 
     Returns:
         A ``Sweep``: a plain row, one row per budget, one per baseline. A budget no plan fits

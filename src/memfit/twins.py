@@ -79,12 +79,14 @@ def plain_copy(model: nn.Module) -> nn.Module:
 
 def step_of(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
               step: Step | None) -> Step:
-    """``step``, checked to be a step of ``model`` with no inputs beside it, or else the step
-    of ``model`` on ``example_inputs`` (what ``verify`` and ``sweep`` accept)."""
+    """``step``, checked to be a step of ``model`` with no inputs beside it that can run on
+    twins, or else the step of ``model`` on ``example_inputs`` (what ``verify`` and ``sweep``
+    accept)."""
     if step is None:
         return Step.of(model, example_inputs, loss_fn=loss_fn)
     if not isinstance(step, Step):
         raise TypeError(f"step must be a memfit.step.Step, got {type(step).__name__}")
+    step.for_model(model)  # a step given as a callable raises here: it cannot run on a twin
     if example_inputs is not None or loss_fn is not None:
         raise TypeError("a Step carries its inputs and loss: pass no example_inputs or loss_fn with step=")
     if step.model is not model:
