@@ -10,7 +10,8 @@ import torch
 
 from memfit import zoo
 from memfit.planning.plan import Plan, Region
-from memfit.report import RowKind, Sweep, SweepRow, print_sweep, sweep
+from memfit.report import RowKind, Sweep, SweepRow, print_sweep
+from memfit.tradeoff import sweep
 
 MIB = 1024**2
 
@@ -109,7 +110,7 @@ def test_sweep_measures_budgets_and_baselines(tmp_path):
 
     from memfit.profiling.measure import measure
     from memfit.runtime.apply import apply
-    from memfit.verification import make_step
+    from memfit.twins import make_step
 
     for r in (row70, rowmin, every):
         twin = apply(copy.deepcopy(model), r.plan)
@@ -157,3 +158,26 @@ def test_sweep_keeps_the_spread_of_its_repeats():
     assert [r.label for r in s.rows] == ["plain", "80%"] and s.rows[1].error is None
     for r in s.rows:
         assert r.step_spread_s is not None and 0.0 <= r.step_spread_s <= r.step_time_s, r
+
+
+def test_sweep_of_a_step_measures_that_step_and_leaves_the_model_as_found():
+    # a Step carries its autocast state: swept outside autocast, the bf16 step still runs in
+    # bf16 (a smaller plain peak than the float32 step of the same inputs)
+    from memfit.step import Step
+
+    model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    x = zoo.example_inputs(model, batch=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = Step.of(model, x)
+    model(x).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    bf16 = sweep(model, budgets=("min",), baselines=(), repeats=1, progress=False, step=step)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+    fp32 = sweep(model, x, ("min",), baselines=(), repeats=1, progress=False)
+    assert bf16.rows[0].predicted_peak_bytes < fp32.rows[0].predicted_peak_bytes
+    assert bf16.plain_peak_bytes < fp32.plain_peak_bytes
+    row = bf16.rows[1]
+    assert row.error is None and row.n_regions > 0 and row.measured_peak_bytes is not None

@@ -80,3 +80,56 @@ def test_model_state_resets_and_restores_grads_buffers_and_rng():
     for g, p in zip(old_grads, model.parameters(), strict=True):
         assert torch.equal(g, p.grad)
     assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_model_state_runs_a_step_repeatably_from_a_seed():
+    model = _net()
+    step = Step.of(model, torch.randn(4, 8, requires_grad=True)).with_input_copies()
+    rng = torch.get_rng_state()
+    kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def keep(out, loss):
+        kept.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+
+    with ModelState(model, step.inputs, seed=3) as state:
+        state.run(step, keep=keep)
+        # NOTE [repeatable runs]: gradients dropped at the end, buffers kept until the next run
+        assert all(p.grad is None for p in model.parameters()) and step.args[0].grad is None
+        stats = model[1].running_mean.clone()
+        state.run(step, keep=keep)
+        assert torch.equal(model[1].running_mean, stats)  # started again from the snapshot
+    (loss_a, grads_a), (loss_b, grads_b) = kept
+    assert torch.equal(loss_a, loss_b)  # same dropout mask: the RNG re-seeded
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)  # restore() puts back the snapshot, not the seed
+    torch.manual_seed(3)
+    assert torch.equal(loss_a, model(step.args[0]).sum().detach())  # the dropout mask of seed 3
+
+
+def test_model_state_restores_the_rng_it_found_even_with_a_seed():
+    model = _net()
+    rng = torch.get_rng_state()
+    with ModelState(model, seed=5) as state:
+        state.reset()
+        assert torch.equal(torch.get_rng_state(), torch.manual_seed(5).get_state())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_with_input_copies_keeps_gradients_off_the_callers_tensors():
+    model, x = _net(), torch.randn(4, 8, requires_grad=True)
+    step = Step.of(model, {"input": x}).with_input_copies()
+    copy = step.kwargs["input"]
+    assert copy is not x and copy.requires_grad and torch.equal(copy, x)
+    step.run()
+    assert x.grad is None and copy.grad is not None
+
+
+def test_for_model_runs_the_step_on_a_twin_but_not_a_callable():
+    model, x = _net(), torch.randn(4, 8)
+    twin = _net()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = Step.of(model, x)
+    moved = step.for_model(twin)
+    assert moved.model is twin and moved.args is step.args and moved.autocast == step.autocast
+    with pytest.raises(TypeError, match="cannot run on a copy"):
+        Step.of(model, call=lambda: model(x).sum()).for_model(twin)

@@ -13,6 +13,7 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
+from memfit.step import Step
 from memfit.units import format_bytes
 from memfit.verification import PEAK_ATOL_BYTES, peak_tolerance, rng_state_bytes, verify
 
@@ -203,3 +204,33 @@ def test_peak_atol_bytes_overrides_the_floor(planned_tiny_gpt):
 def test_peak_tolerance_is_the_larger_of_relative_and_floor(reference, regions, expected):
     assert rng_state_bytes() == 5056  # mt19937 state on torch 2.13 CPU (NOTE [peak tolerance])
     assert peak_tolerance(reference, regions) == expected
+
+
+def test_verify_runs_a_step_made_in_autocast_under_it():
+    # a plan made from the profile of a bf16-autocast step predicts that step's peak; verify
+    # given the step (autocast captured) meets it, while the same inputs run in float32 do not
+    model = _small_gpt()
+    x = zoo.example_inputs(model, batch=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step = Step.of(model, x)
+    prof = profile(step, repeats=1)
+    p = Plan(regions=(Region(("blocks.0",)),), predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
+             solver="hand", profile_signature=prof.signature, plain_peak_bytes=prof.peak_bytes)
+    p = dataclasses.replace(p, predicted_peak_bytes=simulate(prof, p).peak_bytes)
+    report = verify(model, plan=p, step=step)
+    assert report.ok and report.bitwise, str(report)
+    fp32 = verify(model, x, plan=p)
+    assert fp32.bitwise and fp32.peak_bytes > report.peak_bytes
+    assert [c.name for c in fp32.failures] == ["peak matches prediction"], str(fp32)
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda m, x: dict(step=Step.of(m, call=lambda: m(x).sum())), TypeError, "cannot run on a copy"),
+    (lambda m, x: dict(step=Step.of(_small_gpt(), x)), ValueError, "a step of another model"),
+    (lambda m, x: dict(example_inputs=x, step=Step.of(m, x)), TypeError, "pass no example_inputs"),
+    (lambda m, x: dict(step=(m, x)), TypeError, "step must be a memfit.step.Step, got tuple"),
+], ids=["callable", "other-model", "inputs-too", "not-a-step"])
+def test_verify_refuses_a_step_it_cannot_run(planned_gpt, make, error, match):
+    model, x, _ = planned_gpt
+    with pytest.raises(error, match=match):
+        verify(model, **make(model, x))

@@ -48,7 +48,7 @@ _LAZY = {
     "fit": "memfit.api",
     "verify": "memfit.verification",
     "VerifyReport": "memfit.verification",
-    "sweep": "memfit.report",
+    "sweep": "memfit.tradeoff",
     "Sweep": "memfit.report",
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",

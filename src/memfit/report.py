@@ -1,44 +1,32 @@
-"""The memory/time trade-off of one model: plans for several budgets, measured, tabled, plotted.
+"""A model's memory/time trade-off as data: ``Sweep`` and its rows, tables, JSON and plot.
 
-``sweep(model, x)`` profiles one step, plans it for each budget (and with each baseline
-solver), applies every plan in turn, measures the peak and the step time, and returns a
-``Sweep``: data only. ``Sweep.table()`` formats it, ``print_sweep`` prints it,
-``Sweep.to_json`` and ``Sweep.plot`` write it (matplotlib is imported there, on first use).
-
-NOTE [sweep leaves the model alone]
-    The sweep applies and removes plans on the model itself (no copy: a model that barely fits
-    should not be doubled). Any plan the model carried is removed first and re-applied at the
-    end; gradients and buffers are restored from a snapshot and the RNG state is forked.
+``memfit.sweep`` (in ``memfit.tradeoff``) measures the trade-off and returns a ``Sweep``: data
+only. ``Sweep.table()`` formats it, ``print_sweep`` prints it, ``Sweep.to_json`` and
+``Sweep.plot`` write it (matplotlib is imported there, on first use).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import json
 import logging
 import platform
-import statistics
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from memfit.errors import InfeasibleBudget, SchemaError
+from memfit.errors import SchemaError
 from memfit.planning.plan import Plan
 from memfit.units import format_bytes, format_seconds
 
-__all__ = ["RowKind", "SweepRow", "Sweep", "sweep", "print_sweep", "SWEEP_SCHEMA_VERSION"]
+__all__ = ["RowKind", "SweepRow", "Sweep", "print_sweep", "SWEEP_SCHEMA_VERSION"]
 
 log = logging.getLogger(__name__)
 
 SWEEP_SCHEMA_VERSION = 1
-DEFAULT_BUDGETS: tuple[float | str, ...] = (1.0, 0.8, 0.6, 0.4, "min")
-DEFAULT_BASELINES: tuple[str, ...] = ("every_block", "sqrt", "save_matmuls")
 
 
 class RowKind(str, enum.Enum):
@@ -263,237 +251,6 @@ class Sweep:
 
 def _b(n: int | None) -> str:
     return format_bytes(n) if n is not None else "-"
-
-
-def budget_label(budget: float | int | str) -> str:
-    """``0.8`` -> ``"80%"``, ``"min"`` -> ``"min"``, bytes -> ``"1.50 GiB"``."""
-    if isinstance(budget, float):
-        return f"{budget:.0%}"
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return format_bytes(budget)
-    return str(budget)
-
-
-# ---- the sweep ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr (nothing if rich is missing or ``enabled`` is false).
-    Yields ``advance(description)``."""
-    if not enabled:
-        yield lambda _d: None
-        return
-    try:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        yield lambda _d: None
-        return
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    with bar:
-        task = bar.add_task(what, total=total)
-
-        def advance(desc: str) -> None:
-            bar.update(task, advance=1, description=desc)
-
-        yield advance
-
-
-@contextlib.contextmanager
-def _state_kept(model: nn.Module) -> Iterator[Plan | None]:
-    """See NOTE [sweep leaves the model alone]. Yields the plan the model carried."""
-    from memfit.runtime.apply import apply, unapply
-    from memfit.verification import model_device
-
-    original: Plan | None = getattr(model, "memfit_plan", None)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    device = model_device(model)
-    devices = [device] if device.type not in ("cpu", "meta") else []
-    if original is not None:
-        unapply(model)
-    for p in model.parameters():  # every measured step starts without gradients
-        p.grad = None
-    try:
-        with torch.random.fork_rng(devices=devices, **({"device_type": device.type} if devices else {})):
-            yield original
-    finally:
-        if getattr(model, "memfit_plan", None) is not None:
-            unapply(model)
-        for n, p in model.named_parameters():
-            p.grad = grads.get(n)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
-        if original is not None:
-            apply(model, original)
-
-
-@dataclass
-class _Config:
-    """One distinct plan of the sweep: its peak and its timed steps."""
-
-    plan: Plan | None
-    peak_bytes: int = 0
-    times_s: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def time_s(self) -> float:
-        return statistics.median(self.times_s)
-
-    @property
-    def spread_s(self) -> float | None:
-        return max(self.times_s) - min(self.times_s) if len(self.times_s) > 1 else None
-
-
-def _meter_config(model: nn.Module, cfg: _Config, example_inputs: Any,
-                  loss_fn: Callable[[Any], torch.Tensor] | None, device: torch.device) -> None:
-    """Peak (and a first time) of the config's first step, on a fresh copy of the plain model.
-
-    NOTE [first step on a fresh copy]
-        A training run's first step is the one that runs out of memory, and a model that has
-        had other plans applied and removed (or has run steps under this one) can peak lower
-        than a freshly planned model does. Each plan is therefore metered like ``verify``
-        meters it: applied to a fresh copy of the plain model, first step.
-    """
-    import copy
-
-    from memfit.profiling.measure import measure
-    from memfit.runtime.apply import apply
-    from memfit.verification import make_step
-
-    twin = copy.deepcopy(model)
-    if cfg.plan is not None:
-        apply(twin, cfg.plan)
-    m = measure(make_step(twin, example_inputs, loss_fn=loss_fn, seed=0), device=device, repeats=1)
-    cfg.peak_bytes = m.peak_bytes
-    cfg.times_s.extend(m.times_s)
-
-
-def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], device: torch.device) -> None:
-    """Apply the config's plan to the model, time one step, remove the plan."""
-    from memfit.profiling.measure import time_step
-    from memfit.runtime.apply import apply, unapply
-
-    if cfg.plan is not None:
-        apply(model, cfg.plan)
-    try:
-        cfg.times_s.append(time_step(step, device))
-    finally:
-        if cfg.plan is not None:
-            unapply(model)
-
-
-def sweep(
-    model: nn.Module,
-    example_inputs: Any,
-    budgets: Sequence[float | int | str] = DEFAULT_BUDGETS,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    baselines: Sequence[str] = DEFAULT_BASELINES,
-    repeats: int = 3,
-    progress: bool = True,
-    solver: str = "auto",
-    name: str | None = None,
-) -> Sweep:
-    """Plan, apply and measure ``model`` at several budgets and with baseline solvers.
-
-    Args:
-        model: the model (left as it was: NOTE [sweep leaves the model alone]).
-        example_inputs: the step's inputs (tensor, tuple or dict).
-        budgets: fractions of the plain peak (``0.6``), bytes (``int``), strings (``"6GiB"``,
-            ``"60%"``), or ``"min"``: the smallest peak any plan reaches.
-        loss_fn: output -> scalar loss; default the profiler's default loss.
-        baselines: baseline solvers measured as extra rows (``"every_block"``, ``"sqrt"``,
-            ``"save_matmuls"``); ``()`` for none.
-        repeats: timed steps per configuration (median), after one metered step.
-        progress: show a progress bar on stderr (needs rich).
-        solver: memfit's solver for the budget rows (default ``"auto"``).
-        name: the model's name in tables and plots (default its class name).
-
-    Returns:
-        A ``Sweep``: a plain row, one row per budget, one per baseline. A budget no plan fits
-        gives a row with ``error`` set instead of raising.
-
-    Example:
-        >>> s = sweep(memfit.zoo.gpt(n_layer=2, d_model=64, seq_len=32), x, (1.0, 0.5))  # doctest: +SKIP
-        >>> print_sweep(s)                                                                # doctest: +SKIP
-    """
-    from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.tracer import profile as make_profile
-    from memfit.verification import make_step, model_device
-
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if isinstance(budgets, (str, int, float)):
-        raise TypeError(f"budgets must be a sequence such as (1.0, 0.6, 'min'), got {budgets!r}")
-    device = model_device(model)
-    if device.type == "meta":
-        raise ValueError("sweep measures real steps; a model on the meta device can be planned, not swept")
-    label = name or type(model).__name__
-    configs: dict[tuple[Any, ...], _Config] = {}  # identical plans are measured once
-    planned: list[tuple[str, RowKind, str, str, Plan | InfeasibleBudget]] = []
-
-
-    def key(plan: Plan | None) -> tuple[Any, ...]:
-        return ("plain",) if plan is None or not plan.regions else tuple(plan.regions)
-
-    total = 2 + len(budgets) + len(baselines) + (repeats - 1)
-    with _state_kept(model), _progress(progress, total, f"sweep {label}") as advance:
-        prof = make_profile(model, example_inputs, loss_fn=loss_fn, device=device)
-        step = make_step(model, example_inputs, loss_fn=loss_fn, seed=0)
-
-        def config(plan: Plan | None) -> _Config:
-            if key(plan) not in configs:
-                configs[key(plan)] = _Config(plan)
-                _meter_config(model, configs[key(plan)], example_inputs, loss_fn, device)
-            return configs[key(plan)]
-
-        advance("profiled")
-        plain = config(None)
-        advance("measured the plain step")
-
-        def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
-            try:
-                p = make_plan(prof, budget=budget, solver=solver_name)
-            except InfeasibleBudget as e:
-                planned.append((row_label, kind, solver_name, spec, e))
-                return
-            config(p)
-            planned.append((row_label, kind, solver_name, spec, p))
-
-        for b in budgets:
-            spec = budget_label(b)
-            add(spec, RowKind.MEMFIT, solver, b, spec)
-            advance(f"budget {spec}")
-        for base in baselines:
-            # A baseline ignores the budget; the plain peak lets any of them through.
-            add(base, RowKind.BASELINE, base, prof.peak_bytes, "")
-            advance(f"baseline {base}")
-        # NOTE [interleaved timing]: the remaining timed steps go round the configs in turn,
-        # so that a slow spell of a shared machine spreads over all of them.
-        for r in range(repeats - 1):
-            for cfg in configs.values():
-                _time_config(model, cfg, step, device)
-            advance(f"timing round {r + 2} of {repeats}")
-
-    plain_s = plain.time_s
-    rows = [SweepRow("plain", RowKind.PLAIN, "none", predicted_peak_bytes=prof.peak_bytes,
-                     measured_peak_bytes=plain.peak_bytes, step_time_s=plain_s, overhead=0.0,
-                     predicted_overhead=0.0, step_spread_s=plain.spread_s)]
-    for row_label, kind, solver_name, spec, result in planned:
-        if isinstance(result, InfeasibleBudget):
-            rows.append(SweepRow(row_label, kind, solver_name, spec, result.budget_bytes,
-                                 error=f"infeasible: smallest feasible {format_bytes(result.min_feasible_bytes)}"))
-            continue
-        cfg = configs[key(result)]
-        t = cfg.time_s
-        rows.append(SweepRow(
-            row_label, kind, result.solver, spec, result.budget_bytes if kind is RowKind.MEMFIT else None,
-            result.predicted_peak_bytes, cfg.peak_bytes, t, t / plain_s - 1 if plain_s > 0 else None,
-            result.overhead, len(result.regions), None, result, cfg.spread_s))
-    return Sweep(tuple(rows), label, str(device), plain.peak_bytes, plain_s, repeats)
 
 
 def print_sweep(s: Sweep, *, style: str = "markdown") -> None:

@@ -111,6 +111,25 @@ class Step:
         """The same step on other inputs (fresh copies, fake tensors)."""
         return Step(self.model, args, kwargs, self.loss_fn, self.call, self.autocast)
 
+    def with_input_copies(self) -> Step:
+        """The same step on fresh leaf copies of its input tensors (same ``requires_grad``), so
+        that running it never sets ``.grad`` on the caller's tensors. A step given as a
+        callable is returned as it is (its inputs are the callable's business)."""
+        if self.call is not None:
+            return self
+        return self.with_inputs(_leaf_copies(self.args), _leaf_copies(self.kwargs))
+
+    def for_model(self, model: nn.Module) -> Step:
+        """The same step run by another module: a copy of the model (a twin), same inputs.
+
+        Raises:
+            TypeError: the step was given as a callable, which runs the model it closes over.
+        """
+        if self.call is not None:
+            raise TypeError("a step given as a callable runs the model it closes over and cannot run "
+                            "on a copy of it; give the model's example_inputs (and loss_fn) instead")
+        return Step(model, self.args, self.kwargs, self.loss_fn, None, self.autocast)
+
     @property
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return self.args, self.kwargs
@@ -163,39 +182,66 @@ class ModelState:
 
     ``reset()`` gives a run the snapshot's start with every ``.grad`` None (gradients created
     afresh, as after ``zero_grad(set_to_none=True)``); ``restore()`` (also on leaving the
-    ``with`` block) puts everything back, the old ``.grad`` included.
+    ``with`` block) puts everything back, the old ``.grad`` included. ``run(step)`` runs a
+    step from that start (NOTE [repeatable runs]).
 
     Args:
         model: the module.
         inputs: example inputs whose leaves' ``.grad`` are kept too.
-        buffers: snapshot buffers (False for a model on the meta device).
+        buffers: snapshot buffers (False for a model on the meta device, or one no run touches).
+        seed: if given, ``reset()`` starts the RNG from ``torch.manual_seed(seed)`` instead of
+            the snapshot (``restore()`` still puts the snapshot back).
     """
 
-    def __init__(self, model: nn.Module, inputs: Any = (), *, buffers: bool = True) -> None:
+    def __init__(self, model: nn.Module, inputs: Any = (), *, buffers: bool = True,
+                 seed: int | None = None) -> None:
         leaves = [t for t in iter_tensors(inputs) if t.requires_grad and t.is_leaf]
         self.params = list(model.parameters()) + leaves
         self.grads = [p.grad for p in self.params]
         device = model_device(model)
+        self.seed = seed
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()
                         if buffers and b.device.type != "meta"]
 
     def reset(self) -> None:
+        self._reset(seeded=True)
+
+    def _reset(self, *, seeded: bool) -> None:
         self.clear_grads()
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if seeded and self.seed is not None:
+            torch.manual_seed(self.seed)
+        else:
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(self.cuda_rng)
         with torch.no_grad():
             for b, snap in self.buffers:
                 b.copy_(snap)
+
+    def run(self, step: Step, *, keep: Callable[[Any, torch.Tensor], None] | None = None) -> None:
+        """Run ``step`` from the snapshot's start and drop its gradients at the end.
+
+        NOTE [repeatable runs]
+            ``measure`` may run a step more than once, so every run starts from the same
+            state: buffers copied back in place, the RNG reset (or re-seeded), no gradients.
+            Gradients are dropped at the END of each run (after ``keep(output, loss)`` has
+            read them), never at the start: a run must not free memory allocated before it,
+            which the CPU allocator meter would subtract from its peak. Call
+            ``clear_grads()`` once before the first run, outside any meter, and copy the
+            inputs (``Step.with_input_copies``) before that too.
+        """
+        self.reset()
+        step.run(keep=keep)
+        self.clear_grads()
 
     def clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
 
     def restore(self) -> None:
-        self.reset()
+        self._reset(seeded=False)
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g
 
@@ -204,6 +250,17 @@ class ModelState:
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
+
+
+def _leaf_copies(value: Any) -> Any:
+    """``value`` with every tensor replaced by a detached copy (same ``requires_grad``)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_leaf_copies(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _leaf_copies(v) for k, v in value.items()}
+    return value
 
 
 def model_device(model: nn.Module) -> torch.device:

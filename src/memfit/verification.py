@@ -9,11 +9,11 @@ gradient, the buffers (BatchNorm statistics) and the RNG state after the step; i
 measures the planned step's peak memory against the plan's prediction and the budget.
 
 NOTE [verify leaves the model alone]
-    Both steps run on deep copies: the planned twin is a plain copy with the plan applied
-    afresh, the reference twin a plain copy. The user's model, its parameters, buffers and
-    ``.grad`` are never touched, and the global RNG state is forked and restored. Re-applying
-    the plan to a copy checks the plan itself (what ``model.memfit_plan`` says), which is
-    also what a fresh process loading the plan would run.
+    Both steps run on twins (``memfit.twins``): the planned twin is a plain copy with the plan
+    applied afresh, the reference twin a plain copy. The user's model, its parameters, buffers
+    and ``.grad`` are never touched, and the global RNG state is put back (``ModelState``).
+    Re-applying the plan to a copy checks the plan itself (what ``model.memfit_plan`` says),
+    which is also what a fresh process loading the plan would run.
 
 NOTE [peak tolerance]
     A measured peak passes when it is within ``max(PEAK_RTOL x reference, floor)`` of the
@@ -32,24 +32,14 @@ NOTE [peak tolerance]
     its recompute, created outside the dispatcher, so the profile never sees it. The rest is
     kernel scratch and rounding of the tensor model. ``PEAK_ATOL_BYTES`` bounds that remainder
     with room (16 KiB); on steps of hundreds of MiB the 3% dominates and the floor is moot.
-
-NOTE [repeatable steps]
-    ``measure`` may run a step more than once. Each run therefore starts from the same state:
-    no parameter or input gradients (as after ``zero_grad(set_to_none=True)``), buffers copied
-    back in place from a snapshot, the RNG re-seeded. Gradients are dropped at the END of each
-    run (after the step's results are kept), never at the start: a run must not free memory
-    allocated before it, which the CPU allocator meter would subtract from its peak. Inputs
-    are copied once, before any run, so the copies are not counted in the peak either.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +48,13 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import default_loss, iter_tensors, normalize_inputs
+from memfit.step import ModelState, Step, model_device
+from memfit.twins import StepResult, record_step, step_of, twin_step
+from memfit.twins import make_step as make_step  # where tests and benchmarks have imported it from
 from memfit.units import format_bytes
 
-__all__ = ["Check", "VerifyReport", "StepResult", "verify", "print_verify", "make_step", "plain_copy",
-           "model_device", "peak_tolerance", "rng_state_bytes", "PEAK_RTOL", "PEAK_ATOL_BYTES"]
+__all__ = ["Check", "VerifyReport", "verify", "print_verify", "peak_tolerance", "rng_state_bytes",
+           "PEAK_RTOL", "PEAK_ATOL_BYTES", "make_step"]
 
 log = logging.getLogger(__name__)
 
@@ -139,159 +131,6 @@ class VerifyReport:
         for c in self.checks:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
         return "\n".join(lines)
-
-
-@dataclass
-class StepResult:
-    """What one step left behind, for comparison (tensors detached)."""
-
-    loss: torch.Tensor
-    outputs: list[torch.Tensor]
-    param_grads: dict[str, torch.Tensor | None]
-    input_grads: list[torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    rng_after: torch.Tensor
-    peak_bytes: int = 0
-    tracked_peak_bytes: int = 0
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (or buffer); CPU for a model with neither."""
-    for p in model.parameters():
-        return p.device
-    for b in model.buffers():
-        return b.device
-    return torch.device("cpu")
-
-
-def plain_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` without its memfit plan; the model ends as it began.
-
-    A planned model is un-planned for the moment of the copy and its plan re-applied, so the
-    copy never carries checkpoint wrappers (their state is the runtime's business, and a copy
-    without them is what the reference step needs anyway).
-    """
-    plan = model.__dict__.get("memfit_plan")
-    if plan is None:
-        return copy.deepcopy(model)
-    from memfit.runtime.apply import apply, unapply
-
-    unapply(model)
-    try:
-        return copy.deepcopy(model)
-    finally:
-        apply(model, plan)
-
-
-def _clone_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
-    """Fresh leaf copies of the input tensors (same requires_grad), and those that need grads."""
-    args, kwargs = normalize_inputs(example_inputs)
-    needs_grad: list[torch.Tensor] = []
-
-    def clone(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            c = v.detach().clone().requires_grad_(v.requires_grad)
-            if c.requires_grad:
-                needs_grad.append(c)
-            return c
-        if isinstance(v, (tuple, list)):
-            return type(v)(clone(x) for x in v)
-        if isinstance(v, dict):
-            return {k: clone(x) for k, x in v.items()}
-        return v
-
-    return clone(args), clone(kwargs), needs_grad
-
-
-def make_step(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    seed: int | None = 0,
-    keep: StepResult | None = None,
-) -> Callable[[], None]:
-    """A repeatable training step (see NOTE [repeatable steps]).
-
-    Args:
-        model: the module to run; its gradients are set to ``None`` now and after each call.
-        example_inputs: a tensor, a tuple of positional arguments or a dict of keyword ones.
-        loss_fn: output -> scalar loss; default ``memfit.profiling.inputs.default_loss``.
-        seed: re-seed the RNG with this at each call (``None``: leave the RNG alone).
-        keep: if given, filled with the step's loss, outputs and gradients after each call.
-
-    Example:
-        >>> step = make_step(torch.nn.Linear(2, 2), torch.ones(1, 2))
-        >>> step()
-    """
-    args, kwargs, grad_inputs = _clone_inputs(example_inputs)
-    lf = loss_fn or default_loss
-    buffers = [b for b in model.buffers()]
-    snapshot = [b.detach().clone() for b in buffers]
-    params = list(model.parameters())
-
-    for p in params:  # NOTE [repeatable steps]: start without gradients
-        p.grad = None
-    for t in grad_inputs:
-        t.grad = None
-
-    def step() -> None:
-        with torch.no_grad():
-            for b, s in zip(buffers, snapshot, strict=True):
-                b.copy_(s)
-        if seed is not None:
-            torch.manual_seed(seed)
-        out = model(*args, **kwargs)
-        loss = lf(out)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__}")
-        loss.backward()
-        if keep is not None:
-            keep.loss = loss.detach()
-            keep.outputs = [t.detach() for t in iter_tensors(out)]
-            keep.input_grads = [t.grad.detach() if t.grad is not None else None for t in grad_inputs]
-            keep.param_grads = {n: (p.grad.detach() if p.grad is not None else None)
-                                for n, p in model.named_parameters()}
-        del out, loss
-        # Drop the gradients at the end, after the peak: the next run then frees nothing that
-        # was allocated before it (the CPU allocator meter would count such frees as negative).
-        for p in params:
-            p.grad = None
-        for t in grad_inputs:
-            t.grad = None
-
-    return step
-
-
-@contextlib.contextmanager
-def _forked_rng(device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type not in ("cpu", "meta") else []
-    kwargs: dict[str, Any] = {"device_type": device.type} if devices else {}
-    with torch.random.fork_rng(devices=devices, **kwargs):
-        yield
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    state = torch.get_rng_state()
-    if device.type == "cuda":
-        state = torch.cat([state, torch.cuda.get_rng_state(device)])
-    return state
-
-
-def run_step(model: nn.Module, example_inputs: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-             seed: int = 0, device: torch.device | None = None) -> StepResult:
-    """Run one measured step of ``model`` and collect what it left (the model is changed: its
-    buffers hold the step's results, its ``.grad`` are None)."""
-    from memfit.profiling.measure import measure
-
-    keep = StepResult(torch.empty(0), [], {}, [], {}, torch.empty(0))
-    step = make_step(model, example_inputs, loss_fn=loss_fn, seed=seed, keep=keep)
-    m = measure(step, device=device, repeats=1)
-    keep.peak_bytes = int(m.peak_bytes)
-    keep.tracked_peak_bytes = int(m.tracked_peak_bytes)
-    keep.buffers = {n: b.detach() for n, b in model.named_buffers()}
-    keep.rng_after = _rng_state(device or model_device(model))
-    return keep
 
 
 # ---- comparison -----------------------------------------------------------------------------
@@ -450,7 +289,7 @@ def _peak_checks(peak: int, plain_peak: int, predicted: int | None, budget: int 
 
 def verify(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = None,
     *,
     plan: Plan | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -458,6 +297,7 @@ def verify(
     seed: int = 0,
     peak_rtol: float = PEAK_RTOL,
     peak_atol_bytes: int | None = None,
+    step: Step | None = None,
 ) -> VerifyReport:
     """Check that a plan changes memory, not results: one step against the un-checkpointed twin.
 
@@ -479,6 +319,9 @@ def verify(
         peak_rtol: allowed relative excess over the budget and error of the prediction (0.03).
         peak_atol_bytes: allowed absolute excess and error, bytes, when larger than
             ``peak_rtol``'s; default ``PEAK_ATOL_BYTES`` plus one CPU RNG state per region.
+        step: the step to run instead of ``example_inputs`` and ``loss_fn``: a
+            ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included);
+            a step given as a callable cannot run on the twins and raises ``TypeError``.
 
     Returns:
         A ``VerifyReport``; ``print(report)`` explains every check.
@@ -489,8 +332,6 @@ def verify(
         >>> report.ok, report.bitwise                                                    # doctest: +SKIP
         (True, True)
     """
-    from memfit.runtime.apply import apply
-
     plan = plan if plan is not None else getattr(model, "memfit_plan", None)
     if plan is None:
         raise ValueError("the model carries no plan (model.memfit_plan is not set); pass plan=..., "
@@ -501,29 +342,26 @@ def verify(
     if device.type == "meta":
         raise ValueError("cannot verify a model on the meta device (no weights): verification runs "
                          "real steps; build the model on a real device")
+    the_step = step_of(model, example_inputs, loss_fn, step)
     budget = budget_bytes if budget_bytes is not None else plan.budget_bytes
     bitwise_required = device.type == "cpu"
 
-    with _forked_rng(device):
-        plain = plain_copy(model)
-        ref = run_step(plain, example_inputs, loss_fn=loss_fn, seed=seed, device=device)
-        del plain
-        planned = plain_copy(model)
+    def failed(*checks: Check) -> VerifyReport:
+        return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes, plan.predicted_peak_bytes,
+                            budget, False, checks, str(device), plan.solver)
+
+    # NOTE [verify leaves the model alone]: twins only; the RNG (and any .grad) put back
+    with ModelState(model, the_step.inputs, buffers=False):
+        ref = record_step(twin_step(the_step, None), seed=seed, device=device)
         try:
-            apply(planned, plan)
+            planned = twin_step(the_step, plan)
         except MemfitError as e:
-            checks = [Check("plan applies to the model", False, f"{type(e).__name__}: {e}")]
-            return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes,
-                                plan.predicted_peak_bytes, budget, False, tuple(checks), str(device),
-                                plan.solver)
+            return failed(Check("plan applies to the model", False, f"{type(e).__name__}: {e}"))
         try:
-            got = run_step(planned, example_inputs, loss_fn=loss_fn, seed=seed, device=device)
+            got = record_step(planned, seed=seed, device=device)
         except MemfitError as e:
-            checks = [Check("plan applies to the model", True, f"{len(plan.regions)} regions"),
-                      Check("planned step runs", False, f"{type(e).__name__}: {e}")]
-            return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes,
-                                plan.predicted_peak_bytes, budget, False, tuple(checks), str(device),
-                                plan.solver)
+            return failed(Check("plan applies to the model", True, f"{len(plan.regions)} regions"),
+                          Check("planned step runs", False, f"{type(e).__name__}: {e}"))
         del planned
 
     checks = [Check("plan applies to the model", True,

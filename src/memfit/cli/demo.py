@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.cli.models import UsageError, load_model
+from memfit.cli.models import UsageError
 from memfit.cli.output import emit, say
+from memfit.models import load_model
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["add_parser", "run", "DEMO_MODELS"]
@@ -51,8 +52,8 @@ def _pick(rows: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.sweep import write_outputs
-    from memfit.report import sweep
     from memfit.runtime.apply import apply
+    from memfit.tradeoff import sweep
     from memfit.verification import verify
 
     if args.repeats < 1:

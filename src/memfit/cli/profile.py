@@ -6,8 +6,9 @@ import argparse
 from collections import defaultdict
 from typing import Any
 
-from memfit.cli.models import LoadedModel, add_model_arguments, load_from_args
+from memfit.cli.models import add_model_arguments, load_from_args
 from memfit.cli.output import emit
+from memfit.models import LoadedModel
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["add_parser", "run", "profile_model", "summarize"]
