@@ -243,3 +243,101 @@ def test_statistics_read_after_their_update_keep_their_copy():
     copies = {id(buf): copy for buf, copy in guard._pre.values()}
     assert copies[id(block.bn.running_mean)] is None
     assert torch.equal(copies[id(block.bn.running_var)], torch.ones(D))
+
+
+class SharedNormBlock(nn.Module):
+    """No buffer of its own: it calls a BatchNorm and a counter registered on its parent."""
+
+    def __init__(self, shared: nn.ModuleDict) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.shared = [shared]  # not a submodule: outside the region's subtree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shared[0]
+        return torch.tanh(s.bn(self.lin(x)) * (s.counter() / 4))
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self) -> torch.Tensor:
+        self.calls += 1                                              # in place, outside
+        return self.calls
+
+
+class SharedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.ModuleDict({"bn": nn.BatchNorm1d(D), "counter": Counter()})
+        self.inp = nn.Linear(8, D)
+        self.blocks = nn.ModuleList(SharedNormBlock(self.shared) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return h.sum(-1)
+
+
+def _watched_ops(monkeypatch) -> list[int]:
+    from memfit.runtime import buffers
+
+    seen = [0]
+    real = buffers._Watch.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen[0] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(buffers._Watch, "__torch_dispatch__", counting)
+    return seen
+
+
+def test_regions_that_wrote_no_buffer_when_profiled_run_unwatched(monkeypatch):
+    """Rule 6: the GPT block's causal mask is a buffer it only reads, so the planned blocks
+    run without the watcher; a block whose BatchNorm writes its statistics is watched."""
+    seen = _watched_ops(monkeypatch)
+    model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    twin = copy.deepcopy(model)
+    x = memfit.zoo.example_inputs(model, batch=2)
+    plan = memfit.plan(memfit.profile(model, x, repeats=1), budget=1.0, solver="every_block")
+    assert [r.writes_buffers for r in plan.regions] == [False, False]
+    apply(model, plan)
+    assert_bitwise_twin(model, twin, (x,), steps=2)
+    assert seen[0] == 0
+    torch.manual_seed(0)
+    bn_model = Net("ema").train()
+    bn_twin = copy.deepcopy(bn_model)
+    bn_plan = memfit.plan(memfit.profile(bn_model, _x(), repeats=1), budget=1.0, solver="every_block")
+    assert bn_plan.regions and all(r.writes_buffers for r in bn_plan.regions)
+    apply(bn_model, bn_plan)
+    assert_bitwise_twin(bn_model, bn_twin, (_x().requires_grad_(),), steps=2)
+    assert seen[0] > 0
+
+
+def test_hand_made_regions_are_watched_when_their_modules_have_buffers(monkeypatch):
+    seen = _watched_ops(monkeypatch)
+    model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    twin = copy.deepcopy(model)
+    apply(model, _plan(tuple(Region((f"blocks.{i}",)) for i in range(2))))  # writes_buffers None
+    assert_bitwise_twin(model, twin, (memfit.zoo.example_inputs(model, batch=2),), steps=1)
+    assert seen[0] > 0  # the mask buffer: watched, as nothing says it is never written
+
+
+@pytest.mark.parametrize("how", ["blocks", "segment"])
+def test_buffers_of_a_shared_module_are_copied_on_call(how, monkeypatch):
+    seen = _watched_ops(monkeypatch)
+    torch.manual_seed(0)
+    twin = SharedNet().train()
+    model = copy.deepcopy(twin)
+    model.blocks[1].shared = [model.shared]
+    model.blocks[0].shared = [model.shared]
+    regions = ((Region(("blocks.0",)), Region(("blocks.1",))) if how == "blocks"
+               else (Region(("blocks.0", "blocks.1")),))
+    apply(model, _plan(regions))
+    assert_bitwise_twin(model, twin, (_x().requires_grad_(),), steps=2)
+    assert int(model.shared.counter.calls) == 4 and int(model.shared.bn.num_batches_tracked) == 4
+    assert seen[0] == 0

@@ -62,12 +62,16 @@ class Region:
             from the keys to save.
         recompute_s: predicted seconds this region adds to backward.
         saved_bytes: predicted bytes this region keeps from forward to backward.
+        writes_buffers: whether its forward wrote a module buffer in place when profiled
+            (the runtime then watches for such writes; NOTE [buffer writes] in
+            ``memfit.planning.rules``); None: not known (the runtime decides).
     """
 
     modules: tuple[str, ...]
     ops: tuple[tuple[str, OpPolicy], ...] = ()
     recompute_s: float = 0.0
     saved_bytes: int = 0
+    writes_buffers: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.modules:
@@ -164,7 +168,8 @@ class Plan:
             "notes": list(self.notes),
             "regions": [
                 {"modules": list(r.modules), "ops": {k: p.value for k, p in r.ops},
-                 "recompute_s": r.recompute_s, "saved_bytes": r.saved_bytes}
+                 "recompute_s": r.recompute_s, "saved_bytes": r.saved_bytes,
+                 "writes_buffers": r.writes_buffers}
                 for r in self.regions
             ],
             "extra": self.extra,
@@ -184,7 +189,7 @@ class Plan:
             return cls(
                 regions=tuple(
                     Region(tuple(r["modules"]), _read_ops(r, version), float(r["recompute_s"]),
-                           int(r["saved_bytes"]))
+                           int(r["saved_bytes"]), _optional_bool(r.get("writes_buffers")))
                     for r in data["regions"]
                 ),
                 predicted_peak_bytes=int(data["predicted_peak_bytes"]),
@@ -256,6 +261,12 @@ class Plan:
                 )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _optional_bool(value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise TypeError(f"'writes_buffers' must be true, false or null, got {value!r}")
 
 
 def _read_ops(region: dict[str, Any], version: int) -> tuple[tuple[str, OpPolicy], ...]:

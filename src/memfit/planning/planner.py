@@ -8,6 +8,7 @@ from typing import Any
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region
+from memfit.planning.rules import writes_buffers
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
 from memfit.profiling.profile import Profile
@@ -150,7 +151,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
     if sim is None:
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))
     regions = tuple(
-        Region(r.modules, r.ops, float(t), int(b))
+        Region(r.modules, r.ops, float(t), int(b), writes_buffers(profile, r.modules))
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}

@@ -35,6 +35,16 @@ NOTE [clobbered inputs]
     at a later block still are. Storage granularity: views share their base's version counter.
     An output of a region written in place later is handled by the rules above (such an op is
     never saved, so the selective cache never holds it).
+
+NOTE [buffer writes]
+    A region whose forward writes a module buffer in place (BatchNorm statistics,
+    spectral_norm's vectors, counters) needs the runtime's buffer watcher (NOTE [buffers
+    written in forward] in ``memfit.runtime.buffers``), which costs a Python dispatch per op;
+    one that writes none runs without it. :func:`writes_buffers` reads that from the profile:
+    a forward op of the region that writes an input (``inplace``: the schema's ``(a!)``, so
+    ``out=`` too) reading a buffer storage, or a batch-norm op reading one (it updates the
+    running statistics without declaring it). Conservative: an in-place op that reads a
+    buffer without writing it counts too.
 """
 
 from __future__ import annotations
@@ -43,10 +53,10 @@ from collections.abc import Mapping, Sequence
 
 from memfit.ops import IGNORED_OP_NAMES, MATMUL_PACKETS
 from memfit.ops import is_matmul as _is_matmul_name
-from memfit.profiling.profile import ModuleRecord, OpRecord, Profile
+from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
 __all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul",
-           "in_place_writes", "clobbered_inputs"]
+           "in_place_writes", "clobbered_inputs", "writes_buffers"]
 
 # Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
 # the runtime skips the same ones (NOTE [ignored ops] in memfit.ops).
@@ -114,6 +124,22 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
             if written is not None and written >= first and sid not in out:
                 out.append(sid)
     return tuple(out)
+
+
+def writes_buffers(profile: Profile, modules: Sequence[str]) -> bool:
+    """Whether the forward of the region over ``modules`` wrote a buffer (NOTE [buffer writes])."""
+    recs = [m for m in profile.modules if m.path in modules and m.first_op is not None]
+    if not recs:
+        return True  # nothing known: let the runtime watch
+    first = min(int(m.first_op) for m in recs)  # type: ignore[arg-type]
+    last = max(int(m.last_op) for m in recs)    # type: ignore[arg-type]
+    storages = profile.storages
+    for op in profile.ops[first: last + 1]:
+        if not (op.inplace or "batch_norm" in op.name):
+            continue
+        if any(storages[s].kind is StorageKind.BUFFER for s in op.inputs):
+            return True
+    return False
 
 
 def is_matmul(op: OpRecord) -> bool:

@@ -128,12 +128,14 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
         for region, target in targets:
             policy = _policies.by_key(region.ops) if region.ops else None
             if isinstance(target, nn.Module):
-                wrap(target, policy, check=check, name=region.modules[0] or "<root>")
+                wrap(target, policy, check=check, name=region.modules[0] or "<root>",
+                     watch_buffers=region.writes_buffers)
                 applied.wrapped.append(region.modules[0])
             else:
                 parent, names = target
                 applied.segments.append(
-                    checkpoint_segment(parent, names, policy, check=check, name=region.name)
+                    checkpoint_segment(parent, names, policy, check=check, name=region.name,
+                                       watch_buffers=region.writes_buffers)
                 )
     except (WrapError, ValueError):
         _undo(model, applied)

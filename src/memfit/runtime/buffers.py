@@ -36,6 +36,20 @@ NOTE [buffers written in forward]
        included (torch stops a recomputation by raising through the context, so this sits in
        ``__exit__``), they get the values they had when it started.
 
+    6. The watcher costs a Python dispatch per op (+6% CPU time on an every-block GPT 4x128
+       step, measured here), so it runs only where a write is possible. A region of a plan
+       knows from the profile (``Region.writes_buffers``, NOTE [buffer writes] in
+       ``memfit.planning.rules``): it is watched exactly when its forward wrote a buffer
+       when profiled (a write that happens only on other steps is then missed). Without that
+       (``wrap``, ``memfit.checkpoint`` by hand), it is watched when a module the region is
+       known to run has a buffer (BatchNorm, spectral_norm, counters, masks), or when the
+       region's modules are not known (the function form). A transformer block has no
+       buffer: its forward runs unwatched. A module with buffers that such a region calls
+       from outside its subtree (a shared module) is seen by the forward pre-hook; its
+       buffers are copied before it runs (copy-on-call, with dispatch modes off so the copy
+       is no op of the region) and a copy is kept only if the buffer's version or value
+       changed by the end of the forward.
+
     Consequence: the recomputation reads exactly what the forward read, and after backward
     every buffer is what the plain step leaves (bitwise), however often backward recomputes
     the region (``retain_graph``). Memory: one copy of each buffer the forward wrote and the
@@ -59,7 +73,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit._torch import TorchDispatchMode, module_buffers, written_tensors
+from memfit._torch import (
+    TorchDispatchMode,
+    module_buffers,
+    no_python_dispatch,
+    tensor_version,
+    written_tensors,
+)
 from memfit.ops import writes_input
 
 __all__ = ["BufferGuard"]
@@ -132,8 +152,9 @@ class BufferGuard:
     """Per checkpointed call: snapshots the buffers its forward writes, gives the
     recomputation their pre-forward values (NOTE [buffers written in forward])."""
 
-    def __init__(self, modules: Iterable[nn.Module] = ()) -> None:
+    def __init__(self, modules: Iterable[nn.Module] = (), *, watch: bool | None = None) -> None:
         self._known = tuple(modules)
+        self._watch_writes = watch  # rule 6; None: decide from the modules' buffers
         self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
         self._seen: set[int] = set()
@@ -144,6 +165,8 @@ class BufferGuard:
         self._now: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = []
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._watch: _Watch | None = None
+        # rule 6: buffers copied on call in an unwatched forward: (buffer, copy, version)
+        self._on_call: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     # ---- forward side ----------------------------------------------------------------
     def _see(self, module: nn.Module) -> None:
@@ -157,6 +180,12 @@ class BufferGuard:
                 self._by_storage.setdefault(key, []).append(buf)
 
     def _pre_hook(self, module: nn.Module, args: object) -> None:
+        if (self._watch is None and self._watch_writes is None  # rule 6: copy on call
+                and id(module) not in self._seen):
+            with no_python_dispatch(), torch.no_grad():
+                for _, buf in module.named_buffers(recurse=False):
+                    if buf is not None and _storage_key(buf) is not None:
+                        self._on_call.append((buf, buf.clone(), tensor_version(buf)))
         self._see(module)
 
     def _before_write(self, t: torch.Tensor, update_only: bool) -> None:
@@ -184,8 +213,12 @@ class BufferGuard:
             for m in root.modules():
                 self._see(m)
         self._hook = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
-        self._watch = _Watch(self)
-        self._watch.__enter__()
+        watch = self._watch_writes
+        if watch is None:
+            watch = bool(self._by_storage) or not self._known
+        if watch:  # rule 6
+            self._watch = _Watch(self)
+            self._watch.__enter__()
 
     def forward_exit(self) -> None:
         if self._watch is not None:
@@ -200,6 +233,12 @@ class BufferGuard:
                 self._replaced.append((module, name, old))
         for i in self._update_only:  # rule 2: the recomputation needs no pre-forward value
             self._pre[i] = (self._pre[i][0], None)
+        with no_python_dispatch():
+            for buf, before, version in self._on_call:  # rule 6: keep what was written
+                if id(buf) not in self._pre and (tensor_version(buf) != version
+                                                 or not torch.equal(buf, before)):
+                    self._pre[id(buf)] = (buf, before)
+        self._on_call = []
         self._named, self._by_storage, self._seen, self._update_only = [], {}, set(), set()
 
     # ---- recompute side --------------------------------------------------------------

@@ -114,11 +114,12 @@ class RegionContexts:
         name: str,
         modules: Sequence[nn.Module] = (),
         count_ops: bool = False,
+        watch_buffers: bool | None = None,
     ) -> None:
         self.policy = policy
         self.check = check.next_call() if isinstance(check, CheckSampler) else resolve_check(check)
         self.name = name
-        self.guard = BufferGuard(modules)
+        self.guard = BufferGuard(modules, watch=watch_buffers)
         self.recorder: OpRecorder | None = None
         if self.check is not None or count_ops:
             self.recorder = OpRecorder(record=self.check is not None,
@@ -233,12 +234,14 @@ def run_region(
     check: Any,
     name: str,
     modules: Sequence[nn.Module] = (),
+    watch_buffers: bool | None = None,
 ) -> Any:
     """Checkpoint one call; the policy is already resolved (used by ``wrap``)."""
     if not torch.is_grad_enabled():
         kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
         return fn(*args, **kwargs)
-    contexts = RegionContexts(policy, check=check, name=name, modules=modules)
+    contexts = RegionContexts(policy, check=check, name=name, modules=modules,
+                              watch_buffers=watch_buffers)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
     )

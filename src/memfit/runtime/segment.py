@@ -117,8 +117,9 @@ class SegmentHandle:
     """
 
     def __init__(self, blocks: Sequence[nn.Module], policy: Any, *, check: Any,
-                 name: str) -> None:
+                 name: str, watch_buffers: bool | None = None) -> None:
         self.blocks = tuple(blocks)
+        self.watch_buffers = watch_buffers
         self.policy = policy
         self.check = CheckSampler(check)  # one call counter per segment
         self.name = name
@@ -168,7 +169,8 @@ class SegmentHandle:
     def _start(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         # Looked up at call time: tests count the contexts made by replacing the class.
         contexts = _checkpoint.RegionContexts(self.policy, check=self.check, name=self.name,
-                                              modules=self.blocks[pos:], count_ops=True)
+                                              modules=self.blocks[pos:], count_ops=True,
+                                              watch_buffers=self.watch_buffers)
         op = OpenCheckpoint(gen=None, contexts=contexts, start=pos,
                             outer_hooks=outer_saved_tensors_hooks())
         map_tensors((args, kwargs), op.add_input)
@@ -284,6 +286,7 @@ def checkpoint_segment(
     *,
     check: bool | str | Any = True,
     name: str | None = None,
+    watch_buffers: bool | None = None,
 ) -> SegmentHandle:
     """Checkpoint a run of consecutive sibling modules as one region (NOTE [chain segments]).
 
@@ -298,6 +301,7 @@ def checkpoint_segment(
             (default: the first calls, then one in 100), "always", "ops", False, or a
             ``DivergenceCheck`` (NOTE [check sampling] in ``memfit.runtime.divergence``).
         name: how errors name the segment (default: parent class and block names).
+        watch_buffers: as for ``memfit.runtime.wrap.wrap``.
 
     Returns:
         A handle; ``handle.remove()`` undoes it.
@@ -341,4 +345,5 @@ def checkpoint_segment(
             raise WrapError(f"block {children[p]!r} ({type(b).__name__}) is already "
                             "checkpointed (wrapped or in a segment); undo that first")
     label = name or f"{type(parent).__name__}[{children[positions[0]]}..{children[positions[-1]]}]"
-    return SegmentHandle(blocks, _policies.resolve(policy), check=check, name=label)
+    return SegmentHandle(blocks, _policies.resolve(policy), check=check, name=label,
+                         watch_buffers=watch_buffers)

@@ -44,8 +44,9 @@ class _WrapState:
     """What ``wrap`` stored on a module; kept as ``module._memfit_wrap`` (``WRAP_ATTR``)."""
 
     def __init__(self, policy: _policies.Policy | None, check: Any, name: str,
-                 instance_forward: Any) -> None:
+                 instance_forward: Any, watch_buffers: bool | None = None) -> None:
         self.policy = policy
+        self.watch_buffers = watch_buffers
         self.check = CheckSampler(check)  # one call counter per wrapped module
         self.name = name
         self.instance_forward = instance_forward  # None: the class's forward
@@ -82,7 +83,7 @@ class _CheckpointedForward:
         if not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
             return inner(*args, **kwargs)
         return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
-                          name=state.name, modules=(module,))
+                          name=state.name, modules=(module,), watch_buffers=state.watch_buffers)
 
 
 class _WrappedName:
@@ -96,7 +97,7 @@ class _WrappedName:
 
 
 def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
-         name: str | None = None) -> nn.Module:
+         name: str | None = None, watch_buffers: bool | None = None) -> nn.Module:
     """Checkpoint ``module`` in place: its activations are recomputed in backward.
 
     Args:
@@ -109,6 +110,8 @@ def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
             ``memfit.runtime.divergence``).
         name: how errors name the module (default: its class name); ``apply`` passes the
             module's path in the model.
+        watch_buffers: watch the forward for in-place writes to buffers (NOTE [buffers
+            written in forward], rule 6); None (default): when the module has buffers.
 
     Returns:
         ``module``.
@@ -138,7 +141,8 @@ def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
                         "remove the segment first")
     resolved = _policies.resolve(policy)
     instance_forward = module.__dict__.get("forward")
-    setattr(module, WRAP_ATTR, _WrapState(resolved, check, label, instance_forward))
+    setattr(module, WRAP_ATTR, _WrapState(resolved, check, label, instance_forward,
+                                          watch_buffers))
     module.forward = _CheckpointedForward(module)  # type: ignore[method-assign]
     set_display_name(module, _WrappedName(module))
     return module
