@@ -7,11 +7,11 @@ adds a record per op.
 NOTE [storage identity and frees]
     Memory is counted per storage, not per tensor: a view (or an in-place result) shares its
     base's ``UntypedStorage`` and costs nothing. In torch 2.x a storage keeps its Python object
-    alive for as long as the C++ ``StorageImpl`` lives (PyObject preservation; checked in
-    ``tests/profiling/test_tracker.py``), so ``t.untyped_storage()`` returns the same object on
+    alive for as long as the C++ ``StorageImpl`` lives (PyObject preservation; checked by
+    ``tests/profiling/test_measure.py::test_storage_keeps_its_python_object_and_finalizer_fires_on_free``), so ``t.untyped_storage()`` returns the same object on
     every call and a ``weakref.finalize`` on it fires exactly when the memory is released. The
-    live key of a storage is its ``StorageImpl*`` (``memfit._torch.storage_key``); the finalizer drops the
-    key before the address can be reused. Storages live before the step that the step only
+    live key of a storage is its ``StorageImpl*`` (``memfit._torch.storage_key``); the
+    finalizer drops the key before the address can be reused. Storages live before the step that the step only
     reads get ``created_by = None`` and never count as activation memory.
 
 NOTE [unseen inputs]
