@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MemfitCallback"]
+__all__ = ["MemfitCallback"]  # noqa: F822 (made on first access, by __getattr__)
 
 log = logging.getLogger(__name__)
 
