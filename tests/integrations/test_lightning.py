@@ -33,7 +33,7 @@ class GPTModule(lightning.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _train(callbacks):
+def _train(callbacks, precision="32-true"):
     lightning.seed_everything(0, verbose=False)
     module = GPTModule()
     ids = torch.randint(0, 64, (16, 33))
@@ -42,15 +42,17 @@ def _train(callbacks):
     trainer = lightning.Trainer(max_steps=3, accelerator="cpu", logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, deterministic=True,
-                                callbacks=callbacks)
+                                precision=precision, callbacks=callbacks)
     trainer.fit(module, loader)
     return module, trainer
 
 
-def test_callback_run_is_bitwise_the_plain_run():
-    plain, plain_trainer = _train([])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_callback_run_is_bitwise_the_plain_run(precision):
+    # bf16-mixed: the step is profiled under the precision plugin's autocast, as it trains
+    plain, plain_trainer = _train([], precision)
     callback = MemfitCallback(budget=0.6)
-    planned, trainer = _train([callback])
+    planned, trainer = _train([callback], precision)
     plan = planned.memfit_plan
     assert callback.plan is plan and plan.regions
     assert all(r.modules[0].startswith("model.blocks.") for r in plan.regions)
@@ -86,3 +88,16 @@ def test_module_imports_without_lightning():
             "try:\n    m.MemfitCallback\nexcept ImportError as e:\n    print('ImportError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "needs Lightning" in out.stdout and "memfit[lightning]" in out.stdout
+
+
+def test_callback_profiles_under_the_precision_plugins_autocast():
+    plans = {}
+    for precision in ("32-true", "bf16-mixed"):
+        callback = MemfitCallback(budget=0.6)
+        _train([callback], precision)
+        plans[precision] = callback.plan
+    full, mixed = plans["32-true"], plans["bf16-mixed"]
+    # autocast casts the weights (ops of their own, in the signature) and halves what matmuls
+    # save: a profile of the fp32 step would give the fp32 plan's signature and peak
+    assert mixed.profile_signature != full.profile_signature
+    assert mixed.plain_peak_bytes < full.plain_peak_bytes
