@@ -81,3 +81,56 @@ def test_fit_rejects_a_non_module():
 
 def test_fit_is_public():
     assert memfit.fit is fit
+
+
+def test_fit_with_a_step_callable_plans_and_trains_like_inputs_and_loss_fn():
+    def build():
+        return zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
+
+    by_inputs, by_step, plain = build(), build(), build()
+    x = zoo.example_inputs(by_inputs, batch=4)  # (batch, time) token ids
+    y = x.roll(-1, dims=1)                      # next-token targets: the forward returns the loss
+    fit(by_inputs, (x, y), budget="min", loss_fn=lambda loss: loss)
+    fit(by_step, step=lambda: by_step(x, y), budget="min")
+    a, b = by_inputs.memfit_plan, by_step.memfit_plan
+    assert b.profile_signature == a.profile_signature
+    assert b.plain_peak_bytes == a.plain_peak_bytes
+    def shape(plan):  # regions without their measured (noisy) recompute times
+        return [(r.modules, r.ops, r.saved_bytes) for r in plan.regions]
+
+    assert shape(b) == shape(a) and b.regions
+    assert b.predicted_peak_bytes == a.predicted_peak_bytes
+    # three steps of SGD: the model planned from the callable trains bitwise like the plain one
+    for model in (by_step, plain):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)  # dropout
+        for _ in range(3):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(by_step.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "got neither"),
+        ({"example_inputs": torch.zeros(1, 4, dtype=torch.long), "step": lambda: None}, "both"),
+        ({"step": lambda: None, "loss_fn": torch.sum}, "step= and loss_fn="),
+        ({"step": 3}, "step must be a function returning the loss or a Step, got int"),
+    ],
+    ids=["neither", "both", "step-and-loss_fn", "not-callable"],
+)
+def test_fit_step_argument_errors(gpt_and_inputs, kwargs, message):
+    model, _ = gpt_and_inputs
+    with pytest.raises(TypeError, match=message):
+        fit(model, budget=0.5, **kwargs)
+    assert not hasattr(model, "memfit_plan")
+
+
+def test_fit_refuses_a_step_of_another_model(gpt_and_inputs):
+    model, x = gpt_and_inputs
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="step of another module"):
+        fit(model, step=memfit.step.Step.of(other, torch.ones(1, 2)), budget=0.5)

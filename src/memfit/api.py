@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from memfit.step import Step
+
 __all__ = ["fit"]
 
 log = logging.getLogger(__name__)
@@ -25,11 +27,12 @@ M = TypeVar("M", bound=nn.Module)
 
 def fit(
     model: M,
-    example_inputs: Any,
+    example_inputs: Any = None,
     *,
     budget: int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
+    step: Callable[[], torch.Tensor] | Step | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -44,6 +47,12 @@ def fit(
             floating outputs.
         solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, or a baseline
             (``"every_block"``, ``"sqrt"``, ``"save_matmuls"``, ``"none"``).
+        step: instead of ``example_inputs``: a callable taking no arguments that runs the
+            forward and returns the scalar loss (``lambda: module.training_step(batch, 0)``),
+            or a ``memfit.step.Step`` of ``model``. It is profiled in place of
+            ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
+            way training will, and is run several times with the model's grads, buffers and
+            RNG state put back after each run.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -52,7 +61,9 @@ def fit(
     Raises:
         memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
         ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
-            (NOTE [Hugging Face models in fit]).
+            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device.
+        TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
+            with ``loss_fn``, or a ``Step`` of another model.
 
     Example:
         >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
@@ -62,13 +73,13 @@ def fit(
     """
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.inputs import normalize_inputs
     from memfit.profiling.tracer import profile
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
-    refuse_carried_state(model, normalize_inputs(example_inputs)[1])  # NOTE [Hugging Face models in fit]
+    the_step = _the_step(model, example_inputs, loss_fn, step)
+    refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
     previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
                 if "_memfit_applied" in m.__dict__]
     for path, m, _ in previous:  # NOTE [re-fitting]
@@ -79,7 +90,7 @@ def fit(
     try:
         with cache_off_for_training(model):
             mode = "fake" if _on_meta(model) else "measure"
-            prof = profile(model, example_inputs, loss_fn=loss_fn, mode=mode)
+            prof = profile(the_step, mode=mode)
             new_plan = make_plan(prof, budget=budget, solver=solver)
     except BaseException:
         for _, m, old in previous:
@@ -88,6 +99,39 @@ def fit(
     apply(model, new_plan)
     log.info("%s", new_plan)
     return model
+
+
+def _the_step(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+              step: Callable[[], torch.Tensor] | Step | None) -> Step:
+    """The step ``fit`` profiles: of ``example_inputs`` (and ``loss_fn``) or of ``step``."""
+    if step is None:
+        if example_inputs is None:
+            raise TypeError(
+                "fit needs example_inputs (a tensor, a tuple or a dict, of the shapes training "
+                "uses) or step= (a function returning the loss), got neither")
+        return Step.of(model, example_inputs, loss_fn=loss_fn)
+    if example_inputs is not None:
+        raise TypeError(
+            f"fit got both example_inputs ({type(example_inputs).__name__}) and step= "
+            f"({type(step).__name__}); give one: step= replaces the forward on example_inputs")
+    if loss_fn is not None:
+        raise TypeError("fit got step= and loss_fn=; a step returns the loss itself: fold the "
+                        "loss into it and drop loss_fn")
+    if _on_meta(model):
+        raise ValueError(
+            f"{type(model).__name__} is on the meta device, which fit profiles in fake mode on "
+            "example_inputs; a step given as a callable runs real tensors: materialize the model "
+            "or pass example_inputs")
+    if isinstance(step, Step):
+        if step.model is not model:
+            raise TypeError(
+                f"the Step given to fit is the step of another module ({step.name}), not of the "
+                f"{type(model).__name__} to plan; make it with Step.of(model, ...)")
+        return step
+    if not callable(step):
+        raise TypeError(f"step must be a function returning the loss or a Step, got "
+                        f"{type(step).__name__}")
+    return Step.of(model, call=step)
 
 
 def _on_meta(model: nn.Module) -> bool:

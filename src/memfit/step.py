@@ -11,6 +11,18 @@ NOTE [autocast is part of the step]
     it is run later (a profile made in autocast and a verify called outside it run the same
     kernels). A step made outside autocast runs under whatever autocast surrounds the run.
 
+NOTE [a fresh autocast cache per run]
+    1. Autocast caches the low-precision copies of parameters it makes (``_to_copy`` of each
+       weight) until the outermost ``torch.autocast`` block exits.
+    2. A training loop enters autocast once per step, so every real step casts its weights
+       anew, and the copies (saved for backward) are activation memory of the step.
+    3. A step run inside an enclosing autocast block (``fit`` called within ``with
+       torch.autocast(...)``) would otherwise find the cache filled by the run before it: the
+       first run casts (its ops and bytes), later runs do not, so a profile's timing runs and
+       traced run see different ops, and measurement misses the copies.
+    4. So ``Step.run`` clears the cache before the forward and after the backward whenever
+       autocast is on: every run casts, like a real step, and leaves no copies behind.
+
 Example:
     >>> model = torch.nn.Linear(4, 1)
     >>> step = Step.of(model, torch.ones(2, 4))
@@ -166,6 +178,9 @@ class Step:
         """Forward, loss, backward. The output and loss stay referenced through backward, as in
         a usual training loop, and are released when this returns; ``keep(output, loss)`` is
         called after backward."""
+        fresh_cache = bool(self.autocast) or bool(Autocast.ambient())
+        if fresh_cache:  # NOTE [a fresh autocast cache per run]
+            torch.clear_autocast_cache()
         out, loss = self.output_and_loss(forward)
         if on_backward is not None:
             on_backward()
@@ -173,6 +188,8 @@ class Step:
         if keep is not None:
             keep(out, loss)
         del out, loss
+        if fresh_cache:
+            torch.clear_autocast_cache()
 
 
 class ModelState:

@@ -28,13 +28,14 @@ SNIPPETS = _snippets()
 
 def test_the_doc_has_a_snippet_per_integration():
     assert list(SNIPPETS) == ["plain_pytorch", "hugging_face_enable", "hugging_face_trainer",
-                              "peft_lora", "accelerate"]
+                              "peft_lora", "accelerate", "lightning"]
 
 
 @pytest.mark.hf
 @pytest.mark.parametrize("name", list(SNIPPETS), ids=list(SNIPPETS))
 def test_snippet_runs(name, tmp_path, monkeypatch):
-    needs = {"hugging_face": "transformers", "peft": "peft", "accelerate": "accelerate"}
+    needs = {"hugging_face": "transformers", "peft": "peft", "accelerate": "accelerate",
+             "lightning": "lightning"}
     for prefix, package in needs.items():
         if name.startswith(prefix):
             pytest.importorskip(package)

@@ -1,0 +1,103 @@
+"""MemfitCallback: a Lightning run with a budget is bitwise the run without it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from memfit import zoo
+
+lightning = pytest.importorskip("lightning")
+
+from memfit.integrations.lightning import MemfitCallback  # noqa: E402
+
+
+class GPTModule(lightning.LightningModule):
+    """A zoo GPT (dropout on) trained on next-token prediction; logs its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64,
+                             dropout=0.1)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch                                  # (batch, time) token ids
+        loss = self.model(ids[:, :-1], ids[:, 1:].contiguous())
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _train(callbacks, precision="32-true"):
+    lightning.seed_everything(0, verbose=False)
+    module = GPTModule()
+    ids = torch.randint(0, 64, (16, 33))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4,
+                                         shuffle=True)
+    trainer = lightning.Trainer(max_steps=3, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, deterministic=True,
+                                precision=precision, callbacks=callbacks)
+    trainer.fit(module, loader)
+    return module, trainer
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_callback_run_is_bitwise_the_plain_run(precision):
+    # bf16-mixed: the step is profiled under the precision plugin's autocast, as it trains
+    plain, plain_trainer = _train([], precision)
+    callback = MemfitCallback(budget=0.6)
+    planned, trainer = _train([callback], precision)
+    plan = planned.memfit_plan
+    assert callback.plan is plan and plan.regions
+    assert all(r.modules[0].startswith("model.blocks.") for r in plan.regions)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.6 * plan.plain_peak_bytes)
+    for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # logged values (per step and the epoch mean) are those of the plain run
+    assert trainer.callback_metrics.keys() == plain_trainer.callback_metrics.keys()
+    for key, value in plain_trainer.callback_metrics.items():
+        assert torch.equal(trainer.callback_metrics[key], value), key
+    assert "log" not in planned.__dict__ and "log_dict" not in planned.__dict__
+
+
+class ManualModule(GPTModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_callback_refuses_manual_optimization():
+    trainer = lightning.Trainer(max_steps=1, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, callbacks=[MemfitCallback(budget=0.6)])
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randint(0, 64, (4, 33))), batch_size=4)
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(ManualModule(), loader)
+
+
+def test_module_imports_without_lightning():
+    code = ("import sys; sys.modules['lightning'] = None\n"
+            "import memfit.integrations.lightning as m\n"
+            "try:\n    m.MemfitCallback\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "needs Lightning" in out.stdout and "memfit[lightning]" in out.stdout
+
+
+def test_callback_profiles_under_the_precision_plugins_autocast():
+    plans = {}
+    for precision in ("32-true", "bf16-mixed"):
+        callback = MemfitCallback(budget=0.6)
+        _train([callback], precision)
+        plans[precision] = callback.plan
+    full, mixed = plans["32-true"], plans["bf16-mixed"]
+    # autocast casts the weights (ops of their own, in the signature) and halves what matmuls
+    # save: a profile of the fp32 step would give the fp32 plan's signature and peak
+    assert mixed.profile_signature != full.profile_signature
+    assert mixed.plain_peak_bytes < full.plain_peak_bytes
