@@ -37,9 +37,25 @@ def test_profile_in_autocast_times_the_traced_ops(bf16, caplog):
     assert abs(measured - prof.peak_bytes) <= 0.001 * prof.peak_bytes, (measured, prof.peak_bytes)
 
 
-def test_fit_in_autocast_meets_its_budget_bitwise(bf16):
-    model, twin = _gpt(), _gpt()
-    x = zoo.example_inputs(model, batch=4)
+def _hf_gpt2():
+    from hf_models import batch, gpt2
+
+    return gpt2, lambda m: batch()
+
+
+MODELS = {
+    "zoo-gpt": lambda: (_gpt, lambda m: zoo.example_inputs(m, batch=4)),
+    "hf-gpt2": _hf_gpt2,  # default config: use_cache on, dropout 0.1
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fit_in_autocast_meets_its_budget_bitwise(bf16, name):
+    if name == "hf-gpt2":
+        pytest.importorskip("transformers")
+    build, make_inputs = MODELS[name]()
+    model, twin = build(), build()
+    x = make_inputs(model)
     plain_bytes = memfit.measure(Step.of(twin, x).run, model=twin).peak_bytes
     budget = int(0.55 * plain_bytes)
     memfit.fit(model, x, budget=budget)
