@@ -15,6 +15,15 @@ lightning = pytest.importorskip("lightning")
 from memfit.integrations.lightning import MemfitCallback  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _restore_determinism():
+    """Trainer(deterministic=True) turns torch's deterministic algorithms on for the whole
+    process; later tests (CPU convolution workspaces) must not inherit that."""
+    on, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(on, warn_only=warn)
+
+
 class GPTModule(lightning.LightningModule):
     """A zoo GPT (dropout on) trained on next-token prediction; logs its loss."""
 
