@@ -105,12 +105,18 @@ def _meter_config(cfg: _Config, step: Step, device: torch.device) -> None:
 
 
 def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], device: torch.device) -> None:
-    """Apply the config's plan to the model, time one step, remove the plan."""
+    """Apply the config's plan to the model, time one step, remove the plan.
+
+    The plan is applied with ``check=False``: each round applies it afresh, so with the default
+    check every timed step would be one of a region's first checked calls (+35% on a GPT
+    block), while a training run pays the sampled check's steady state, 1.000x of unchecked
+    (NOTE [check sampling], ``benchmarks/results/check_cost.md``). ``verify`` runs the check.
+    """
     from memfit.profiling.measure import time_step
     from memfit.runtime.apply import apply, unapply
 
     if cfg.plan is not None:
-        apply(model, cfg.plan)
+        apply(model, cfg.plan, check=False)
     try:
         cfg.times_s.append(time_step(step, device))
     finally:
