@@ -24,6 +24,8 @@ from memfit.errors import (
     ProfileMismatch,
     RecomputeMismatch,
     SchemaError,
+    SolverTimeout,
+    UnsupportedTorch,
     WrapError,
 )
 from memfit.planning.plan import OpPolicy, Plan, Region
@@ -68,6 +70,8 @@ __all__ = [
     "RecomputeMismatch",
     "Region",
     "SchemaError",
+    "SolverTimeout",
+    "UnsupportedTorch",
     "WrapError",
     *_LAZY,
 ]
