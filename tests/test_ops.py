@@ -147,15 +147,8 @@ class _SdpaAttention(CausalSelfAttention):
     on CPU that runs the flash kernel, tagged random for its dropout argument)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # batch, time, channels
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_drop(self.proj(y))
+        q, k, v = self.heads(x)  # each (B, nh, T, hs)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 def test_plan_saving_attention_is_predicted_by_verify():

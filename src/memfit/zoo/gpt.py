@@ -39,18 +39,29 @@ class CausalSelfAttention(nn.Module):
         mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` (B, T, C), each split into heads (B, nh, T, hs)."""
         B, T, C = x.shape  # batch, time, channels
         q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
         hs = C // self.n_head
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        return q, k, v
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        """Heads (B, nh, T, hs) merged back and projected: (B, T, C)."""
+        B, nh, T, hs = y.shape
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # (B, T, C)
+        return self.resid_drop(self.proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)  # each (B, nh, T, hs)
+        T, hs = q.shape[-2], q.shape[-1]
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
         att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
         att = self.attn_drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_drop(self.proj(y))
+        return self.out(att @ v)
 
 
 class MLP(nn.Module):
