@@ -282,6 +282,40 @@ def _sac_forget() -> None:
     assert not T.sac_forget(object(), aten.mm.default, 0)  # another layout: fall back
 
 
+def _require_sac_storage() -> None:
+    assert T.require_sac_storage() is None
+
+
+def _sac_storage_entries() -> None:
+    """A dict of ours shared by both modes: the caching mode fills it with entries whose
+    leaves hold the detached output, the cached mode serves them from it."""
+    caching, cached = create_selective_checkpoint_contexts(
+        lambda ctx, op, *a, **k: op is aten.mm.default)
+    class Storage(dict):
+        def __missing__(self, key):
+            value = self[key] = {}
+            return value
+
+    storage = Storage()
+    T.sac_set_storage(caching, cached, storage)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(lambda x: torch.mm(x, x.t()).sin(), x,
+                                            use_reentrant=False,
+                                            context_fn=lambda: (caching, cached))
+    entry = storage[aten.mm.default][0]
+    assert T.sac_is_entry(entry) and not T.sac_is_entry(storage[aten.sin.default][0])
+    saved = T.sac_saved_tensor(entry)
+    assert saved is not None and torch.equal(saved[0], torch.mm(x, x.t())) and saved[1] == 0
+    out.sum().backward()
+    assert not T.sac_is_entry(storage[aten.mm.default][0])  # consumed by the replay
+
+
+def _returns_alias() -> None:
+    assert T.returns_alias(aten.t.default) and T.returns_alias(aten.split.Tensor)
+    assert T.returns_alias(aten.add_.Tensor)  # an in-place op returns its input
+    assert not T.returns_alias(aten.mm.default) and not T.returns_alias(aten.gelu.default)
+
+
 def _require_chain_segments() -> None:
     assert T.require_chain_segments() is None
 
@@ -361,6 +395,11 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "no_python_dispatch": _no_python_dispatch,
     "outer_saved_tensors_hooks": _outer_saved_tensors_hooks,
     "sac_forget": _sac_forget,
+    "require_sac_storage": _require_sac_storage,
+    "sac_set_storage": _sac_storage_entries,
+    "sac_saved_tensor": _sac_storage_entries,
+    "sac_is_entry": _sac_storage_entries,
+    "returns_alias": _returns_alias,
     "require_chain_segments": _require_chain_segments,
     "open_checkpoint": _open_checkpoint,
     "close_checkpoint": _close_checkpoint,

@@ -21,9 +21,10 @@ NOTE [private torch APIs]
     4. A missing API that only one feature needs is recorded at import and raised, as
        ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
        working: chain segments (torch's non-reentrant checkpoint generator with the
-       positional order memfit calls it with; ``require_chain_segments``) and the CPU
+       positional order memfit calls it with; ``require_chain_segments``), the CPU
        allocator meter (the profiler's kineto results, an attribute of a finished profile;
-       ``cpu_memory_events``).
+       ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
+       dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
     5. Two lookups fall back instead of raising, as memfit did before they moved here:
        ``sac_forget`` returns False if the selective-checkpoint cache is laid out differently
        (torch then raises its own "has been mutated" error), and ``outer_saved_tensors_hooks``
@@ -71,6 +72,11 @@ __all__ = [
     "no_python_dispatch",
     "outer_saved_tensors_hooks",
     "sac_forget",
+    "require_sac_storage",
+    "sac_set_storage",
+    "sac_saved_tensor",
+    "sac_is_entry",
+    "returns_alias",
     "require_chain_segments",
     "open_checkpoint",
     "close_checkpoint",
@@ -252,6 +258,59 @@ def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
         return False
     storage[op][index] = marker
     return True
+
+
+def _sac_storage_problem() -> str | None:
+    """What offload needs from torch's selective checkpoint and this torch lacks (None: all)."""
+    wrapper = getattr(torch.utils.checkpoint, "_VersionWrapper", None)
+    if wrapper is None or getattr(torch.utils.checkpoint, "_CONSUMED", None) is None:
+        return "torch.utils.checkpoint._VersionWrapper and _CONSUMED"
+    caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(lambda *a: False)
+    if getattr(caching, "storage", None) is None or getattr(cached, "storage", None) is not \
+            caching.storage:
+        return "a selective-checkpoint storage dict shared by the caching and cached modes"
+    probe = wrapper(torch.zeros(1))
+    if not isinstance(getattr(probe, "val", None), torch.Tensor) or probe.version != 0:
+        return "torch.utils.checkpoint._VersionWrapper with .val and .version"
+    return None
+
+
+_SAC_STORAGE_PROBLEM = _sac_storage_problem()
+
+
+def require_sac_storage() -> None:
+    """Raise ``UnsupportedTorch`` if this torch's selective checkpoint cannot host offload
+    (rule 4)."""
+    if _SAC_STORAGE_PROBLEM is not None:
+        raise unsupported(_SAC_STORAGE_PROBLEM, feature="offload",
+                          advice="plan without offload (offload=False)")
+
+
+def sac_set_storage(caching_mode: Any, cached_mode: Any, storage: Any) -> None:
+    """Make the two modes of one ``create_selective_checkpoint_contexts`` call share
+    ``storage`` (a dict ``op -> {index: entry}``) instead of the dict torch made for them."""
+    require_sac_storage()
+    caching_mode.storage = storage
+    cached_mode.storage = storage
+
+
+def sac_is_entry(value: Any) -> bool:
+    """True for one leaf of a saved selective-checkpoint entry (torch's ``_VersionWrapper``),
+    False for torch's markers (recompute, consumed)."""
+    return isinstance(value, torch.utils.checkpoint._VersionWrapper)
+
+
+def sac_saved_tensor(leaf: Any) -> tuple[torch.Tensor, int] | None:
+    """The tensor a ``_VersionWrapper`` leaf holds and its version when cached (None: a
+    non-tensor leaf)."""
+    val = leaf.val
+    return (val, leaf.version) if isinstance(val, torch.Tensor) else None
+
+
+def returns_alias(op: Any) -> bool:
+    """True if one of the op's returns aliases an input (a view op: ``t``, ``split``...)."""
+    schema = op_schema(op)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 _GENERATOR_PARAMS = (

@@ -9,7 +9,7 @@ import torch
 from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net, pair
 
 from memfit.errors import PlanMismatch, WrapError
-from memfit.planning.plan import OpPolicy, Plan, Region
+from memfit.planning.plan import Plan, Region
 from memfit.runtime.apply import apply, unapply
 from memfit.runtime.segment import segment_of
 from memfit.runtime.wrap import is_wrapped, wrap
@@ -112,12 +112,3 @@ def test_nested_regions_update_batchnorm_once():
     apply(model, plan)
     assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12),), steps=2)
     assert int(model[0].bn.num_batches_tracked) == 2
-
-
-def test_offload_decision_is_refused_before_the_model_changes():
-    model, _ = pair(TinyGPT)
-    plan = _plan(Region(("blocks.0",), {"aten.addmm.default#0": OpPolicy.OFFLOAD}),
-                 types={"blocks.0": "GPTBlock"})
-    with pytest.raises(ValueError, match="OFFLOAD, which the runtime does not carry out yet"):
-        apply(model, plan)
-    assert not is_wrapped(model.blocks[0]) and not hasattr(model, "memfit_plan")

@@ -15,13 +15,14 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import PlanMismatch, WrapError
-from memfit.planning.plan import Plan, Region
+from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.wrap import unwrap, wrap
+from memfit.units import parse_bytes
 
-__all__ = ["apply", "unapply"]
+__all__ = ["apply", "unapply", "host_pool"]
 
 
 @dataclass
@@ -30,6 +31,7 @@ class _Applied:
 
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
+    host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -92,7 +94,8 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     return targets
 
 
-def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, check: Any = True,
+          host_budget: int | str | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
 
     Args:
@@ -103,6 +106,10 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
             region's first 3 calls, then one in 100), "always", "ops" (no values, for
             nondeterministic GPU kernels), False, or a ``DivergenceCheck``
             (NOTE [check sampling] in ``memfit.runtime.divergence``).
+        host_budget: the most host memory the outputs of the plan's OFFLOAD ops may hold,
+            in bytes or as "64GiB" (default None: no cap). One pool of host buffers serves
+            every region; a tensor that does not fit stays on the device (logged once).
+            ``host_pool(model)`` returns the pool.
 
     Returns:
         ``model``, with ``model.memfit_plan`` set to ``plan``.
@@ -122,11 +129,19 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
     if "_memfit_applied" in model.__dict__:
         unapply(model)
     resolve_check(check)  # a bad check= raises before anything is wrapped
+    cap = parse_bytes(host_budget) if isinstance(host_budget, str) else host_budget
+    if cap is not None and (not isinstance(cap, int) or cap < 0):
+        raise ValueError(f"host_budget must be bytes (an int >= 0) or a string like '64GiB', "
+                         f"got {host_budget!r}")
     targets = _check(model, plan)
     applied = _Applied()
+    if any(p is OpPolicy.OFFLOAD for region in plan.regions for _, p in region.ops):
+        from memfit.runtime.offload import HostPool
+
+        applied.host = HostPool(cap)
     try:
         for region, target in targets:
-            policy = _policies.by_key(region.ops) if region.ops else None
+            policy = _policies.by_key(region.ops, host=applied.host) if region.ops else None
             if isinstance(target, nn.Module):
                 wrap(target, policy, check=check, name=region.modules[0] or "<root>",
                      watch_buffers=region.writes_buffers)
@@ -167,3 +182,15 @@ def unapply(model: nn.Module) -> nn.Module:
     _undo(model, applied)
     model.__dict__.pop("memfit_plan", None)
     return model
+
+
+def host_pool(model: nn.Module) -> Any:
+    """The ``memfit.runtime.offload.HostPool`` of the plan applied to ``model`` (None: the plan
+    offloads nothing, or no plan is applied).
+
+    Example:
+        >>> host_pool(torch.nn.Linear(2, 2)) is None   # doctest: +SKIP
+        True
+    """
+    applied = model.__dict__.get("_memfit_applied")
+    return None if applied is None else applied.host

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from memfit.runtime import policies as _policies
 from memfit.runtime.buffers import BufferGuard
 from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
+from memfit.runtime.offload import pool_of, selective_contexts
 
 __all__ = ["checkpoint", "RegionContexts"]
 
@@ -135,7 +136,12 @@ class RegionContexts:
         if self.policy is not None:
             # The policy feeds the recorder: one dispatch mode less per forward op.
             region_policy = _policies.RegionPolicy(self.policy, self.recorder)
-            caching, cached = create_selective_checkpoint_contexts(region_policy)
+            pool = pool_of(self.policy)
+            if pool is None:
+                caching, cached = create_selective_checkpoint_contexts(region_policy)
+            else:  # NOTE [offload through the selective-checkpoint cache]
+                caching, cached, storage = selective_contexts(region_policy, pool)
+                recompute.append(_Hooks(storage.prefetch, storage.release_unread))
             region_policy.caching_mode = caching
             forward.append(caching)
             recompute.append(cached)

@@ -9,11 +9,12 @@ A policy is a small named object that reads like a sentence::
 
 A policy answers with a :class:`memfit.OpPolicy` per op occurrence; ``RegionPolicy`` turns
 that into torch's ``CheckpointPolicy`` (SAVE -> MUST_SAVE, RECOMPUTE -> PREFER_RECOMPUTE).
-OFFLOAD is a planner value the runtime does not run yet: a policy that asks for it is refused
-when it is built.
+OFFLOAD is MUST_SAVE with the kept outputs moved to host memory (``memfit.runtime.offload``,
+NOTE [offload through the selective-checkpoint cache]); ``by_key(..., host=pool)`` names the
+host pool, and the outputs of view ops asked to be offloaded are saved instead.
 
 NOTE [forced recompute]
-    Whatever a policy says, two kinds of op output are never saved:
+    Whatever a policy says, two kinds of op output are never saved (nor offloaded):
     - outputs of ops that write to an input (``div_``, ``add_``, ``bernoulli_``, ``out=``
       variants: any schema argument marked ``(a!)``). A saved in-place op is skipped during
       recomputation, so the tensor it should have written stays unwritten; dropout on CPU
@@ -42,13 +43,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from memfit._torch import OpOverload, OpOverloadPacket, sac_forget, written_tensors
+from memfit._torch import OpOverload, OpOverloadPacket, returns_alias, sac_forget, written_tensors
 from memfit.ops import MATMUL_PACKETS, is_random, writes_input
 from memfit.planning.plan import OpPolicy
 
@@ -69,7 +70,7 @@ MATMUL_OPS = MATMUL_PACKETS
 _KEY_RE = re.compile(r"^(?P<op>[A-Za-z_][\w.]*)#(?P<k>\d+)$")
 
 
-_SAVE, _RECOMPUTE = OpPolicy.SAVE, OpPolicy.RECOMPUTE
+_SAVE, _RECOMPUTE, _OFFLOAD = OpPolicy.SAVE, OpPolicy.RECOMPUTE, OpPolicy.OFFLOAD
 
 
 class Policy:
@@ -121,6 +122,8 @@ class _SaveOps(Policy):
 @dataclass(frozen=True)
 class _ByKey(Policy):
     decisions: tuple[tuple[str, OpPolicy], ...]
+    # Where OFFLOAD decisions keep their tensors (memfit.runtime.offload.HostPool).
+    host: Any = field(default=None, compare=False, repr=False)
 
     def decision(self, op, key, args, kwargs) -> OpPolicy:
         return dict(self.decisions).get(key, _RECOMPUTE)
@@ -241,27 +244,27 @@ def save_keys(keys: Iterable[str]) -> Policy:
     return by_key({key: _SAVE for key in keys})
 
 
-def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]]) -> Policy:
+def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]], *,
+           host: Any = None) -> Policy:
     """Exactly the given per-op decisions (NOTE [op keys]); ops not named are recomputed.
 
     Args:
         decisions: op key -> ``OpPolicy``, as a ``memfit.Region`` holds them in ``Region.ops``.
+        host: the ``memfit.runtime.offload.HostPool`` that OFFLOAD decisions keep their
+            tensors in (default None: a pool of this policy's own, without a cap).
 
     Raises:
-        ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload, or a
-            decision the runtime cannot carry out (OFFLOAD, not implemented yet).
+        ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload.
 
     Example:
-        >>> policy = by_key({"aten.mm.default#0": OpPolicy.SAVE})
+        >>> policy = by_key({"aten.mm.default#0": OpPolicy.SAVE,
+        ...                  "aten.gelu.default#0": OpPolicy.OFFLOAD})
     """
     pairs = list(decisions.items() if isinstance(decisions, Mapping) else decisions)
     checked = []
     for key, policy in pairs:
         if not isinstance(policy, OpPolicy):
             raise TypeError(f"decision for {key!r} is {policy!r}, not a memfit.OpPolicy")
-        if policy is OpPolicy.OFFLOAD:
-            raise ValueError(f"op key {key!r} asks for OFFLOAD, which the runtime does not carry "
-                             "out yet; plan without offload")
         match = _KEY_RE.match(key) if isinstance(key, str) else None
         if match is None:
             raise ValueError(
@@ -278,7 +281,15 @@ def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]]) -
             )
         if policy is not _RECOMPUTE:
             checked.append((key, policy))
-    return _ByKey(tuple(checked))
+    if any(p is _OFFLOAD for _, p in checked):
+        if host is None:
+            from memfit.runtime.offload import HostPool
+
+            host = HostPool()
+    else:
+        host = None
+    return _ByKey(tuple(checked), host)
+
 
 
 def from_callable(fn: Callable[..., Any]) -> Policy:
@@ -364,6 +375,8 @@ class RegionPolicy:
         # The caching mode this policy decides for (set by the caller), and the saved
         # entries by the storage their tensors live in: data_ptr -> [(op, index)].
         self.caching_mode: Any = None
+        # The (op, k) occurrences whose outputs go to the host (memfit.runtime.offload).
+        self.offloads: set[tuple[Any, int]] = set()
         self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -377,7 +390,10 @@ class RegionPolicy:
             if self._saved and writes_input(op):
                 self._forget_written(op, args, kwargs)
             return CheckpointPolicy.MUST_RECOMPUTE
-        if self.policy.decide(op, name, k, args, kwargs) is _SAVE:
+        decision = self.policy.decide(op, name, k, args, kwargs)
+        if decision is _SAVE or decision is _OFFLOAD:
+            if decision is _OFFLOAD and not returns_alias(op):
+                self.offloads.add((op, k))
             if self.caching_mode is not None:
                 for t in _tensors(getattr(ctx, "op_output", None)):
                     ptr = t.untyped_storage().data_ptr()
