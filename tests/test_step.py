@@ -133,3 +133,17 @@ def test_for_model_runs_the_step_on_a_twin_but_not_a_callable():
     assert moved.model is twin and moved.args is step.args and moved.autocast == step.autocast
     with pytest.raises(TypeError, match="cannot run on a copy"):
         Step.of(model, call=lambda: model(x).sum()).for_model(twin)
+
+
+def test_model_state_restores_the_cuda_rng_whenever_cuda_is_in_use(monkeypatch):
+    """NOTE [RNG of every device]: a CPU-first model in a process that uses CUDA still gets
+    its CUDA generators snapshotted and put back (no GPU here: torch.cuda's RNG calls are
+    replaced by a recorder)."""
+    states = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    restored: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: restored.append(list(s)))
+    with ModelState(nn.Linear(2, 2)):
+        pass
+    assert len(restored) == 1 and torch.equal(restored[0][0], states[0])

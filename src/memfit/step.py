@@ -215,10 +215,15 @@ class ModelState:
         leaves = [t for t in iter_tensors(inputs) if t.requires_grad and t.is_leaf]
         self.params = list(model.parameters()) + leaves
         self.grads = [p.grad for p in self.params]
-        device = model_device(model)
         self.seed = seed
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+        # NOTE [RNG of every device]: every CUDA device's generator, whenever the step can
+        # touch one (a CUDA parameter, buffer or input, or CUDA already initialised: a model
+        # split over devices, a step that moves tensors itself), not only the first
+        # parameter's device.
+        uses_cuda = torch.cuda.is_initialized() or any(
+            t.is_cuda for t in (*model.parameters(), *model.buffers(), *iter_tensors(inputs)))
+        self.cuda_rng = torch.cuda.get_rng_state_all() if uses_cuda else None
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()
                         if buffers and b.device.type != "meta"]
 

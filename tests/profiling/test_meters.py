@@ -63,3 +63,77 @@ def test_measuring_imports_no_op_recorder() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class _FakeAllocator:
+    """torch.cuda's allocator counters, scripted: the previous step's peak (9000) is still
+    recorded until ``reset_peak_memory_stats`` sets the peak to what is allocated now."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.allocated, self.peak = 1000, 9000
+        self.reserved, self.reserved_peak = 4096, 16384
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def note(name, value=None):
+            def f(*args, **kwargs):
+                self.calls.append(name)
+                return value() if value is not None else None
+            return f
+
+        monkeypatch.setattr(torch.cuda, "synchronize", note("synchronize"))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", note("reset", self._reset))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", note("allocated", lambda: self.allocated))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", note("max", lambda: self.peak))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", note("reserved", lambda: self.reserved))
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                            note("max_reserved", lambda: self.reserved_peak))
+
+    def _reset(self) -> None:
+        self.peak, self.reserved_peak = self.allocated, self.reserved
+
+    def run_step(self) -> None:
+        """A step that allocates 3000 bytes above its start (a new 8 KiB segment), frees them."""
+        self.peak = max(self.peak, self.allocated + 3000)
+        self.reserved_peak = max(self.reserved_peak, self.reserved + 8192)
+
+
+def test_cuda_meter_reads_the_peak_of_this_step_above_its_start(monkeypatch):
+    fake = _FakeAllocator()
+    fake.install(monkeypatch)
+    with CudaMeter(torch.device("cuda", 0)) as m:
+        fake.run_step()
+    assert fake.calls[:2] == ["synchronize", "reset"]  # reset before the start is read
+    assert fake.calls[-3:-2] == ["synchronize"]        # synchronised before the peak is read
+    assert (m.peak_bytes, m.reserved_peak_bytes) == (3000, 8192)
+
+
+class _FakeEvent:
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = None
+
+    def record(self, stream=None) -> None:
+        _FakeEvent.clock += 0.25  # ms of GPU time between two recorded events
+        self.t = _FakeEvent.clock
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.t - self.t
+
+
+def test_op_timer_times_cuda_ops_with_events_read_after_one_synchronize(monkeypatch):
+    """No GPU here: the CUDA branch is forced and the events scripted, to check that times
+    come from the events (in seconds), not from the launch, and are read once, synchronised."""
+    from memfit.profiling import timer as timer_mod
+
+    syncs: list[int] = []
+    monkeypatch.setattr(timer_mod, "_on_cuda", lambda args, kwargs: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    t = timer_mod.OpTimer()
+    with t:
+        torch.ones(3).sin().cos()
+    assert t.names == ["ones.default", "sin.default", "cos.default"]
+    assert t.times == [0.25e-3] * 3 and syncs == [1]
+    assert t.times == [0.25e-3] * 3 and syncs == [1]  # resolved once

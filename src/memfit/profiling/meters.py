@@ -16,7 +16,7 @@ NOTE [two CPU meters]
     them; a step that should be measured cleanly starts with ``.grad`` set to None.
 
 On CUDA, :class:`CudaMeter` reads the caching allocator's ``max_memory_allocated`` after
-``reset_peak_memory_stats``, minus ``memory_allocated`` at the start.
+``reset_peak_memory_stats``, minus ``memory_allocated`` at the start (NOTE [CUDA meter]).
 """
 
 from __future__ import annotations
@@ -95,7 +95,24 @@ class DispatchMeter(PeakMeter):
 
 
 class CudaMeter(PeakMeter):
-    """The CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``) above the start."""
+    """The CUDA caching allocator's peak above the start, allocated and reserved.
+
+    NOTE [CUDA meter]
+        1. Synchronise first: work queued before the step must not free or allocate inside
+           the measurement (the allocator counts at launch, kernels finish later, but frees
+           of the previous step's tensors can still be pending on other streams).
+        2. ``reset_peak_memory_stats`` BEFORE reading the start: the reset sets the peak to
+           what is allocated now, so ``max_memory_allocated() - start`` is the step's peak
+           above its start (never negative), not an older step's peak.
+        3. Synchronise again before reading the peak.
+        The allocator's counts are the ground truth on CUDA (kernel workspaces included), as
+        the CPU allocator's events are on CPU. ``reserved_peak_bytes`` is the same for the
+        segments the caching allocator holds (what ``nvidia-smi`` sees, fragmentation
+        included). A CudaMeter inside another on the same device resets the outer's peak:
+        do not nest them.
+    """
+
+    reserved_peak_bytes: int = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -104,11 +121,14 @@ class CudaMeter(PeakMeter):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._start = torch.cuda.memory_allocated(self.device)
+        self._start_reserved = torch.cuda.memory_reserved(self.device)
         return self
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize(self.device)
         self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        self.reserved_peak_bytes = (torch.cuda.max_memory_reserved(self.device)
+                                    - self._start_reserved)
 
 
 def meters_for(device: torch.device, meter: Meter) -> list[PeakMeter]:
