@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from memfit.distributed import check_same_plan, is_distributed, is_fsdp_unit_class
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import policies as _policies
@@ -48,16 +49,35 @@ def _get(model: nn.Module, path: str, region: Region | None = None) -> nn.Module
         ) from None
 
 
+def _class_names(cls: type) -> set[str]:
+    """The names a plan may give a module of class ``cls``.
+
+    NOTE [FSDP class names]
+        ``fully_shard`` swaps a module's class for ``FSDP<Class>``, a subclass of
+        ``FSDPModule`` and of ``<Class>``, so a plan made before sharding names ``<Class>``
+        and one made after names ``FSDP<Class>``. Both describe the same module: either
+        name matches either class.
+    """
+    names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+    if is_fsdp_unit_class(cls):
+        plain = next((c for c in cls.__mro__[1:] if not is_fsdp_unit_class(c)
+                      and c.__name__ != "FSDPModule"), None)
+        if plain is not None:
+            names |= {plain.__name__, f"{plain.__module__}.{plain.__qualname__}"}
+    else:
+        names.add(f"FSDP{cls.__name__}")
+    return names
+
+
 def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     """Validate the plan against the model; return, per region, its target."""
     types = plan.extra.get("module_types", {}) if isinstance(plan.extra, dict) else {}
     for path, expected in types.items():
         module = _get(model, path)
-        cls = type(module)
-        if expected not in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+        if expected not in _class_names(type(module)):
             raise PlanMismatch(
                 f"the plan expects module {path!r} to be a {expected}, but this model's is a "
-                f"{cls.__name__}; the plan was made for another model"
+                f"{type(module).__name__}; the plan was made for another model"
             )
     targets: list[tuple[Region, Any]] = []
     seen: set[str] = set()
@@ -92,8 +112,12 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     return targets
 
 
-def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, check: Any = True, check_ranks: bool = True) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
+
+    In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
+    rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
+    (NOTE [one plan per job] in ``memfit.distributed``).
 
     Args:
         model: the model the plan was made for.
@@ -103,6 +127,9 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
             region's first 3 calls, then one in 100), "always", "ops" (no values, for
             nondeterministic GPU kernels), False, or a ``DivergenceCheck``
             (NOTE [check sampling] in ``memfit.runtime.divergence``).
+        check_ranks: in a distributed job, gather every rank's plan digest and raise unless
+            all agree (default True); False skips the collective, for ranks that train
+            different models.
 
     Returns:
         ``model``, with ``model.memfit_plan`` set to ``plan``.
@@ -112,6 +139,8 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
             consecutive siblings, or a module whose class differs from the plan's
             ``extra["module_types"]``.
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
+        PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
+            does not fit its model.
 
     Example:
         >>> plan = memfit.plan(memfit.profile(model, x), budget="60%")   # doctest: +SKIP
@@ -122,7 +151,15 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True) -> nn.Module:
     if "_memfit_applied" in model.__dict__:
         unapply(model)
     resolve_check(check)  # a bad check= raises before anything is wrapped
-    targets = _check(model, plan)
+    if check_ranks and is_distributed():
+        try:
+            targets = _check(model, plan)
+        except PlanMismatch as e:  # the other ranks must hear of it, not wait for this one
+            check_same_plan(plan, local_error=e)
+            raise
+        check_same_plan(plan)
+    else:
+        targets = _check(model, plan)
     applied = _Applied()
     try:
         for region, target in targets:

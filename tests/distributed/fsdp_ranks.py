@@ -1,0 +1,47 @@
+"""Per rank: ``fit`` with FSDP2 (``fully_shard`` per decoder layer and the root) in either
+order, ``verify``, then 3 AdamW steps against plain FSDP2.
+
+``python -m torch.distributed.run ... fsdp_ranks.py {shard-then-fit|fit-then-shard}``."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from rank_common import batch, full_weights, gather, llama, same_weights, setup, train, write
+from torch.distributed.fsdp import fully_shard
+
+import memfit
+
+order = sys.argv[1]
+rank = setup()
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+plain = llama()
+plain.config.use_cache = False
+reference = full_weights(train(shard(plain), rank))
+
+model = llama()
+if order == "shard-then-fit":
+    memfit.fit(shard(model), batch(), budget=0.6)
+else:
+    memfit.fit(model, batch(), budget=0.6)
+    shard(model)
+plan = model.memfit_plan
+report = memfit.verify(model, batch())
+weights = full_weights(train(model, rank))
+write(rank, {
+    "plans": gather(plan.to_dict()),
+    "regions": len(plan.regions),
+    "verify": report.to_dict(),
+    "verify_text": str(report),
+    "unequal": same_weights(weights, reference),
+    "n_weights": len(weights),
+})
