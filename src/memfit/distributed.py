@@ -140,6 +140,8 @@ def check_same_plan(plan: Plan, *, local_error: Exception | None = None, group: 
     Args:
         plan: this rank's plan.
         local_error: why this rank cannot apply its plan (its ``PlanMismatch``), if it cannot.
+            When every rank holds the same plan and every rank reports an error, nothing is
+            raised here: each rank raises its own.
         group: the process group (default the whole job).
 
     Raises:
@@ -159,8 +161,8 @@ def check_same_plan(plan: Plan, *, local_error: Exception | None = None, group: 
         by_digest[digest] = (*by_digest.get(digest, ()), rank)
         if err is not None:
             errors[rank] = err
-    if len(by_digest) == 1 and not errors:
-        return
+    if len(by_digest) == 1 and len(errors) in (0, len(every)):
+        return  # one plan; it applies everywhere, or nowhere (each rank raises its own error)
     ranks = dict(by_digest)
     for rank, err in errors.items():
         ranks[f"error: {err}"] = (*ranks.get(f"error: {err}", ()), rank)

@@ -12,6 +12,7 @@ from rank_common import batch, full_weights, gather, llama, same_weights, setup,
 from torch.distributed.fsdp import fully_shard
 
 import memfit
+from memfit import Plan, Region
 
 order = sys.argv[1]
 rank = setup()
@@ -37,7 +38,15 @@ else:
 plan = model.memfit_plan
 report = memfit.verify(model, batch())
 weights = full_weights(train(model, rank))
+refused = {}  # plans that put FSDP units inside a region: refused by apply, on every rank
+for name, region in [("segment", ("model.layers.0", "model.layers.1")), ("holder", ("model",))]:
+    try:
+        memfit.apply(model, Plan((Region(region),), 0, 0.0, None, "hand", ""))
+        refused[name] = None
+    except memfit.MemfitError as e:
+        refused[name] = f"{type(e).__name__}: {e}"
 write(rank, {
+    "refused": refused,
     "plans": gather(plan.to_dict()),
     "regions": len(plan.regions),
     "verify": report.to_dict(),

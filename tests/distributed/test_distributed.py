@@ -83,6 +83,9 @@ def test_fsdp2_one_plan_verified_and_weights_equal_plain_fsdp2(order: str, tmp_p
             assert err <= 0.001 * report["predicted_peak_bytes"], res["verify_text"]
         assert res["n_weights"] > 0
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ from plain FSDP2"
+        for how, error in res["refused"].items():  # NOTE [collectives in a region]
+            assert error is not None and error.startswith("PlanMismatch: region "), how
+            assert "FSDPLlamaDecoderLayer" in error, error
 
 
 @pytest.mark.parametrize("case", ["plans-differ", "cannot-apply"])

@@ -88,7 +88,9 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                                    "a module can be checkpointed only once")
             seen.add(path)
         if not region.is_segment:
-            targets.append((region, _get(model, region.modules[0], region)))
+            module = _get(model, region.modules[0], region)
+            _refuse_fsdp_inside(region, [m for _, m in module.named_modules() if m is not module])
+            targets.append((region, module))
             continue
         parents = {_split(p)[0] for p in region.modules}
         if len(parents) != 1:
@@ -108,8 +110,23 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                 f"segment {region.name}: {names} are not consecutive children of "
                 f"{parent_path or '<root>'} (their positions are {positions})"
             )
+        _refuse_fsdp_inside(region, [m for n in names for m in parent.get_submodule(n).modules()])
         targets.append((region, (parent, names)))
     return targets
+
+
+def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
+    """Raise ``PlanMismatch`` if an FSDP unit runs inside ``region`` (NOTE [collectives in a
+    region] in ``memfit.planning.rules``): its hooks gather parameters in forward and skip
+    the gather in backward, so the recomputation would diverge."""
+    units = [type(m).__name__ for m in inside if is_fsdp_unit_class(type(m))]
+    if units:
+        raise PlanMismatch(
+            f"region {region.name} would hold {len(units)} FSDP unit{'s' if len(units) != 1 else ''} "
+            f"({units[0]}{', ...' if len(units) > 1 else ''}), whose parameter gathers cannot be "
+            "recomputed; an FSDP unit may be a region itself, not inside one. Plan the sharded "
+            "model (memfit.fit after fully_shard never proposes such a region)"
+        )
 
 
 def apply(model: nn.Module, plan: Plan, *, check: Any = True, check_ranks: bool = True) -> nn.Module:
@@ -136,8 +153,9 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True, check_ranks: bool 
 
     Raises:
         PlanMismatch: a module path the model lacks, a segment whose modules are not
-            consecutive siblings, or a module whose class differs from the plan's
-            ``extra["module_types"]``.
+            consecutive siblings, a module whose class differs from the plan's
+            ``extra["module_types"]``, or a region holding an FSDP unit (a segment over
+            ``fully_shard`` blocks, a module holding one).
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
         PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
             does not fit its model.
@@ -155,7 +173,7 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True, check_ranks: bool 
         try:
             targets = _check(model, plan)
         except PlanMismatch as e:  # the other ranks must hear of it, not wait for this one
-            check_same_plan(plan, local_error=e)
+            check_same_plan(plan, local_error=e)  # PlansDiffer unless every rank failed too
             raise
         check_same_plan(plan)
     else:
