@@ -54,7 +54,7 @@ def is_distributed() -> bool:
 def is_fsdp_unit_class(cls: type) -> bool:
     """Whether ``cls`` is a class ``fully_shard`` made (``FSDP<Class>``, an ``FSDPModule``),
     or FSDP1's ``FullyShardedDataParallel`` wrapper: modules whose hooks gather and free
-    parameters (NOTE [FSDP units] in ``memfit.planning.rules``)."""
+    parameters (NOTE [collectives in a region] in ``memfit.planning.rules``)."""
     names = {c.__name__ for c in cls.__mro__}
     return (cls.__name__.startswith("FSDP") and "FSDPModule" in names
             or "FullyShardedDataParallel" in names)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ from hf_models import batch, llama  # noqa: E402
 __all__ = ["batch", "llama", "setup", "train", "full_weights", "same_weights", "gather", "write"]
 
 STEPS = 3
+_START_S: list[float] = []
 
 
 def setup() -> int:
     """Join the gloo process group; this rank's global rank."""
+    _START_S.append(time.perf_counter())
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     return dist.get_rank()
@@ -68,7 +71,9 @@ def gather(value: Any) -> list[Any]:
 
 
 def write(rank: int, result: dict[str, Any]) -> None:
-    """This rank's result as ``$MEMFIT_DIST_OUT/rank<r>.json``; leaves the process group."""
+    """This rank's result as ``$MEMFIT_DIST_OUT/rank<r>.json``, with the seconds since
+    ``setup()``; leaves the process group."""
+    result["seconds_after_imports"] = time.perf_counter() - _START_S[0]
     path = Path(os.environ["MEMFIT_DIST_OUT"]) / f"rank{rank}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     dist.destroy_process_group()

@@ -98,6 +98,7 @@ def test_apply_of_different_plans_raises_on_every_rank(case: str, tmp_path: Path
     ranks = results[0]["ranks"]
     if case == "plans-differ":
         assert sorted(ranks.values()) == [[0], [1]]
+        assert all(res["unchecked_applied"] for res in results)
         assert "ranks 0 hold plan" in results[0]["message"]
     else:
         assert [k for k, v in ranks.items() if v == [0, 1]]  # one digest held by both
