@@ -21,6 +21,7 @@ from memfit.errors import (
     MemfitError,
     ModelError,
     PlanMismatch,
+    PlansDiffer,
     ProfileMismatch,
     RecomputeMismatch,
     SchemaError,
@@ -54,9 +55,10 @@ _LAZY = {
     "Sweep": "memfit.report",
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",
+    "distributed": "memfit.distributed",
 }
 
-_SUBMODULES = {"policies", "zoo"}
+_SUBMODULES = {"policies", "zoo", "distributed"}
 
 __all__ = [
     "InfeasibleBudget",
@@ -65,6 +67,7 @@ __all__ = [
     "OpPolicy",
     "Plan",
     "PlanMismatch",
+    "PlansDiffer",
     "Profile",
     "ProfileMismatch",
     "RecomputeMismatch",

@@ -33,6 +33,8 @@ def fit(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
+    src: int = 0,
+    group: Any = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -53,6 +55,10 @@ def fit(
             ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
+        src: in a distributed job, the global rank whose profile is planned (default 0);
+            every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
+            ``memfit.distributed``): every rank of ``group`` must call ``fit``.
+        group: the ``torch.distributed`` process group to plan for (default the whole job).
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -71,6 +77,7 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    from memfit.distributed import plan_once, warm_up_fsdp
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
     from memfit.profiling.tracer import profile
@@ -90,13 +97,16 @@ def fit(
     try:
         with cache_off_for_training(model):
             mode = "fake" if _on_meta(model) else "measure"
+            if mode == "measure":
+                warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
             prof = profile(the_step, mode=mode)
-            new_plan = make_plan(prof, budget=budget, solver=solver)
+            new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver),
+                                 src=src, group=group)  # NOTE [one plan per job]
     except BaseException:
         for _, m, old in previous:
-            apply(m, old)
+            apply(m, old, check_ranks=False)
         raise
-    apply(model, new_plan)
+    apply(model, new_plan)  # in a distributed job, checks that every rank holds new_plan
     log.info("%s", new_plan)
     return model
 

@@ -11,6 +11,7 @@ __all__ = [
     "InfeasibleBudget",
     "ModelError",
     "PlanMismatch",
+    "PlansDiffer",
     "ProfileMismatch",
     "RecomputeMismatch",
     "SchemaError",
@@ -55,6 +56,21 @@ class ModelError(MemfitError):
 
 class PlanMismatch(MemfitError):
     """A plan was applied to a model it was not made for."""
+
+
+class PlansDiffer(PlanMismatch):
+    """The ranks of a distributed job hold different plans (or some could not apply theirs).
+
+    Raised on every rank by ``apply`` (NOTE [one plan per job] in ``memfit.distributed``).
+
+    Attributes:
+        ranks: for each distinct plan digest, the ranks holding it (``{"ab12...": (0, 2)}``);
+            a rank that could not apply its plan is listed under ``"error: <message>"``.
+    """
+
+    def __init__(self, message: str, *, ranks: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class ProfileMismatch(MemfitError):

@@ -34,7 +34,7 @@ from memfit.planning.plan import Plan
 from memfit.profiling.inputs import iter_tensors
 from memfit.step import ModelState, Step, model_device
 
-__all__ = ["StepResult", "lifted_plan", "plain_copy", "step_of", "twin_step", "repeatable", "make_step",
+__all__ = ["StepResult", "UncopyableModel", "no_twin_reason", "lifted_plan", "plain_copy", "step_of", "twin_step", "repeatable", "make_step",
            "measure_step", "record_step"]
 
 
@@ -68,13 +68,51 @@ def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
         if model.__dict__.get("memfit_plan") is not None:
             unapply(model)
         if original is not None:
-            apply(model, original)
+            apply(model, original, check_ranks=False)  # the plan it carried: checked then
+
+
+class UncopyableModel(TypeError):
+    """``copy.deepcopy`` of the model failed (or would not give an independent twin)."""
+
+
+def no_twin_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot have a deep-copied twin, or None if it can.
+
+    NOTE [models without twins]
+        A model sharded by FSDP (``fully_shard``: FSDP units hold DTensor shards and
+        communication state; FSDP refuses ``deepcopy``) or wrapped in
+        ``DistributedDataParallel`` (a copy would share or lack the reducer and process group)
+        has no twin. ``verify`` then runs both steps on the model itself, the plan lifted for
+        the plain one (``lifted_plan``) and applied afresh for the planned one, with ``.grad``,
+        buffers and the RNG state put back after each run (``ModelState``); parameters are
+        not written by a step (no optimizer runs). Every rank must call ``verify`` then: the
+        steps run the model's collectives.
+    """
+    from memfit.distributed import is_fsdp_unit_class
+
+    for m in model.modules():
+        cls = type(m)
+        if is_fsdp_unit_class(cls):
+            return f"{cls.__name__} is sharded by FSDP"
+        if any(c.__name__ == "DistributedDataParallel" for c in cls.__mro__):
+            return f"{cls.__name__} is DistributedDataParallel"
+    return None
 
 
 def plain_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` without its memfit plan (NOTE [twins carry no wrappers])."""
+    """A deep copy of ``model`` without its memfit plan (NOTE [twins carry no wrappers]).
+
+    Raises:
+        UncopyableModel: the model cannot be deep-copied (NOTE [models without twins]).
+    """
+    reason = no_twin_reason(model)
+    if reason is not None:
+        raise UncopyableModel(f"cannot make a twin of {type(model).__name__}: {reason}")
     with lifted_plan(model):
-        return copy.deepcopy(model)
+        try:
+            return copy.deepcopy(model)
+        except Exception as e:  # e.g. a module holding a process group or a lock
+            raise UncopyableModel(f"cannot deep-copy {type(model).__name__}: {type(e).__name__}: {e}") from e
 
 
 def step_of(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -108,7 +146,7 @@ def twin_step(step: Step, plan: Plan | None) -> Step:
     step.for_model(step.model)  # a step given as a callable raises here, before any copy
     twin = plain_copy(step.model)
     if plan is not None:
-        apply(twin, plan)
+        apply(twin, plan, check_ranks=False)  # a twin of this rank's model: no collective
     return step.for_model(twin).with_input_copies()
 
 
@@ -143,6 +181,14 @@ def make_step(model: nn.Module, example_inputs: Any, *,
     return repeatable(Step.of(model, example_inputs, loss_fn=loss_fn).with_input_copies(), seed=seed)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached; of a DTensor (FSDP's shards), this rank's shard: comparing shards
+    rank by rank compares the whole tensor, with no collective."""
+    t = t.detach()
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _rng_state(device: torch.device) -> torch.Tensor:
     state = torch.get_rng_state()
     if device.type == "cuda":
@@ -169,7 +215,7 @@ def measure_step(step: Step, *, seed: int | None = 0, device: torch.device | Non
             rec.loss = loss.detach()
             rec.outputs = [t.detach() for t in iter_tensors(out)]
             rec.input_grads = [t.grad.detach() if t.grad is not None else None for t in grad_inputs]
-            rec.param_grads = {n: (p.grad.detach() if p.grad is not None else None)
+            rec.param_grads = {n: (_local(p.grad) if p.grad is not None else None)
                                for n, p in model.named_parameters()}
 
     m = measure(repeatable(step, seed=seed, keep=keep), device=dev, repeats=1)
@@ -178,7 +224,9 @@ def measure_step(step: Step, *, seed: int | None = 0, device: torch.device | Non
     out.tracked_peak_bytes = int(m.tracked_peak_bytes)
     out.times_s = tuple(m.times_s)
     if result is not None:
-        out.buffers = {n: b.detach() for n, b in model.named_buffers()}
+        # clones: a step run on the model itself (NOTE [models without twins]) has its
+        # buffers put back after it
+        out.buffers = {n: _local(b).clone() for n, b in model.named_buffers()}
         out.rng_after = _rng_state(dev)
     return out
 

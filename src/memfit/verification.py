@@ -10,7 +10,9 @@ measures the planned step's peak memory against the plan's prediction and the bu
 
 NOTE [verify leaves the model alone]
     Both steps run on twins (``memfit.twins``): the planned twin is a plain copy with the plan
-    applied afresh, the reference twin a plain copy. The user's model, its parameters, buffers
+    applied afresh, the reference twin a plain copy. (A model that cannot be copied, sharded by
+    FSDP or wrapped in DDP, runs both steps itself, put back after each: NOTE [models without
+    twins] in ``memfit.twins``; ``VerifyReport.compared`` says which way.) The user's model, its parameters, buffers
     and ``.grad`` are never touched, and the global RNG state is put back (``ModelState``).
     Re-applying the plan to a copy checks the plan itself (what ``model.memfit_plan`` says),
     which is also what a fresh process loading the plan would run.
@@ -49,7 +51,15 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.planning.plan import Plan
 from memfit.step import ModelState, Step, model_device
-from memfit.twins import StepResult, record_step, step_of, twin_step
+from memfit.twins import (
+    StepResult,
+    UncopyableModel,
+    lifted_plan,
+    no_twin_reason,
+    record_step,
+    step_of,
+    twin_step,
+)
 from memfit.twins import make_step as make_step  # where tests and benchmarks have imported it from
 from memfit.units import format_bytes
 
@@ -97,6 +107,9 @@ class VerifyReport:
         solver: the plan's solver.
         tracked_peak_bytes: the planned step's peak as the dispatch-level tracker saw it (the
             meter the profile's prediction is built on; it misses kernel scratch buffers).
+        compared: how the two steps ran: ``"twins"`` (deep copies of the model) or ``"in
+            place"`` (the model itself, its plan lifted for the plain step: a model sharded by
+            FSDP or wrapped in DDP; NOTE [models without twins] in ``memfit.twins``).
     """
 
     ok: bool
@@ -112,6 +125,7 @@ class VerifyReport:
     device: str = "cpu"
     solver: str = ""
     tracked_peak_bytes: int = 0
+    compared: str = "twins"
 
     @property
     def failures(self) -> tuple[Check, ...]:
@@ -127,7 +141,8 @@ class VerifyReport:
 
     def __str__(self) -> str:
         head = "PASSED" if self.ok else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
-        lines = [f"memfit verify ({self.solver or 'plan'}, {self.device}): {head}"]
+        where = "" if self.compared == "twins" else f", {self.compared}"
+        lines = [f"memfit verify ({self.solver or 'plan'}, {self.device}{where}): {head}"]
         for c in self.checks:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
         return "\n".join(lines)
@@ -346,23 +361,28 @@ def verify(
     budget = budget_bytes if budget_bytes is not None else plan.budget_bytes
     bitwise_required = device.type == "cpu"
 
-    def failed(*checks: Check) -> VerifyReport:
-        return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes, plan.predicted_peak_bytes,
-                            budget, False, checks, str(device), plan.solver)
-
-    # NOTE [verify leaves the model alone]: twins only; the RNG (and any .grad) put back
+    reason = no_twin_reason(model)
+    got: StepResult | Check
+    # NOTE [verify leaves the model alone]: twins, or the model itself with its .grad, buffers
+    # and RNG state put back (NOTE [models without twins] in memfit.twins)
     with ModelState(model, the_step.inputs, buffers=False):
-        ref = record_step(twin_step(the_step, None), seed=seed, device=device)
-        try:
-            planned = twin_step(the_step, plan)
-        except MemfitError as e:
-            return failed(Check("plan applies to the model", False, f"{type(e).__name__}: {e}"))
-        try:
-            got = record_step(planned, seed=seed, device=device)
-        except MemfitError as e:
-            return failed(Check("plan applies to the model", True, f"{len(plan.regions)} regions"),
-                          Check("planned step runs", False, f"{type(e).__name__}: {e}"))
-        del planned
+        if reason is None:
+            try:
+                ref = record_step(twin_step(the_step, None), seed=seed, device=device)
+            except UncopyableModel as e:
+                reason = str(e)
+            else:
+                got = _planned_on_twin(the_step, plan, seed, device)
+        if reason is not None:
+            log.info("verify: comparing on %s itself, its plan lifted for the plain step (%s)",
+                     type(model).__name__, reason)
+            ref, got = _in_place(the_step, plan, seed, device)
+    compared = "twins" if reason is None else "in place"
+    if isinstance(got, Check):
+        applied = Check("plan applies to the model", True, f"{len(plan.regions)} regions")
+        return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes, plan.predicted_peak_bytes,
+                            budget, False, (applied, got) if got.name != applied.name else (got,),
+                            str(device), plan.solver, compared=compared)
 
     checks = [Check("plan applies to the model", True,
                     f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
@@ -376,10 +396,45 @@ def verify(
         peak_bytes=got.peak_bytes, plain_peak_bytes=ref.peak_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget, bn_stats_equal=bn_ok,
         checks=tuple(checks), device=str(device), solver=plan.solver,
-        tracked_peak_bytes=got.tracked_peak_bytes,
+        tracked_peak_bytes=got.tracked_peak_bytes, compared=compared,
     )
     log.info("%s", report)
     return report
+
+
+def _planned_on_twin(step: Step, plan: Plan, seed: int, device: torch.device) -> StepResult | Check:
+    """The planned step on a planned twin, or the check that failed."""
+    try:
+        planned = twin_step(step, plan)
+    except MemfitError as e:
+        return Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
+    try:
+        return record_step(planned, seed=seed, device=device)
+    except MemfitError as e:
+        return Check("planned step runs", False, f"{type(e).__name__}: {e}")
+
+
+def _in_place(step: Step, plan: Plan, seed: int, device: torch.device) -> tuple[StepResult, StepResult | Check]:
+    """The plain and the planned step on the model itself (NOTE [models without twins] in
+    ``memfit.twins``), its state put back after each; the model keeps the plan it carried. In
+    a distributed job a collective: the steps run the model's collectives, and ``apply``
+    checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""
+    from memfit.runtime.apply import apply
+
+    state = ModelState(step.model, step.inputs)
+    with lifted_plan(step.model), state:
+        ref = record_step(step.with_input_copies(), seed=seed, device=device)
+        state.restore()
+        try:
+            apply(step.model, plan)
+        except MemfitError as e:
+            return ref, Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
+        try:
+            return ref, record_step(step.with_input_copies(), seed=seed, device=device)
+        except MemfitError as e:
+            return ref, Check("planned step runs", False, f"{type(e).__name__}: {e}")
+        finally:
+            state.restore()
 
 
 def print_verify(report: VerifyReport) -> None:

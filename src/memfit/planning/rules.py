@@ -36,6 +36,21 @@ NOTE [clobbered inputs]
     An output of a region written in place later is handled by the rules above (such an op is
     never saved, so the selective cache never holds it).
 
+NOTE [collectives in a region]
+    A region whose forward runs a collective (an op of the ``c10d``, ``_c10d_functional`` or
+    ``fsdp`` namespaces) is no candidate either: its recomputation would have to run the
+    collective again, on every rank, in the same order, and FSDP2's hooks do not (in backward
+    they find the unit already gathered and skip the all-gather, so the replay runs other ops
+    and raises ``RecomputeMismatch``; seen on a segment over two ``fully_shard`` blocks and on
+    a region over a module holding them). The storages such ops write count as clobbered
+    inputs (:func:`clobbered_inputs`), so every solver skips the region. An FSDP unit itself
+    may be a region: its hooks gather before its first op and free after its last, outside
+    its op range (the profile puts those ops on the parent), and the runtime's checkpoint
+    runs inside the hooks (NOTE [how wrap works] in ``memfit.runtime.wrap``). So in a
+    profile of a sharded model no segment spans two units (their gathers run between the
+    blocks, in the parent) and no region encloses one. A profile made before sharding has no
+    collectives: plan after ``fully_shard`` (docs/distributed.md).
+
 NOTE [buffer writes]
     A region whose forward writes a module buffer in place (BatchNorm statistics,
     spectral_norm's vectors, counters) needs the runtime's buffer watcher (NOTE [buffers
@@ -49,6 +64,8 @@ NOTE [buffer writes]
 
 from __future__ import annotations
 
+import weakref
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 
 from memfit.ops import IGNORED_OP_NAMES, MATMUL_PACKETS
@@ -56,7 +73,8 @@ from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
 __all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul",
-           "in_place_writes", "clobbered_inputs", "writes_buffers"]
+           "in_place_writes", "clobbered_inputs", "writes_buffers", "is_collective",
+           "collective_writes", "COLLECTIVE_NAMESPACES"]
 
 # Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
 # the runtime skips the same ones (NOTE [ignored ops] in memfit.ops).
@@ -99,7 +117,8 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
                      writes: Mapping[int, int] | None = None) -> tuple[int, ...]:
     """Input storages of the region ``modules`` (one module, or a segment's blocks in call
     order) that a forward op writes in place once the region has started (NOTE [clobbered
-    inputs]); empty if the region may be checkpointed.
+    inputs]), and storages a collective writes inside it (NOTE [collectives in a region]);
+    empty if the region may be checkpointed.
 
     Args:
         profile: the profile the modules come from.
@@ -114,7 +133,8 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
     if first is None:
         return ()
     writes = in_place_writes(profile) if writes is None else writes
-    out: list[int] = []
+    out: list[int] = list(collective_writes(profile, first, max(int(m.last_op) for m in modules
+                                                                if m.last_op is not None)))
     for m in modules:
         for sid in m.inputs:
             created = profile.storages[sid].created_by
@@ -124,6 +144,47 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
             if written is not None and written >= first and sid not in out:
                 out.append(sid)
     return tuple(out)
+
+
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "fsdp.")
+
+
+def is_collective(op: OpRecord) -> bool:
+    """Whether ``op`` is a collective or FSDP's gather/copy op (NOTE [collectives in a region])."""
+    return op.name.startswith(COLLECTIVE_NAMESPACES)
+
+
+def collective_writes(profile: Profile, first_op: int, last_op: int) -> tuple[int, ...]:
+    """Storages written by the collective ops among forward ops ``first_op..last_op``: the
+    tensors they return, else their inputs (NOTE [collectives in a region]).
+
+    Example:
+        >>> collective_writes(profile, 0, profile.n_forward - 1)   # doctest: +SKIP
+        (150, 160)
+    """
+    found = _collective_ops(profile)
+    out: list[int] = []
+    for i in found[bisect_left(found, first_op): bisect_right(found, min(last_op, profile.n_forward - 1))]:
+        op = profile.ops[i]
+        for sid in [t.storage for t in op.outputs] or list(op.inputs):
+            if sid not in out:
+                out.append(sid)
+    return tuple(out)
+
+
+# Per profile (by identity, while it lives): the indices of its forward collective ops, so
+# that asking about each of thousands of candidate regions costs a bisection, not a scan.
+_COLLECTIVES: dict[int, tuple[weakref.ref[Profile], tuple[int, ...]]] = {}
+
+
+def _collective_ops(profile: Profile) -> tuple[int, ...]:
+    hit = _COLLECTIVES.get(id(profile))
+    if hit is not None and hit[0]() is profile:
+        return hit[1]
+    found = tuple(op.index for op in profile.ops[: profile.n_forward] if is_collective(op))
+    key = id(profile)
+    _COLLECTIVES[key] = (weakref.ref(profile, lambda _: _COLLECTIVES.pop(key, None)), found)
+    return found
 
 
 def writes_buffers(profile: Profile, modules: Sequence[str]) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from memfit.distributed import check_same_plan, is_distributed, is_fsdp_unit_class
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
@@ -50,16 +51,35 @@ def _get(model: nn.Module, path: str, region: Region | None = None) -> nn.Module
         ) from None
 
 
+def _class_names(cls: type) -> set[str]:
+    """The names a plan may give a module of class ``cls``.
+
+    NOTE [FSDP class names]
+        ``fully_shard`` swaps a module's class for ``FSDP<Class>``, a subclass of
+        ``FSDPModule`` and of ``<Class>``, so a plan made before sharding names ``<Class>``
+        and one made after names ``FSDP<Class>``. Both describe the same module: either
+        name matches either class.
+    """
+    names = {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
+    if is_fsdp_unit_class(cls):
+        plain = next((c for c in cls.__mro__[1:] if not is_fsdp_unit_class(c)
+                      and c.__name__ != "FSDPModule"), None)
+        if plain is not None:
+            names |= {plain.__name__, f"{plain.__module__}.{plain.__qualname__}"}
+    else:
+        names.add(f"FSDP{cls.__name__}")
+    return names
+
+
 def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     """Validate the plan against the model; return, per region, its target."""
     types = plan.extra.get("module_types", {}) if isinstance(plan.extra, dict) else {}
     for path, expected in types.items():
         module = _get(model, path)
-        cls = type(module)
-        if expected not in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+        if expected not in _class_names(type(module)):
             raise PlanMismatch(
                 f"the plan expects module {path!r} to be a {expected}, but this model's is a "
-                f"{cls.__name__}; the plan was made for another model"
+                f"{type(module).__name__}; the plan was made for another model"
             )
     targets: list[tuple[Region, Any]] = []
     seen: set[str] = set()
@@ -70,7 +90,9 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                                    "a module can be checkpointed only once")
             seen.add(path)
         if not region.is_segment:
-            targets.append((region, _get(model, region.modules[0], region)))
+            module = _get(model, region.modules[0], region)
+            _refuse_fsdp_inside(region, [m for _, m in module.named_modules() if m is not module])
+            targets.append((region, module))
             continue
         parents = {_split(p)[0] for p in region.modules}
         if len(parents) != 1:
@@ -90,13 +112,32 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                 f"segment {region.name}: {names} are not consecutive children of "
                 f"{parent_path or '<root>'} (their positions are {positions})"
             )
+        _refuse_fsdp_inside(region, [m for n in names for m in parent.get_submodule(n).modules()])
         targets.append((region, (parent, names)))
     return targets
 
 
+def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
+    """Raise ``PlanMismatch`` if an FSDP unit runs inside ``region`` (NOTE [collectives in a
+    region] in ``memfit.planning.rules``): its hooks gather parameters in forward and skip
+    the gather in backward, so the recomputation would diverge."""
+    units = [type(m).__name__ for m in inside if is_fsdp_unit_class(type(m))]
+    if units:
+        raise PlanMismatch(
+            f"region {region.name} would hold {len(units)} FSDP unit{'s' if len(units) != 1 else ''} "
+            f"({units[0]}{', ...' if len(units) > 1 else ''}), whose parameter gathers cannot be "
+            "recomputed; an FSDP unit may be a region itself, not inside one. Plan the sharded "
+            "model (memfit.fit after fully_shard never proposes such a region)"
+        )
+
+
 def apply(model: nn.Module, plan: Plan, *, check: Any = True,
-          host_budget: int | str | None = None) -> nn.Module:
+          host_budget: int | str | None = None, check_ranks: bool = True) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
+
+    In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
+    rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
+    (NOTE [one plan per job] in ``memfit.distributed``).
 
     Args:
         model: the model the plan was made for.
@@ -110,15 +151,21 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             in bytes or as "64GiB" (default None: no cap). One pool of host buffers serves
             every region; a tensor that does not fit stays on the device (logged once).
             ``host_pool(model)`` returns the pool.
+        check_ranks: in a distributed job, gather every rank's plan digest and raise unless
+            all agree (default True); False skips the collective, for ranks that train
+            different models.
 
     Returns:
         ``model``, with ``model.memfit_plan`` set to ``plan``.
 
     Raises:
         PlanMismatch: a module path the model lacks, a segment whose modules are not
-            consecutive siblings, or a module whose class differs from the plan's
-            ``extra["module_types"]``.
+            consecutive siblings, a module whose class differs from the plan's
+            ``extra["module_types"]``, or a region holding an FSDP unit (a segment over
+            ``fully_shard`` blocks, a module holding one).
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
+        PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
+            does not fit its model.
 
     Example:
         >>> plan = memfit.plan(memfit.profile(model, x), budget="60%")   # doctest: +SKIP
@@ -133,7 +180,15 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     if cap is not None and (not isinstance(cap, int) or cap < 0):
         raise ValueError(f"host_budget must be bytes (an int >= 0) or a string like '64GiB', "
                          f"got {host_budget!r}")
-    targets = _check(model, plan)
+    if check_ranks and is_distributed():
+        try:
+            targets = _check(model, plan)
+        except PlanMismatch as e:  # the other ranks must hear of it, not wait for this one
+            check_same_plan(plan, local_error=e)  # PlansDiffer unless every rank failed too
+            raise
+        check_same_plan(plan)
+    else:
+        targets = _check(model, plan)
     applied = _Applied()
     if any(p is OpPolicy.OFFLOAD for region in plan.regions for _, p in region.ops):
         from memfit.runtime.offload import HostPool

@@ -1,0 +1,56 @@
+"""Per rank: ``fit`` with FSDP2 (``fully_shard`` per decoder layer and the root) in either
+order, ``verify``, then 3 AdamW steps against plain FSDP2.
+
+``python -m torch.distributed.run ... fsdp_ranks.py {shard-then-fit|fit-then-shard}``."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from rank_common import batch, full_weights, gather, llama, same_weights, setup, train, write
+from torch.distributed.fsdp import fully_shard
+
+import memfit
+from memfit import Plan, Region
+
+order = sys.argv[1]
+rank = setup()
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+plain = llama()
+plain.config.use_cache = False
+reference = full_weights(train(shard(plain), rank))
+
+model = llama()
+if order == "shard-then-fit":
+    memfit.fit(shard(model), batch(), budget=0.6)
+else:
+    memfit.fit(model, batch(), budget=0.6)
+    shard(model)
+plan = model.memfit_plan
+report = memfit.verify(model, batch())
+weights = full_weights(train(model, rank))
+refused = {}  # plans that put FSDP units inside a region: refused by apply, on every rank
+for name, region in [("segment", ("model.layers.0", "model.layers.1")), ("holder", ("model",))]:
+    try:
+        memfit.apply(model, Plan((Region(region),), 0, 0.0, None, "hand", ""))
+        refused[name] = None
+    except memfit.MemfitError as e:
+        refused[name] = f"{type(e).__name__}: {e}"
+write(rank, {
+    "refused": refused,
+    "plans": gather(plan.to_dict()),
+    "regions": len(plan.regions),
+    "verify": report.to_dict(),
+    "verify_text": str(report),
+    "unequal": same_weights(weights, reference),
+    "n_weights": len(weights),
+})
