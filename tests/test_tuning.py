@@ -230,3 +230,45 @@ def test_tune_on_a_gpt_returns_a_timed_candidate_within_budget(gpt_profile):
     assert chosen.measured_s is not None and chosen.rounds >= 1
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert m.__dict__.get("memfit_plan") is None
+
+
+def test_fit_with_tune_applies_the_chosen_plan_with_its_record():
+    from memfit.api import fit
+
+    m = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
+    x = zoo.example_inputs(m, batch=2)
+    assert fit(m, x, budget=0.5, tune=True, tune_time_limit_s=2.0) is m
+    p = m.memfit_plan
+    assert p.tuning is not None and p.budget_bytes is not None
+    assert p.tuning.chosen in {c.name for c in p.tuning.candidates if c.measured_s is not None}
+    assert p.predicted_peak_bytes <= p.budget_bytes
+
+
+def test_fit_with_tune_refuses_a_meta_model():
+    from memfit.api import fit
+
+    with torch.device("meta"):
+        m = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="tune=True"):
+        fit(m, torch.ones(2, 4, device="meta"), budget=0.5, tune=True)
+
+
+def test_cli_plan_tune_writes_the_record(tmp_path, capsys):
+    from memfit.cli.main import EXIT_OK, main
+
+    out = tmp_path / "plan.json"
+    code = main(["plan", "gpt:n_layer=3,d_model=32,n_head=2,seq_len=32,vocab_size=64,batch=2",
+                 "--budget", "50%", "--tune", "--tune-limit", "2", "--no-progress", "-o", str(out)])
+    assert code == EXIT_OK
+    assert "tuned:" in capsys.readouterr().out
+    p = Plan.load(out)
+    assert p.tuning is not None and p.tuning.time_limit_s == 2.0
+
+
+def test_cli_plan_tune_refuses_another_target(capsys):
+    from memfit.cli.main import EXIT_BAD_INPUT, main
+
+    code = main(["plan", "gpt:n_layer=1,d_model=16,n_head=2,seq_len=8,vocab_size=32,batch=1",
+                 "--budget", "50%", "--tune", "--target", "h100"])
+    assert code == EXIT_BAD_INPUT
+    assert "--tune times real steps" in capsys.readouterr().err

@@ -33,6 +33,8 @@ def fit(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
+    tune: bool = False,
+    tune_time_limit_s: float | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -53,6 +55,11 @@ def fit(
             ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
+        tune: time the solver's best few plans and the baseline plans that fit on the model
+            itself and apply the fastest measured (``memfit.tuning.tune``); the medians are on
+            ``model.memfit_plan.tuning``. Default False: the solver's plan, untimed.
+        tune_time_limit_s: seconds of stepping tuning may spend (default: 10 profiled plain
+            steps).
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -61,7 +68,8 @@ def fit(
     Raises:
         memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
         ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
-            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device.
+            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device;
+            ``tune=True`` on a model on the meta device (tuning times real steps).
         TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
             with ``loss_fn``, or a ``Step`` of another model.
 
@@ -79,6 +87,9 @@ def fit(
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
+    if tune and _on_meta(model):
+        raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
+                         "device; materialize the model or plan without tune")
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
     previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
                 if "_memfit_applied" in m.__dict__]
@@ -91,7 +102,12 @@ def fit(
         with cache_off_for_training(model):
             mode = "fake" if _on_meta(model) else "measure"
             prof = profile(the_step, mode=mode)
-            new_plan = make_plan(prof, budget=budget, solver=solver)
+            if tune:
+                from memfit.tuning import tune as measure_plans
+
+                new_plan = measure_plans(the_step, prof, budget, solver=solver, time_limit_s=tune_time_limit_s)
+            else:
+                new_plan = make_plan(prof, budget=budget, solver=solver)
     except BaseException:
         for _, m, old in previous:
             apply(m, old)
