@@ -3,6 +3,9 @@
 Budgets are a sweep of fractions of the plain peak, the smallest feasible one, and, for each
 peer, exactly that peer's measured peak, so that each peer can be compared with the memfit plan
 made for the same memory. Identical plans (same regions, same saved ops) are measured once.
+At each peer's peak memfit is also tuned (``memfit.tuning.tune``: the solver's best few plans
+and the baselines that fit, timed on a copy of the model, the fastest kept): the
+``memfit_tuned@<peer>`` rows, timed again with every other method.
 
 memfit's modules are imported when a run reaches them, so that the peers can be benchmarked
 while memfit's own pieces are still missing.
@@ -20,11 +23,12 @@ from typing import Any
 from benchmarks.models import Case
 from benchmarks.peers import Family, Method
 
-__all__ = ["BudgetSpec", "MemfitSweep", "plan_key", "build_memfit"]
+__all__ = ["BudgetSpec", "MemfitSweep", "plan_key", "build_memfit", "TUNED_PREFIX"]
 
 log = logging.getLogger(__name__)
 
 MIN_FEASIBLE = "min"
+TUNED_PREFIX = "memfit_tuned@"  # + the peer's name: memfit tuned at that peer's measured peak
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,23 @@ def _plan(planner: Any, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
     return plan, time.perf_counter() - t0
 
 
-def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None) -> MemfitSweep:
+def _tune(case: Case, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
+    """memfit's measured choice for ``spec`` (``memfit.tuning.tune``), on a copy of the model."""
+    from memfit.step import Step
+    from memfit.tuning import tune
+
+    model = copy.deepcopy(case.model).train()
+    t0 = time.perf_counter()
+    plan = tune(Step.of(model, tuple(case.inputs), loss_fn=case.loss_fn), prof, spec.value, progress=False)
+    return plan, time.perf_counter() - t0
+
+
+def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, tune: bool = True) -> MemfitSweep:
     """Profile the case once, plan for every budget, apply each distinct plan to a fresh copy.
 
     Budgets memfit cannot meet are recorded as non-applicable methods with the reason
-    (``InfeasibleBudget`` gives the smallest feasible peak).
+    (``InfeasibleBudget`` gives the smallest feasible peak). With ``tune``, every peer's
+    budget is also tuned (``TUNED_PREFIX`` methods, after the others).
     """
     out = MemfitSweep()
     try:
@@ -106,13 +122,15 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None) -
     out.plain_predicted_peak_bytes = int(prof.peak_bytes)
 
     seen: dict[tuple[Any, ...], str] = {}
-    for spec in specs:
+    tuned = [(BudgetSpec(TUNED_PREFIX + s.peer, s.value, s.peer), True) for s in specs if tune and s.peer]
+    for spec, tuning in [*((s, False) for s in specs), *tuned]:
         label = f"memfit {spec.value:.0%}" if isinstance(spec.value, float) else (
-            "memfit min" if spec.value == MIN_FEASIBLE else f"memfit @ {spec.peer}")
+            "memfit min" if spec.value == MIN_FEASIBLE else
+            f"memfit (tuned) @ {spec.peer}" if tuning else f"memfit @ {spec.peer}")
         info: dict[str, Any] = {"budget_spec": spec.value if not isinstance(spec.value, int) else "bytes",
                                 "matched_peer": spec.peer}
         try:
-            plan, planning_s = _plan(planner, prof, spec)
+            plan, planning_s = _tune(case, prof, spec) if tuning else _plan(planner, prof, spec)
         except InfeasibleBudget as e:
             out.methods.append(Method(spec.name, label, Family.MEMFIT, reason=(
                 f"infeasible: budget {e.budget_bytes} B is below memfit's smallest predicted "
@@ -128,6 +146,8 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None) -
                     predicted_recompute_s=float(plan.recompute_s), solver=plan.solver,
                     n_regions=len(plan.regions),
                     n_saved_ops=sum(len(r.save) for r in plan.regions))
+        if plan.tuning is not None:
+            info["tuning"] = plan.tuning.to_dict()
         key = plan_key(plan)
         if key in seen:
             info["same_plan_as"] = seen[key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["markdown", "methods_table", "comparisons_table"]
+__all__ = ["markdown", "methods_table", "comparisons_table", "tuned_table"]
 
 MIB = 2**20
 
@@ -48,6 +48,10 @@ def _notes(r: dict[str, Any]) -> str:
         bits.append(f"budget = {info['matched_peer']}'s measured peak")
     if r["name"] == "memfit_min" and info.get("budget_bytes"):
         bits.append("smallest feasible budget")
+    tuning = info.get("tuning")
+    if tuning:
+        timed = sum(1 for c in tuning["candidates"] if c.get("measured_s") is not None)
+        bits.append(f"tuned: chose {tuning['chosen']} of {timed} timed candidates")
     if "n_regions" in info:
         bits.append(f"{info['n_regions']} regions, {info['n_saved_ops']} saved ops")
     if info.get("segments"):
@@ -103,6 +107,34 @@ def comparisons_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tuned_table(result: dict[str, Any]) -> str:
+    """Per peer: memfit's plan for the peer's measured peak, untuned and tuned (``memfit_tuned@``),
+    each with its time ratio to the peer (below 1: memfit faster)."""
+    by_name = {r["name"]: r for r in result["methods"]}
+    lines = [
+        "| peer | peer peak MiB | peer step s | memfit | chose | peak MiB | step s | time ratio | CPU ratio "
+        "| peak <= peer |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|:-:|",
+    ]
+    for c in result.get("comparisons", []):
+        peer = by_name[c["peer"]]
+        for kind, name in (("memfit", f"memfit@{c['peer']}"), ("memfit (tuned)", f"memfit_tuned@{c['peer']}")):
+            r = by_name.get(name)
+            head = f"| {c['peer']} | {_mib(peer['peak_bytes'])} | {_s(peer['step_s'])} | {kind} |"
+            if r is None or not r.get("step_s") or not r.get("peak_bytes"):
+                why = "not run" if r is None else (r.get("reason") or r.get("error") or "not measured")
+                lines.append(f"{head} {_esc(why)} | - | - | - | - | - |")
+                continue
+            tuning = r.get("info", {}).get("tuning")
+            chose = tuning["chosen"] if tuning else r.get("info", {}).get("solver", "-")
+            cpu = r["cpu_s"] / peer["cpu_s"] if r.get("cpu_s") and peer.get("cpu_s") else None
+            lines.append(f"{head} {_esc(str(chose))} | {_mib(r['peak_bytes'])} | {_s(r['step_s'])} | "
+                         f"{r['step_s'] / peer['step_s']:.3f} | {_r(cpu)} | {_yes(r['peak_bytes'] <= peer['peak_bytes'])} |")
+    if len(lines) == 2:
+        return "_no peer could be compared with memfit in this run_"
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The result as markdown: a header with the environment, the methods, the comparisons."""
     env = result.get("environment", {})
@@ -128,6 +160,12 @@ def markdown(result: dict[str, Any]) -> str:
         methods_table(result),
         "",
         comparisons_table(result),
+        "",
+        "memfit and memfit (tuned: the solver's best few plans and the baselines that fit, timed on "
+        "the model, fastest kept) at each peer's measured peak; ratios are to the peer, from the "
+        "same interleaved rounds:",
+        "",
+        tuned_table(result),
     ]
     if result.get("errors"):
         head += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]

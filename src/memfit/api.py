@@ -33,6 +33,8 @@ def fit(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
+    tune: bool = False,
+    tune_time_limit_s: float | None = None,
     src: int = 0,
     group: Any = None,
 ) -> M:
@@ -55,6 +57,11 @@ def fit(
             ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
+        tune: time the solver's best few plans and the baseline plans that fit on the model
+            itself and apply the fastest measured (``memfit.tuning.tune``); the medians are on
+            ``model.memfit_plan.tuning``. Default False: the solver's plan, untimed.
+        tune_time_limit_s: seconds of stepping tuning may spend (default: 10 profiled plain
+            steps).
         src: in a distributed job, the global rank whose profile is planned (default 0);
             every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
             ``memfit.distributed``): every rank of ``group`` must call ``fit``.
@@ -67,7 +74,8 @@ def fit(
     Raises:
         memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
         ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
-            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device.
+            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device;
+            ``tune=True`` on a model on the meta device (tuning times real steps).
         TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
             with ``loss_fn``, or a ``Step`` of another model.
 
@@ -77,7 +85,7 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    from memfit.distributed import plan_once, warm_up_fsdp
+    from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
     from memfit.profiling.tracer import profile
@@ -86,6 +94,14 @@ def fit(
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
+    if tune and _on_meta(model):
+        raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
+                         "device; materialize the model or plan without tune")
+    if tune and is_distributed():
+        raise ValueError("fit(tune=True) in a distributed job is not supported: each rank would "
+                         "time its own candidates and could choose another plan; fit without "
+                         "tune (one plan per job), or tune on one process and apply its plan "
+                         "file on every rank")
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
     previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
                 if "_memfit_applied" in m.__dict__]
@@ -100,8 +116,14 @@ def fit(
             if mode == "measure":
                 warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
             prof = profile(the_step, mode=mode)
-            new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver),
-                                 src=src, group=group)  # NOTE [one plan per job]
+            if tune:
+                from memfit.tuning import tune as measure_plans
+
+                new_plan = measure_plans(the_step, prof, budget, solver=solver,
+                                         time_limit_s=tune_time_limit_s)
+            else:
+                new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver),
+                                     src=src, group=group)  # NOTE [one plan per job]
     except BaseException:
         for _, m, old in previous:
             apply(m, old, check_ranks=False)

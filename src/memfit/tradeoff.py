@@ -32,7 +32,7 @@ from memfit.step import ModelState, Step, model_device
 from memfit.twins import lifted_plan, measure_step, repeatable, step_of, twin_step
 from memfit.units import format_bytes
 
-__all__ = ["sweep", "budget_label", "DEFAULT_BUDGETS", "DEFAULT_BASELINES"]
+__all__ = ["sweep", "budget_label", "progress_bar", "time_plan_step", "DEFAULT_BUDGETS", "DEFAULT_BASELINES"]
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ def budget_label(budget: float | int | str) -> str:
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
+def progress_bar(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
     """A rich progress bar on stderr (nothing if rich is missing or ``enabled`` is false).
-    Yields ``advance(description)``."""
+    Yields ``advance(description)``; also used by ``memfit.tuning``."""
     if not enabled:
         yield lambda _d: None
         return
@@ -105,22 +105,44 @@ def _meter_config(cfg: _Config, step: Step, device: torch.device) -> None:
 
 
 def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], device: torch.device) -> None:
-    """Apply the config's plan to the model, time one step, remove the plan.
+    """Apply the config's plan to the model, time one step, remove the plan."""
+    cfg.times_s.append(time_plan_step(model, cfg.plan, step, device))
 
-    The plan is applied with ``check=False``: each round applies it afresh, so with the default
-    check every timed step would be one of a region's first checked calls (+35% on a GPT
-    block), while a training run pays the sampled check's steady state, 1.000x of unchecked
-    (NOTE [check sampling], ``benchmarks/results/check_cost.md``). ``verify`` runs the check.
+
+def time_plan_step(model: nn.Module, plan: Plan | None, step: Callable[[], None], device: torch.device,
+                   *, check: Any = False, clock: Callable[[], float] | None = None) -> float:
+    """Apply ``plan`` to ``model`` (``None``: none), time one call of ``step``, remove the plan.
+
+    The plan is applied with ``check=False`` by default: each round applies it afresh, so with
+    the default check every timed step would be one of a region's first checked calls (+35% on
+    a GPT block), while a training run pays the sampled check's steady state, 1.000x of
+    unchecked (NOTE [check sampling], ``benchmarks/results/check_cost.md``). ``verify`` runs
+    the check; pass ``check=True`` for a step that should run it (a warm-up).
+
+    Args:
+        clock: seconds (default ``time.perf_counter``); CUDA work is synchronised before and
+            after the timed call.
+
+    Returns:
+        The wall seconds of the call.
     """
-    from memfit.profiling.measure import time_step
+    import time
+
     from memfit.runtime.apply import apply, unapply
 
-    if cfg.plan is not None:
-        apply(model, cfg.plan, check=False, check_ranks=False)
+    now = clock or time.perf_counter
+    if plan is not None:
+        apply(model, plan, check=check, check_ranks=False)
     try:
-        cfg.times_s.append(time_step(step, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = now()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return now() - t0
     finally:
-        if cfg.plan is not None:
+        if plan is not None:
             unapply(model)
 
 
@@ -185,7 +207,7 @@ def sweep(
     total = 2 + len(budgets) + len(baselines) + (repeats - 1)
     # NOTE [sweep leaves the model alone]
     with ModelState(model, the_step.inputs) as state, lifted_plan(model), \
-            _progress(progress, total, f"sweep {label}") as advance:
+            progress_bar(progress, total, f"sweep {label}") as advance:
         state.clear_grads()  # every measured step starts without gradients
         prof = make_profile(the_step, device=device)
         run = repeatable(the_step.with_input_copies(), seed=0)

@@ -1,8 +1,8 @@
 """``memfit demo``: the whole product on a zoo model in about a minute.
 
-Profile a GPT, sweep a few budgets against the baselines (measured, not predicted), verify
-the gradients of one plan against the un-checkpointed step, then print the table and write
-the plot and JSON files.
+Profile a GPT, sweep a few budgets against the baselines (measured, not predicted), tune one
+budget (time the best few plans on the model, keep the fastest), verify the gradients of one
+plan against the un-checkpointed step, then print the table and write the plot and JSON files.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ DEMO_MODELS = {
 }
 DEMO_BUDGETS: tuple[Any, ...] = (0.7, 0.5, 0.3, "min")
 DEMO_BASELINES = ("every_block", "sqrt", "save_matmuls")
+DEMO_TUNE_BUDGET = 0.5  # one budget tuned: its candidates are timed within the default limit
 
 
 def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p = subs.add_parser("demo", parents=[common], help="profile, plan, verify and report on a zoo model",
                         description="The whole of memfit on a zoo model: profile one step, plan it for "
-                                    "several budgets, measure each plan against the baselines, verify "
-                                    "one plan's gradients bitwise, print the table and write "
-                                    "sweep.png, sweep.json, plan.json and verify.json to --out.")
+                                    "several budgets, measure each plan against the baselines, tune one "
+                                    "budget, verify one plan's gradients bitwise, print the table "
+                                    "and write sweep.png, sweep.json, tuned-plan.json, plan.json "
+                                    "and verify.json to --out.")
     p.add_argument("--model", default="gpt",
                    help=f"a zoo model ({', '.join(DEMO_MODELS)}: demo sizes) or any MODEL spec (default gpt)")
     p.add_argument("--out", default="memfit-demo", metavar="DIR", help="output folder (default ./memfit-demo)")
@@ -48,6 +50,26 @@ def _pick(rows: Any) -> Any:
     """The plan to verify: the tightest memfit budget that measured, i.e. the most recompute."""
     ok = [r for r in rows if r.plan is not None and r.plan.regions]
     return min(ok, key=lambda r: r.measured_peak_bytes) if ok else None
+
+
+def _tune(args: argparse.Namespace, lm: Any) -> Any:
+    """Step 2: the fastest measured plan for ``DEMO_TUNE_BUDGET`` (None if none fits)."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.profiling.tracer import profile
+    from memfit.step import Step
+    from memfit.tuning import tune
+
+    say(args, f"\n2/4 tune: time the solver's best plans for {DEMO_TUNE_BUDGET:.0%} and the baselines "
+              "that fit on the model, interleaved, and keep the fastest")
+    step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
+    try:
+        tuned = tune(step, profile(step), DEMO_TUNE_BUDGET, progress=not args.no_progress and not args.json)
+    except InfeasibleBudget as e:
+        say(args, f"  no plan fits {DEMO_TUNE_BUDGET:.0%}: {e}")
+        return None
+    if tuned.tuning is not None:
+        say(args, "\n".join(tuned.tuning.lines()))
+    return tuned
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = [tuple(t.shape) for t in ([lm.example_inputs] if hasattr(lm.example_inputs, "shape")
                                        else lm.example_inputs)]
     say(args, f"memfit demo: {lm.name} ({n_params / 1e6:.1f}M parameters, inputs {shapes})")
-    say(args, "1/3 sweep: profile one step, plan for budgets "
+    say(args, "1/4 sweep: profile one step, plan for budgets "
               f"{', '.join(str(b) for b in DEMO_BUDGETS)} and baselines, measure each plan")
     s = sweep(lm.model, lm.example_inputs, DEMO_BUDGETS, loss_fn=lm.loss_fn, baselines=DEMO_BASELINES,
               repeats=args.repeats, progress=not args.no_progress and not args.json, name=lm.name)
@@ -78,10 +100,15 @@ def run(args: argparse.Namespace) -> int:
     say(args, "")
     say(args, s.table())
 
+    tuned = _tune(args, lm)
+    if tuned is not None:
+        tuned.save(out / "tuned-plan.json")
+        files.append(str(out / "tuned-plan.json"))
+
     row = _pick(s.memfit_rows)
     report = None
     if row is not None:
-        say(args, f"\n2/3 verify the {row.label} plan against the un-checkpointed step (same seed)")
+        say(args, f"\n3/4 verify the {row.label} plan against the un-checkpointed step (same seed)")
         apply(lm.model, row.plan)
         report = verify(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
         say(args, str(report))
@@ -90,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         files += [str(out / "plan.json"), str(out / "verify.json")]
     wall = time.perf_counter() - t0
 
-    say(args, "\n3/3 result")
+    say(args, "\n4/4 result")
     if row is not None and report is not None:
         verdict = ("gradients, loss and BatchNorm statistics bitwise identical" if report.bitwise
                    else f"max gradient difference {report.max_abs_diff:.3g}")
@@ -104,5 +131,6 @@ def run(args: argparse.Namespace) -> int:
     say(args, f"  demo took {format_seconds(wall)}")
     if args.json:
         emit(args, "", {"kind": "memfit.Demo", "model": lm.name, "sweep": s.to_dict(),
+                        "tuned": tuned.to_dict() if tuned is not None else None,
                         "verify": report.to_dict() if report else None, "files": files, "wall_s": wall})
     return 0 if report is not None and report.ok else 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.cli.models import add_model_arguments, budget_arg, load_from_args
+from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
 
@@ -29,6 +29,12 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
                    help="cap on peak activation memory: 60%%, 0.6 (of the un-checkpointed peak), "
                         "6GiB, 500MB, bytes, or min (the smallest any plan reaches)")
     p.add_argument("--solver", choices=SOLVERS, default="auto", help="solver (default auto)")
+    p.add_argument("--tune", action="store_true",
+                   help="time the solver's best few plans and the baseline plans that fit on the "
+                        "model and keep the fastest measured (memfit.tuning; CPU models only)")
+    p.add_argument("--tune-limit", type=float, default=None, metavar="SECONDS",
+                   help="seconds of stepping --tune may spend (default: 10 plain steps)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar for --tune")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE "
                    "(for memfit verify --plan, or memfit.Plan.load)")
     p.set_defaults(run=run)
@@ -36,10 +42,23 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     lm = load_from_args(args)
+    if args.tune and (lm.on_meta or args.target != "cpu"):
+        raise UsageError("--tune times real steps on this machine: give a model with weights and "
+                         "no --target, or plan without --tune")
+    if args.tune_limit is not None and args.tune_limit <= 0:
+        raise UsageError(f"--tune-limit must be positive seconds, got {args.tune_limit}")
     prof = profile_model(lm, args.target)
     from memfit.planning.planner import plan
 
-    p = plan(prof, budget=args.budget, solver=args.solver)
+    if args.tune:
+        from memfit.step import Step
+        from memfit.tuning import tune
+
+        step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
+        p = tune(step, prof, args.budget, solver=args.solver, time_limit_s=args.tune_limit,
+                 progress=not args.no_progress and not args.json)
+    else:
+        p = plan(prof, budget=args.budget, solver=args.solver)
     if not p.model:
         import dataclasses
 

@@ -16,7 +16,9 @@ NOTE [plan schema]
     Version 2 (this one) stores each region's per-op decisions as ``"ops": {key: "save"}``.
     Version 1 stored the saved keys as a list, ``"save": [key, ...]``; it is read as the same
     decisions (every listed key SAVE). Other versions are refused with the versions this
-    memfit reads.
+    memfit reads. The optional ``"tuning"`` object (``Tuning``: what ``memfit.tune`` measured)
+    was added within version 2: files without it read as ``tuning=None``, and readers that
+    predate it ignore it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 from memfit.errors import SchemaError
 
-__all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan"]
+__all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan", "TunedCandidate", "Tuning"]
 
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -142,6 +144,8 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # what measured selection timed (``memfit.tune``); a measurement, not part of the plan
+    tuning: Tuning | None = field(default=None, compare=False, hash=False)
 
     @property
     def overhead(self) -> float:
@@ -173,6 +177,7 @@ class Plan:
                 for r in self.regions
             ],
             "extra": self.extra,
+            "tuning": None if self.tuning is None else self.tuning.to_dict(),
         }
 
     @classmethod
@@ -202,6 +207,7 @@ class Plan:
                 model=str(data["model"]),
                 notes=tuple(data.get("notes", ())),
                 extra=dict(data.get("extra", {})),
+                tuning=None if data.get("tuning") is None else Tuning.from_dict(data["tuning"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
@@ -260,7 +266,87 @@ class Plan:
                     f"{format_seconds(r.recompute_s):>10}"
                 )
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.tuning is not None:
+            lines.extend(self.tuning.lines())
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TunedCandidate:
+    """One plan that measured selection (``memfit.tune``) considered, and what it measured.
+
+    Attributes:
+        name: how the candidate was found: a solver name (``"auto"``, ``"sqrt"``), with
+            ``@97%`` for a re-solve at 97% of the budget, and ``=``-joined names of the
+            sources that gave the same plan.
+        solver: the solver that made the plan.
+        predicted_peak_bytes: the plan's predicted peak.
+        predicted_s: the plan's predicted step seconds (the profiled plain step plus its
+            ``recompute_s``).
+        measured_s: median wall seconds of its timed steps; None: not timed (``note`` says why).
+        rounds: how many of its steps were timed.
+        note: why it was not timed, or failed.
+    """
+
+    name: str
+    solver: str
+    predicted_peak_bytes: int
+    predicted_s: float
+    measured_s: float | None = None
+    rounds: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What measured selection timed: every candidate, which one won, and the time spent.
+
+    Attributes:
+        candidates: in the order they were found (the solver's plan first).
+        chosen: the ``name`` of the candidate whose plan this is (the fastest measured).
+        time_limit_s: the stepping time allowed.
+        spent_s: the stepping time used (warm-up and timed steps).
+        notes: what was left out and why (baselines over the budget, a cut for time).
+    """
+
+    candidates: tuple[TunedCandidate, ...]
+    chosen: str
+    time_limit_s: float
+    spent_s: float
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"candidates": [dict(vars(c)) for c in self.candidates], "chosen": self.chosen,
+                "time_limit_s": self.time_limit_s, "spent_s": self.spent_s, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tuning:
+        cands = tuple(
+            TunedCandidate(str(c["name"]), str(c["solver"]), int(c["predicted_peak_bytes"]),
+                           float(c["predicted_s"]), None if c.get("measured_s") is None else float(c["measured_s"]),
+                           int(c.get("rounds", 0)), str(c.get("note", "")))
+            for c in data["candidates"])
+        return cls(cands, str(data["chosen"]), float(data["time_limit_s"]), float(data["spent_s"]),
+                   tuple(str(n) for n in data.get("notes", ())))
+
+    def lines(self) -> list[str]:
+        """The record as lines of ``print(plan)``: one row per candidate, ``*`` on the chosen."""
+        from memfit.units import format_bytes, format_seconds
+
+        timed = [c for c in self.candidates if c.measured_s is not None]
+        out = [f"  tuned: {len(timed)} of {len(self.candidates)} candidates timed on the model in "
+               f"{format_seconds(self.spent_s)} (limit {format_seconds(self.time_limit_s)}); "
+               f"chose {self.chosen}"]
+        w = max([len(c.name) for c in self.candidates] + [9])
+        out.append(f"    {'candidate'.ljust(w)}  {'peak':>10}  {'predicted':>10}  {'measured':>10}  rounds")
+        for c in self.candidates:
+            mark = "*" if c.name == self.chosen else " "
+            measured = format_seconds(c.measured_s) if c.measured_s is not None else "-"
+            out.append(f"  {mark} {c.name.ljust(w)}  {format_bytes(c.predicted_peak_bytes):>10}  "
+                       f"{format_seconds(c.predicted_s):>10}  {measured:>10}  {c.rounds:>6}"
+                       + (f"  {c.note}" if c.note else ""))
+        out.extend(f"    {n}" for n in self.notes)
+        return out
 
 
 def _optional_bool(value: Any) -> bool | None:
