@@ -48,8 +48,9 @@ import numpy as np
 
 from memfit._native_output import silenced_fd
 from memfit.errors import SolverTimeout
-from memfit.planning.candidates import PlanningContext, overlap_groups
+from memfit.planning.candidates import OpChoice, PlanningContext, overlap_groups
 from memfit.planning.costs import LinearModel
+from memfit.planning.plan import OpPolicy
 from memfit.planning.solvers import Infeasible, Solution
 from memfit.planning.solvers.milp_rows import MemoryRows, _gcd, memory_rows
 from memfit.units import format_bytes
@@ -84,8 +85,73 @@ def _fixings(lm: LinearModel, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if owners.size:
         np.add.at(best.T, owners, np.minimum(R[:, nc:], 0).T)
     useless = np.asarray((best >= 0).all(axis=0))
-    free_save = np.asarray((R[:, nc:] <= 0).all(axis=0))
+    free_save = np.asarray((R[:, nc:] <= 0).all(axis=0)) & ~_has_alternative(lm)
     return useless, free_save
+
+
+def _choice_of(lm: LinearModel, v: int) -> OpChoice:
+    return lm.cands[lm.var_owner[v]].choices[lm.var_choice[v]]
+
+
+def _has_alternative(lm: LinearModel) -> np.ndarray:
+    """Per choice variable: whether it is an OFFLOAD or a SAVE whose op may also be offloaded
+    (NOTE [offload in the milp]: such saves are never tied to their candidate)."""
+    nc = len(lm.cands)
+    out = np.zeros(lm.n_vars - nc, dtype=bool)
+    if getattr(getattr(lm, "ctx", None), "offload", None) is None:  # no OFFLOAD choices
+        return out
+    for v in range(nc, lm.n_vars):
+        c = lm.cands[lm.var_owner[v]]
+        ch = c.choices[lm.var_choice[v]]
+        out[v - nc] = ch.policy is OpPolicy.OFFLOAD or any(
+            o.op == ch.op and o.policy is OpPolicy.OFFLOAD for o in c.choices)
+    return out
+
+
+def _offload_rows(lm: LinearModel, rows: _Rows, first_e: int, peak_mode: bool) -> int:
+    """NOTE [offload in the milp] Rows for OFFLOAD choices; returns the continuous columns
+    added (``e_D``, ``e_H`` at ``first_e``, ``first_e + 1``; none in peak mode).
+    - one decision per op: ``s_save + s_offload <= y_r``;
+    - the host cap: ``Σ bytes_v s_v <= host budget`` (the host peak is the sum of offloaded
+      bytes, NOTE [offload memory model] in ``memfit.planning.offload``);
+    - the link time no compute hides (NOTE [offload time model]): ``e_D >= Σ_{op_v >= p}
+      copy_v s_v - Wf(p)`` for each offloaded op ``p``, ``e_H >= Σ_{rp_v <= q} copy_v s_v -
+      Wb(q)`` for each recompute point ``q``; ``e_D, e_H >= 0`` in the objective at cost 1.
+    Then the MILP's time of a plan is exactly ``LinearModel.time_s``."""
+    spec = lm.ctx.offload
+    nc = len(lm.cands)
+    off = [v for v in range(nc, lm.n_vars) if _choice_of(lm, v).copy is not None]
+    if spec is None or not off:
+        return 0
+    by_op: dict[tuple[int, int], list[int]] = {}
+    for v in range(nc, lm.n_vars):
+        by_op.setdefault((lm.var_owner[v], _choice_of(lm, v).op), []).append(v)
+    for (r, _), vs in by_op.items():
+        if len(vs) > 1:
+            rows.add(1, np.zeros(len(vs) + 1, dtype=np.int64), np.array([*vs, r], dtype=np.int64),
+                     np.array([1.0] * len(vs) + [-1.0]), -np.inf, 0.0)
+    cps = [_choice_of(lm, v).copy for v in off]
+    nbytes = np.array([c.nbytes for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    if spec.host_budget_bytes is not None:
+        g = _gcd(nbytes)
+        rows.add(1, np.zeros(len(off), dtype=np.int64), np.array(off, dtype=np.int64), nbytes / g,
+                 -np.inf, float(spec.host_budget_bytes // g))
+    if peak_mode:
+        return 0
+    arrs = lm.ctx.arrays
+    cum, nf = arrs.op_cumtime, arrs.n_forward
+    copy_s = nbytes / spec.link_bytes_per_s
+    ops = np.array([c.op for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    rps = np.array([c.rp for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    for col, thresholds, members, window in (
+            (first_e, np.unique(ops), lambda p: ops >= p, lambda p: cum[nf] - cum[p + 1]),
+            (first_e + 1, np.unique(rps), lambda q: rps <= q, lambda q: cum[q] - cum[nf])):
+        for t in thresholds:
+            m = members(t)
+            k = int(m.sum())
+            rows.add(1, np.zeros(k + 1, dtype=np.int64), np.array([*np.array(off)[m], col], dtype=np.int64),
+                     np.concatenate([copy_s[m], [-1.0]]), -np.inf, float(window(t)))
+    return 2
 
 
 def _paying_free_saves(lm: LinearModel, free_save: np.ndarray) -> np.ndarray:
@@ -174,12 +240,13 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
         rows.add(sk.size, np.concatenate([np.arange(sk.size)] * 2), np.concatenate([nc + sk, zcol]),
                  np.concatenate([np.ones(sk.size), -np.ones(sk.size)]), -np.inf, 0.0)
     nz = charged.size
-    lb, ub = np.concatenate([lb, np.zeros(nz)]), np.concatenate([ub, np.ones(nz)])
+    ne = _offload_rows(lm, rows, n + nz, peak_mode)
+    lb, ub = np.concatenate([lb, np.zeros(nz + ne)]), np.concatenate([ub, np.ones(nz), np.full(ne, np.inf)])
     ub[n: n + nz][useless[charged]] = 0.0
-    integrality = np.zeros(n + nz)
+    integrality = np.zeros(n + nz + ne)
     integrality[:nv] = 1
-    integrality[n:] = 1
-    c = np.zeros(n + nz)
+    integrality[n: n + nz] = 1
+    c = np.zeros(n + nz + ne)
     if peak_mode:
         c[n - 1] = 1.0
         lb[n - 1] = lower / g if compress else -np.inf
@@ -187,8 +254,9 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
     else:
         scale = float(max(np.abs(lm.var_time).max(), lm.selective_time.max(initial=0.0))) or 1.0
         c[:nv] = lm.var_time / scale * 1e3
-        c[n:] = lm.selective_time[charged] / scale * 1e3
-    n += nz
+        c[n: n + nz] = lm.selective_time[charged] / scale * 1e3
+        c[n + nz:] = 1.0 / scale * 1e3
+    n += nz + ne
     cons = [rows.constraint(n)] if rows.n else []
     with silenced_fd(1):  # HiGHS may print progress lines to stdout from C++
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
