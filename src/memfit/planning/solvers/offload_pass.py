@@ -6,9 +6,12 @@ NOTE [chain and offload]
     blocks queue on one link and hide behind the same forward (NOTE [offload time model] in
     ``memfit.planning.offload``), and the host cap is shared by all blocks. So the chain DP
     and greedy plan without offload, and ``offload_pass`` then turns recomputed ops of the
-    chosen regions into offloaded ones where the exact time model says it pays: ops in order of
-    recompute seconds saved per second of copy, each kept when the plan's time (link time that
-    does not hide included) goes down and the host cap holds. Offload changes device memory
+    chosen regions into offloaded ones where the exact time model says it pays (link time that
+    does not hide and, for a region that saved nothing, the selective-mode charge included),
+    within the host cap: first every op that saves at least ``rho`` recompute seconds per byte
+    copied, at the best threshold ``rho``, less the regions that do not pay; then, region by
+    region (two sweeps in forward order), the prefix of its remaining ops by that ratio that
+    lowers the plan's time most. Offload changes device memory
     only inside its region's replay (NOTE [offload memory model]), so the plan is then
     simulated; while its peak exceeds the budget at a replay, that region's offloads are undone,
     last first. A heuristic over the solver's regions, not an optimum: the MILP (which models
@@ -21,7 +24,7 @@ import logging
 from dataclasses import replace
 
 from memfit.errors import SolverTimeout
-from memfit.planning.candidates import Candidate, PlanningContext
+from memfit.planning.candidates import Candidate, OpChoice, PlanningContext
 from memfit.planning.offload import Copy, link_exposed_s
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.simulate import simulate
@@ -41,6 +44,47 @@ def _nests(r: Region, regions: tuple[Region, ...]) -> bool:
                                   for m in o.modules) for o in regions)
 
 
+def _by_threshold(ctx: PlanningContext, regions: list[Region],
+                  groups: dict[int, tuple[Candidate, list[OpChoice]]]) -> dict[int, list[tuple[str, Copy]]]:
+    """The best start: every op saving at least ``rho`` recompute seconds per byte copied, over
+    the thresholds ``rho`` the ops give, within the host cap, less the regions whose offloads
+    do not pay for their selective-mode charge."""
+    spec = ctx.offload
+    assert spec is not None
+    arrs = ctx.arrays
+
+    def ratio(ch: OpChoice) -> float:
+        return -ch.effect.time_s / ch.copy.nbytes  # type: ignore[union-attr]
+
+    def total(sel: dict[int, list[OpChoice]]) -> float:
+        t = 0.0
+        for q, chs in sel.items():
+            if chs:
+                t += sum(ch.effect.time_s for ch in chs) + (0.0 if regions[q].ops else groups[q][0].selective_s)
+        cps = [ch.copy for chs in sel.values() for ch in chs]
+        return t + sum(link_exposed_s(arrs, cps, spec.link_bytes_per_s))  # type: ignore[arg-type]
+
+    best: dict[int, list[OpChoice]] = {}
+    best_t = 0.0
+    rhos = sorted({ratio(ch) for _, opts in groups.values() for ch in opts if ratio(ch) > 0}, reverse=True)
+    for rho in rhos:
+        sel = {q: [ch for ch in opts if ratio(ch) >= rho] for q, (_, opts) in groups.items()}
+        host = sum(ch.copy.nbytes for chs in sel.values() for ch in chs if ch.copy is not None)
+        if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
+            break
+        t = total(sel)
+        for q in list(sel):  # drop regions whose offloads do not pay
+            if sel[q]:
+                without = {**sel, q: []}
+                tw = total(without)
+                if tw < t:
+                    sel, t = without, tw
+        if t < best_t:
+            best, best_t = sel, t
+    return {q: [(groups[q][0].keys[ch.op], ch.copy) for ch in chs]  # type: ignore[misc]
+            for q, chs in best.items() if chs}
+
+
 def offload_pass(ctx: PlanningContext, sol: Solution, budget_bytes: int) -> Solution:
     """``sol`` with recomputed ops offloaded where it pays (NOTE [chain and offload]).
 
@@ -51,47 +95,58 @@ def offload_pass(ctx: PlanningContext, sol: Solution, budget_bytes: int) -> Solu
         return sol
     arrs = ctx.arrays
     regions = list(sol.regions)
-    options = []  # (ratio, region position, candidate, choice)
-    cands: dict[int, Candidate] = {}
+    groups: dict[int, tuple[Candidate, list[OpChoice]]] = {}
     for q, r in enumerate(regions):
         if r.is_segment or _nests(r, sol.regions):
             continue
         cand = ctx.candidate(r.modules)
         if cand is None:
             continue
-        cands[q] = cand
         kept = set(r.decisions)
-        for ch in cand.choices:
-            if ch.policy is OpPolicy.OFFLOAD and ch.copy is not None and cand.keys[ch.op] not in kept:
-                t = -ch.effect.time_s
-                options.append((t * spec.link_bytes_per_s / ch.copy.nbytes, q, cand, ch))
-    options.sort(key=lambda o: (-o[0], o[1], o[3].op))
-    copies: list[Copy] = []
-    host = 0
-    exposed = 0.0
-    added: dict[int, list[tuple[str, Copy]]] = {}
-    for _, q, cand, ch in options:
-        assert ch.copy is not None
-        if spec.host_budget_bytes is not None and host + ch.copy.nbytes > spec.host_budget_bytes:
-            continue
-        new = sum(link_exposed_s(arrs, [*copies, ch.copy], spec.link_bytes_per_s))
-        selective = 0.0 if (regions[q].ops or q in added) else cand.selective_s
-        if ch.effect.time_s + (new - exposed) + selective >= 0:
-            continue
-        copies.append(ch.copy)
-        host += ch.copy.nbytes
-        exposed = new
-        added.setdefault(q, []).append((cand.keys[ch.op], ch.copy))
+        opts = [ch for ch in cand.choices if ch.policy is OpPolicy.OFFLOAD and ch.copy is not None
+                and cand.keys[ch.op] not in kept]
+        # recompute seconds saved per byte copied, best first
+        opts.sort(key=lambda ch: (ch.effect.time_s / ch.copy.nbytes, ch.op))  # type: ignore[union-attr]
+        groups[q] = (cand, opts)
+    added = _by_threshold(ctx, regions, groups)
+    copies = [c for v in added.values() for _, c in v]
+    host = sum(c.nbytes for c in copies)
+    exposed = sum(link_exposed_s(arrs, copies, spec.link_bytes_per_s))
+    for _ in range(2):  # a second sweep uses link time the first left
+        for q, (cand, opts) in groups.items():
+            done = {k for k, _ in added.get(q, ())}
+            todo = [ch for ch in opts if cand.keys[ch.op] not in done]
+            charged = bool(regions[q].ops) or q in added
+            best, best_k, run_t, run_h = 0.0, 0, 0.0, host
+            trial = list(copies)
+            for k, ch in enumerate(todo, 1):  # the best prefix of this region's options
+                assert ch.copy is not None
+                run_h += ch.copy.nbytes
+                if spec.host_budget_bytes is not None and run_h > spec.host_budget_bytes:
+                    break
+                trial.append(ch.copy)
+                run_t += ch.effect.time_s
+                dt = run_t + sum(link_exposed_s(arrs, trial, spec.link_bytes_per_s)) - exposed \
+                    + (0.0 if charged else cand.selective_s)
+                if dt < best:
+                    best, best_k = dt, k
+            for ch in todo[:best_k]:
+                assert ch.copy is not None
+                copies.append(ch.copy)
+                host += ch.copy.nbytes
+                added.setdefault(q, []).append((cand.keys[ch.op], ch.copy))
+            if best_k:
+                exposed = sum(link_exposed_s(arrs, copies, spec.link_bytes_per_s))
     if not added:
         return sol
     for _ in range(len(added) + 1):
-        trial = tuple(
+        out = tuple(
             Region(r.modules, (*r.ops, *((k, OpPolicy.OFFLOAD) for k, _ in added.get(q, ()))))
             for q, r in enumerate(regions))
-        sim = simulate(ctx.profile, Plan(trial, 0, 0.0, None, sol.solver, ""), offload=spec, _arrays=arrs)
+        sim = simulate(ctx.profile, Plan(out, 0, 0.0, None, sol.solver, ""), offload=spec, _arrays=arrs)
         if sim.peak_bytes <= budget_bytes:
             n_off = sum(len(v) for v in added.values())
-            return replace(sol, regions=trial, predicted_peak_bytes=sim.peak_bytes,
+            return replace(sol, regions=out, predicted_peak_bytes=sim.peak_bytes,
                            recompute_s=sim.recompute_s,
                            notes=(*sol.notes, f"offload pass: {n_off} op(s) of {len(added)} region(s) "
                                   f"offloaded, {host} host bytes (NOTE [chain and offload])"))
