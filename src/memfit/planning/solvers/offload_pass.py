@@ -173,12 +173,17 @@ def offload_solver(name: str) -> SolveFn:
         from memfit.planning.solvers import auto, milp
 
         why = f"{name} cannot model offload"
+        exact: Solution | None = None
         if name == "auto":
             n_vars, n_points = auto.milp_cells(ctx)
             if n_vars * n_points <= auto.MILP_MAX_CELLS:
                 try:
-                    sol = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
-                    return replace(sol, notes=("auto: milp (it models offload exactly)", *sol.notes))
+                    exact = milp.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
+                    exact = replace(exact, notes=("auto: milp (it models offload exactly)", *exact.notes))
+                    if not any("time limit" in n for n in exact.notes):
+                        return exact
+                    # not proven optimal: the plan without offload, then offloaded, may be faster
+                    why = f"milp hit its time limit of {time_limit_s:g} s"
                 except SolverTimeout:
                     why = f"milp found no plan within {time_limit_s:g} s"
                 except Infeasible:
@@ -187,8 +192,14 @@ def offload_solver(name: str) -> SolveFn:
                 why = f"MILP of {n_vars} variables x {n_points} points too large"
         if "ctx" not in plain:
             plain["ctx"] = PlanningContext(ctx.profile)
-        sol = base(plain["ctx"], budget_bytes, time_limit_s=time_limit_s)
+        try:
+            sol = base(plain["ctx"], budget_bytes, time_limit_s=time_limit_s)
+        except (Infeasible, SolverTimeout):
+            if exact is not None:
+                return exact
+            raise
         out = offload_pass(ctx, sol, budget_bytes)
-        return replace(out, notes=(f"offload: {why}; planned without it, then the offload pass", *out.notes))
+        out = replace(out, notes=(f"offload: {why}; planned without it, then the offload pass", *out.notes))
+        return exact if exact is not None and exact.recompute_s <= out.recompute_s else out
 
     return solve
