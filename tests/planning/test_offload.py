@@ -260,3 +260,34 @@ def test_fake_llama_offload_plan_is_faster_at_the_same_budget():
     sim = simulate(prof, Plan(with_.regions, 0, 0.0, None, "t", ""))  # the link from the profile
     assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
         with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
+
+
+@pytest.mark.parametrize(("device", "cost_model", "link"), [
+    ("h100", "roofline:h100", 0.8 * 128e9 / 2),   # PCIe Gen5 x16: 128 GB/s both ways
+    ("h200", "roofline:h200", 0.8 * 128e9 / 2),
+    ("a100", "roofline:a100", 0.8 * 64e9 / 2),    # PCIe Gen4 x16: 64 GB/s both ways
+    ("cpu", "measured", 0.0),
+    ("cpu", "roofline:cpu", 0.0),
+], ids=["h100", "h200", "a100", "cpu-measured", "cpu-fake"])
+def test_host_link_of_a_profile(device, cost_model, link):
+    from memfit.planning.offload import link_of
+
+    prof = dataclasses.replace(_toy(), device=device, cost_model=cost_model)
+    assert link_of(prof)[0] == link
+
+
+def test_host_link_of_a_gpu_measured_profile_is_unknown():
+    from memfit.planning.offload import link_of
+
+    prof = dataclasses.replace(_toy(), device="cuda:0")
+    assert link_of(prof)[0] == 0.0
+    assert link_of(prof, "a100")[0] == 0.8 * 64e9 / 2
+
+
+@pytest.mark.parametrize("name", ["chain", "greedy"])
+def test_chain_and_greedy_refuse_an_offload_context(name):
+    from memfit.planning.solvers import get_solver
+
+    ctx = PlanningContext(_toy(), offload=OffloadSpec(2.0**20))
+    with pytest.raises(ValueError, match=f"solver '{name}' cannot model offload"):
+        get_solver(name)(ctx, MIN_PEAK)
