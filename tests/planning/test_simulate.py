@@ -179,8 +179,9 @@ def test_hand_computed_saved_op_skips_its_workspace(chain3, chain3_ws):
     assert list(sim.live_bytes) == expect
 
 
-def test_offload_is_not_simulated_yet(chain3):
-    """OFFLOAD is a decision the plan can carry; simulate refuses it until it models it."""
+def test_offload_needs_a_host_link(chain3):
+    """OFFLOAD is simulated (tests/planning/test_offload.py); on a CPU profile, with no link
+    given, simulate refuses to time its copies."""
     region = Region(("layers.0",), {"aten.mm.default#0": OpPolicy.OFFLOAD})
-    with pytest.raises(ValueError, match="offload is not planned yet"):
+    with pytest.raises(ValueError, match="has no host link"):
         simulate(chain3, _plan(region))

@@ -25,6 +25,7 @@ from memfit.planning.effects import (
     RegionSpan,
     resolve_span,
 )
+from memfit.planning.offload import Copy, OffloadSpec, offload_copies, offload_effect
 from memfit.planning.plan import OpPolicy, Region
 from memfit.planning.rules import UNKEYED_OPS, clobbered_inputs, in_place_writes, op_keys
 from memfit.profiling.profile import ModuleRecord, Profile
@@ -46,14 +47,17 @@ def segment_cap(n: int) -> int:
 class OpChoice:
     """One way a candidate region may treat one of its ops instead of recomputing it.
 
-    A solver picks, per candidate, a set of choices with at most one per op (today each op
-    has one: SAVE; offload would add a second). ``effect`` is the change from recompute-all
-    (NOTE [region memory model] in ``memfit.planning.effects``).
+    A solver picks, per candidate, a set of choices with at most one per op (each op has SAVE;
+    a context planned with offload adds OFFLOAD). ``effect`` is the change from recompute-all
+    (NOTE [region memory model] in ``memfit.planning.effects``); for OFFLOAD, ``copy`` is what
+    goes to the host (NOTE [offload memory model] in ``memfit.planning.offload``), whose link
+    time is not in ``effect.time_s`` (it depends on the other copies).
     """
 
     op: int
     policy: OpPolicy
     effect: Effect
+    copy: Copy | None = None
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Candidate:
     index: int
     model: RegionModel
     base: Effect
-    choices: tuple[OpChoice, ...]       # alternatives to recomputing an op, in op order
+    choices: tuple[OpChoice, ...]       # alternatives to recomputing an op: saves, then offloads, each in op order
     keys: dict[int, str] = field(repr=False)
 
     @property
@@ -116,8 +120,9 @@ class Chain:
 class PlanningContext:
     """Everything the solvers share about one profile, computed lazily and once."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, offload: OffloadSpec | None = None) -> None:
         self.profile = profile
+        self.offload = offload  # None: plans never offload
         self.arrays = ProfileArrays(profile)
         self._index = {m.path: k for k, m in enumerate(profile.modules)}
         self._cands: dict[tuple[str, ...], Candidate | None] = {}
@@ -157,6 +162,10 @@ class PlanningContext:
                              and not self._escapes(i, rm.b)
                              and not self._written_later(i))
         choices = tuple(OpChoice(i, OpPolicy.SAVE, rm.op_effect(i)) for i in saveable)
+        if self.offload is not None:  # an op that may be saved may be offloaded
+            offl = (OpChoice(i, OpPolicy.OFFLOAD, offload_effect(rm, i, self.offload), offload_copies(rm, i))
+                    for i in saveable)
+            choices += tuple(c for c in offl if c.copy is not None and c.copy.nbytes > 0)
         return Candidate(index=-1, model=rm, base=rm.base_effect(), choices=choices, keys=keys)
 
     def _parent_ops_between(self, prev_last: int, next_first: int) -> bool:

@@ -17,6 +17,11 @@ NOTE [linear model]
     input is counted once per region (an over-estimate). Replay points of regions not chosen are
     harmless: the memory just before op ``p`` never exceeds the memory at op ``p - 1``.
 
+    Offload (NOTE [offload memory model], NOTE [offload time model] in
+    ``memfit.planning.offload``): an OFFLOAD choice is a column like a save's; its time is the
+    linear part of ``effect.time_s`` plus, for the whole plan, the link time no compute hides
+    (``time_s`` adds it; the MILP models it with two continuous variables).
+
     Kernel workspaces (NOTE [region memory model]) sit in the op points of ``base`` (never in
     the "just before" values) and in each candidate's replay: ``Δ_r`` adds the workspace of
     every op it reruns, ``B_{r,j}`` removes op ``j``'s, since a saved op is not rerun.
@@ -30,6 +35,7 @@ import numpy as np
 
 from memfit.planning.candidates import Candidate, PlanningContext
 from memfit.planning.effects import Effect
+from memfit.planning.offload import Copy, link_exposed_s
 
 __all__ = ["LinearModel"]
 
@@ -119,4 +125,23 @@ class LinearModel:
         """Predicted recompute seconds: the variables' times plus, for each region that saves
         an op, its selective-mode charge (NOTE [dispatch overhead])."""
         extra = sum(self.selective_time[r] for r, ops in choices if len(ops))
-        return float(sum(self.var_time[v] for v in self.vars_of(choices)) + extra)
+        t = float(sum(self.var_time[v] for v in self.vars_of(choices)) + extra)
+        copies = self.copies(choices)
+        spec = self.ctx.offload
+        if copies and spec is not None:
+            t += sum(link_exposed_s(self.ctx.arrays, copies, spec.link_bytes_per_s))
+        return t
+
+    def copies(self, choices: Sequence[tuple[int, Sequence[int]]]) -> list[Copy]:
+        """The host copies of a plan's OFFLOAD choices."""
+        out = []
+        for r, ops in choices:
+            for j in ops:
+                cp = self.cands[r].choices[j].copy
+                if cp is not None:
+                    out.append(cp)
+        return out
+
+    def host_bytes(self, choices: Sequence[tuple[int, Sequence[int]]]) -> int:
+        """Peak host bytes of a plan: all its offloaded bytes (NOTE [offload memory model])."""
+        return sum(c.nbytes for c in self.copies(choices))

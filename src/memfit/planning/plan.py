@@ -18,7 +18,8 @@ NOTE [plan schema]
     decisions (every listed key SAVE). Other versions are refused with the versions this
     memfit reads. The optional ``"tuning"`` object (``Tuning``: what ``memfit.tune`` measured)
     was added within version 2: files without it read as ``tuning=None``, and readers that
-    predate it ignore it.
+    predate it ignore it. ``"host_peak_bytes"`` (offload) is optional too: a file without it
+    reads as 0.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class OpPolicy(str, enum.Enum):
 
     SAVE = "save"            # keep in memory (MUST_SAVE)
     RECOMPUTE = "recompute"  # drop, rerun in backward (PREFER_RECOMPUTE); the default
-    OFFLOAD = "offload"      # copy to host memory and back (not planned or run yet)
+    OFFLOAD = "offload"      # keep in host memory: copied out in forward, back for the replay
 
 
 Decisions = Mapping[str, OpPolicy]
@@ -144,6 +145,7 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    host_peak_bytes: int = 0  # peak host memory of offloaded outputs (0: nothing offloaded)
     # what measured selection timed (``memfit.tune``); a measurement, not part of the plan
     tuning: Tuning | None = field(default=None, compare=False, hash=False)
 
@@ -169,6 +171,7 @@ class Plan:
             "plain_peak_bytes": self.plain_peak_bytes,
             "recompute_s": self.recompute_s,
             "plain_step_s": self.plain_step_s,
+            "host_peak_bytes": self.host_peak_bytes,
             "notes": list(self.notes),
             "regions": [
                 {"modules": list(r.modules), "ops": {k: p.value for k, p in r.ops},
@@ -207,6 +210,7 @@ class Plan:
                 model=str(data["model"]),
                 notes=tuple(data.get("notes", ())),
                 extra=dict(data.get("extra", {})),
+                host_peak_bytes=int(data.get("host_peak_bytes", 0)),  # absent before offload
                 tuning=None if data.get("tuning") is None else Tuning.from_dict(data["tuning"]),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -248,7 +252,8 @@ class Plan:
             + (f" of {format_bytes(self.plain_peak_bytes)} ({self.peak_fraction:.0%})" if self.plain_peak_bytes else "")
             + (f", budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "")
             + f", recompute +{format_seconds(self.recompute_s)}"
-            + (f" (+{self.overhead:.1%} step time)" if self.plain_step_s else ""),
+            + (f" (+{self.overhead:.1%} step time)" if self.plain_step_s else "")
+            + (f", host {format_bytes(self.host_peak_bytes)}" if self.host_peak_bytes else ""),
         ]
         if not self.regions:
             lines.append("  no checkpointing: every activation is kept")
@@ -259,12 +264,15 @@ class Plan:
             lines.append(f"  {'region'.ljust(w)}  {'kept ops':>8}  {'saved':>10}  {'recompute':>10}")
             for r, name in zip(self.regions, names, strict=True):
                 kept = f"{len(r.save)}" if r.save else "none"
-                if len(r.ops) > len(r.save):
-                    kept += "+"  # decisions other than save (reserved for offload)
+                n_off = len(r.keys_with(OpPolicy.OFFLOAD))
+                if n_off:
+                    kept = f"{len(r.save)}+{n_off}"  # saved + offloaded
                 lines.append(
                     f"  {name.ljust(w)}  {kept:>8}  {format_bytes(r.saved_bytes):>10}  "
                     f"{format_seconds(r.recompute_s):>10}"
                 )
+        if any(r.keys_with(OpPolicy.OFFLOAD) for r in self.regions):
+            lines.append("  kept ops a+b: a saved on the device, b offloaded to host memory")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.tuning is not None:
             lines.extend(self.tuning.lines())

@@ -7,12 +7,15 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
+from memfit.planning.offload import OffloadSpec, link_of
 from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import writes_buffers
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
+from memfit.planning.solvers.offload_pass import offload_solver
+from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
-from memfit.units import format_bytes, resolve_budget
+from memfit.units import format_bytes, parse_bytes, resolve_budget
 
 __all__ = ["plan", "MAX_RETRIES"]
 
@@ -22,7 +25,8 @@ MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees w
 
 
 def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
-         time_limit_s: float = 10.0) -> Plan:
+         time_limit_s: float = 10.0, offload: bool = False, host_budget: int | str | None = None,
+         target: str | DevicePreset | None = None) -> Plan:
     """Find the checkpoint plan with the least recompute time whose peak fits ``budget``.
 
     Planning reads a :class:`~memfit.profiling.profile.Profile` only (it never runs a model):
@@ -37,6 +41,17 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             baseline: ``"none"``, ``"every_block"``, ``"sqrt"``, ``"save_matmuls"``.
         time_limit_s: seconds the MILP may search (default 10.0). Past it, ``"auto"`` keeps
             the best plan found (the MILP's, else the chain or greedy solver's).
+        offload: also consider keeping op outputs in host memory (``OpPolicy.OFFLOAD``;
+            default ``False``; NOTE [offload memory model] and NOTE [offload time model] in
+            ``memfit.planning.offload``). ``"milp"`` and ``"brute"`` model it exactly;
+            ``"auto"`` uses the MILP when small enough, else (as ``"chain"`` and ``"greedy"``)
+            plans without it and offloads afterwards (NOTE [chain and offload]). On a CPU
+            target it is a no-op, logged and noted in the plan: a CPU has no host link.
+        host_budget: with ``offload``, the most host memory the plan may hold: int bytes or a
+            size (``"64GiB"``); default ``None``: no cap.
+        target: the device preset whose host link times the copies (``"a100"``, ``"h100"``,
+            ``"h200"``); default: the profile's own (its fake-mode target). Needed for a
+            profile measured on a GPU.
 
     Returns:
         A :class:`~memfit.planning.plan.Plan` whose ``predicted_peak_bytes`` and
@@ -47,7 +62,8 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             predicted peak any plan reaches.
         SolverTimeout: only for ``solver="milp"``: it found no plan within ``time_limit_s``
             (``"auto"`` then returns the chain or greedy solver's plan instead).
-        ValueError: an unknown solver or a bad budget.
+        ValueError: an unknown solver, a bad budget or host budget, or ``offload=True`` for
+            a profile whose host link is unknown (measured on a GPU, no ``target``).
 
     Example:
         >>> prof = memfit.profile(model, x)            # doctest: +SKIP
@@ -61,7 +77,11 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             "(prof = memfit.profile(model, example_inputs); memfit.plan(prof, budget=...)) or "
             "use memfit.fit(model, example_inputs, budget=...) to profile, plan and apply")
     solve = get_solver(solver)
-    ctx = PlanningContext(profile)
+    notes: list[str] = []
+    spec = _offload_spec(profile, offload, host_budget, target, notes)
+    if spec is not None and solver not in BASELINES:
+        solve = offload_solver(solver)
+    ctx = PlanningContext(profile, offload=spec)
     smallest: tuple[Solution, Any] | None = None
     if _is_min(budget):
         if solver in BASELINES:
@@ -73,10 +93,9 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             budget_bytes = smallest[1].peak_bytes
     else:
         budget_bytes = resolve_budget(budget, profile.peak_bytes)
-    notes: list[str] = []
     if solver in BASELINES:
         sol = solve(ctx, budget_bytes, time_limit_s=time_limit_s)
-        result = _finish(profile, sol, budget_bytes, list(sol.notes))
+        result = _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
         if result.predicted_peak_bytes > budget_bytes:
             result = _with_notes(result, f"exceeds the budget: peak {format_bytes(result.predicted_peak_bytes)} "
                                          f"> {format_bytes(budget_bytes)}")
@@ -84,22 +103,23 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if budget_bytes >= profile.peak_bytes:
         sol = Solution((), profile.peak_bytes, 0.0, "none" if solver == "auto" else solver,
                        ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
-        return _finish(profile, sol, budget_bytes, list(sol.notes))
-    target = budget_bytes
+        return _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
+    target_bytes = budget_bytes
     for attempt in range(MAX_RETRIES):
         try:
-            sol = solve(ctx, target, time_limit_s=time_limit_s)
+            sol = solve(ctx, target_bytes, time_limit_s=time_limit_s)
         except Infeasible:
             break
-        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), _arrays=ctx.arrays)
+        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), offload=spec,
+                       _arrays=ctx.arrays)
         if sim.peak_bytes <= budget_bytes:
             if attempt:
                 notes.append(f"the cost model under-estimated the peak; re-solved {attempt} time(s) "
-                             f"with the budget tightened by {format_bytes(budget_bytes - target)}")
+                             f"with the budget tightened by {format_bytes(budget_bytes - target_bytes)}")
             return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim)
         excess = sim.peak_bytes - budget_bytes
         log.info("plan for %d bytes simulates to %d; tightening by %d", budget_bytes, sim.peak_bytes, excess)
-        target -= excess
+        target_bytes -= excess
     # NOTE [smallest feasible] Tightening found nothing: the budget is at or below the smallest
     # peak. The smallest-peak plan, checked by the simulator, is returned if it fits, else its
     # simulated peak is the minimum the error names -- a peak some plan really reaches.
@@ -108,7 +128,7 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if smallest is not None and smallest[1].peak_bytes <= budget_bytes:
         sol, sim = smallest
         return _finish(profile, sol, budget_bytes,
-                       [*sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
+                       [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
     min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
     raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
 
@@ -133,7 +153,8 @@ def _smallest_plan(ctx: PlanningContext, solve: Any, time_limit_s: float) -> tup
                 continue
         if sol is None:
             return None
-    return sol, simulate(ctx.profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), _arrays=ctx.arrays)
+    return sol, simulate(ctx.profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""), offload=ctx.offload,
+                         _arrays=ctx.arrays)
 
 
 def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> InfeasibleBudget:
@@ -149,7 +170,7 @@ def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> Infeasi
 def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str],
             sim: Any = None) -> Plan:
     if sim is None:
-        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))
+        sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))  # no offload here
     regions = tuple(
         Region(r.modules, r.ops, float(t), int(b), writes_buffers(profile, r.modules))
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
@@ -167,6 +188,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         model=profile.model,
         notes=tuple(notes),
         extra={"module_types": {p: types[p] for r in regions for p in r.modules}},
+        host_peak_bytes=int(sim.host_peak_bytes),
     )
 
 
@@ -174,3 +196,53 @@ def _with_notes(p: Plan, *more: str) -> Plan:
     import dataclasses
 
     return dataclasses.replace(p, notes=(*p.notes, *more))
+
+
+def _offload_spec(profile: Profile, offload: bool, host_budget: int | str | None,
+                  target: str | DevicePreset | None,
+                  notes: list[str]) -> OffloadSpec | None:
+    """What offload may use, or None (not asked; or a CPU target: NOTE [offload on a CPU])."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be True or False, got {offload!r}")
+    cap = _host_budget(host_budget)
+    if not offload:
+        if host_budget is not None:
+            raise ValueError(f"host_budget={host_budget!r} was given without offload=True; it caps "
+                             "host memory of offloaded activations only. Pass offload=True too, or drop it")
+        return None
+    link, where = link_of(profile, target)
+    if link > 0:
+        return OffloadSpec(link, cap)
+    # NOTE [offload on a CPU] A CPU target has no host link: offload would copy memory to
+    # memory. offload=True is then a logged no-op (a plan without offload, with a note), so
+    # that one script runs on a laptop and on a GPU box; a GPU profile whose link is unknown
+    # is an error instead, since planning it without offload would hide the user's mistake.
+    if (target is None and where.startswith("preset")) or (isinstance(target, str) and target.lower() == "cpu"):
+        msg = f"offload=True ignored: {where} has no host link to offload over"
+        log.info(msg)
+        notes.append(msg)
+        return None
+    raise ValueError(
+        f"offload=True needs the host link of the device the plan is for, but the profile was "
+        f"measured on {profile.device!r}, which no preset names; pass target='a100', 'h100' or "
+        "'h200' (its host link times the copies)")
+
+
+def _host_budget(value: int | str | None) -> int | None:
+    """``host_budget`` as bytes (None: no cap)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"host_budget must be int bytes or a size such as '64GiB', got "
+                        f"{type(value).__name__} {value!r}")
+    if isinstance(value, str):
+        if value.strip().endswith("%"):
+            raise ValueError(f"host_budget {value!r} is a percentage, but host memory has no plain "
+                             "peak to take a share of; give bytes or a size such as '64GiB'")
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"cannot parse host_budget {value!r}: {e}") from None
+    if value < 0:
+        raise ValueError(f"host_budget must be >= 0 bytes, got {value}")
+    return value

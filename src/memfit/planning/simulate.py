@@ -18,6 +18,14 @@ from memfit.planning.effects import (
     resolve_span,
 )
 from memfit.planning.nesting import NestedModel
+from memfit.planning.offload import (
+    Copy,
+    OffloadSpec,
+    link_of,
+    offload_copies,
+    offload_replay_pieces,
+    offload_time_s,
+)
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
 from memfit.profiling.profile import Profile
@@ -44,6 +52,10 @@ class Simulation:
             saved ops plus the region's inputs, held for the replay; 0 for a nested region,
             whose outer region drops them).
         recompute_points: per region, its recompute point (``None``: nothing to recompute).
+        offload_s: seconds the plan's host copies add (NOTE [offload time model] in
+            ``memfit.planning.offload``: link time no compute hides, per-storage charges);
+            included in ``recompute_s``, not in ``region_recompute_s``.
+        host_peak_bytes: peak host memory of the offloaded outputs (0 without offload).
     """
 
     peak_bytes: int
@@ -54,11 +66,13 @@ class Simulation:
     region_recompute_s: tuple[float, ...] = ()
     region_saved_bytes: tuple[int, ...] = ()
     recompute_points: tuple[int | None, ...] = ()
+    offload_s: float = 0.0
+    host_peak_bytes: int = 0
 
 
 def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, ...]
-                  ) -> tuple[list[tuple[RegionModel, list[int]]], list[int]]:
-    """Resolve regions to models and saved op indices (in plan order), and each one's outer
+                  ) -> tuple[list[tuple[RegionModel, list[int], list[int]]], list[int]]:
+    """Resolve regions to models, saved and offloaded op indices (in plan order), and each one's outer
     region (``nesting``); reject overlapping ones and nesting other than NOTE [nested
     regions] allows."""
     index = {m.path: k for k, m in enumerate(profile.modules)}
@@ -66,13 +80,10 @@ def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, 
     for r in regions:
         span = resolve_span(profile, r.modules, index)
         rm = RegionModel(arrs, span)
-        unmodelled = [f"{k}: {p.value}" for k, p in r.ops if p is not OpPolicy.SAVE]
-        if unmodelled:
-            raise ValueError(f"region {r.name!r} asks {unmodelled[:3]}; simulate models SAVE and "
-                             "RECOMPUTE only (offload is not planned yet)")
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
-        out.append((rm, saved))
-    return out, nesting(regions, [rm for rm, _ in out])
+        offloaded = keys_to_ops(profile, span.first_op, span.last_op, r.keys_with(OpPolicy.OFFLOAD), r.name)
+        out.append((rm, saved, offloaded))
+    return out, nesting(regions, [m[0] for m in out])
 
 
 def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]:
@@ -110,12 +121,14 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
     return parent
 
 
-def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = None) -> Simulation:
+def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None,
+             _arrays: ProfileArrays | None = None) -> Simulation:
     """Predict a plan's activation-memory timeline, peak and recompute time.
 
     Args:
         profile: the step, as profiled.
         plan: the regions to checkpoint (``Plan.regions``; other fields are ignored).
+        offload: the host link that times OFFLOAD ops (needed only when the plan offloads).
 
     Returns:
         A :class:`Simulation`.
@@ -131,6 +144,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         True
     """
     arrs = _arrays if _arrays is not None else ProfileArrays(profile)
+    spec = offload
     n = arrs.n_ops
     models, parent = region_models(profile, arrs, plan.regions)
     ids = arrs.by_creator
@@ -145,7 +159,8 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
     for q in range(nr):  # inside a region that drops nothing: on its own
         if parent[q] >= 0 and not models[parent[q]][0].useful:
             parent[q] = -1
-    for q, (rm, saved) in enumerate(models):
+    copies: list[Copy] = []
+    for q, (rm, saved, offloaded) in enumerate(models):
         if parent[q] >= 0:
             continue
         inner_q = [i for i in range(nr) if parent[i] == q]
@@ -179,8 +194,13 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         end1[rm.ids[drop]] = e1[drop]
         second[rm.ids[drop]] = rp
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rp)
-        replays.append((rp, (-rm.a, 0), rm.a, rm.stop, rm.replay_pieces(sv, saved), int(rm.nb[drop].sum())))
-        rec_s[q] = rm.time_s(set(saved)) + rm.fixed_s(selective=bool(len(saved)))
+        pieces = rm.replay_pieces(sv, saved)
+        if offloaded:  # NOTE [offload memory model]
+            pieces = tuple(np.concatenate(xs) for xs in zip(pieces, offload_replay_pieces(rm, offloaded),
+                                                            strict=True))  # type: ignore[assignment]
+            copies.extend(offload_copies(rm, i) for i in offloaded)
+        replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
+        rec_s[q] = rm.time_s(set(saved) | set(offloaded)) + rm.fixed_s(selective=bool(len(saved) + len(offloaded)))
         saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum())
         rps[q] = rp
     c = arrs.creator[ids]
@@ -212,6 +232,7 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
             positions.extend([p] * len(bump))
         timeline.append(int(live[p]))
         positions.append(p)
+    off_s, host_peak = _offload_totals(profile, arrs, copies, spec)
     if timeline:
         k = int(np.argmax(timeline))
         peak, peak_at = timeline[k], positions[k]
@@ -219,11 +240,30 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         peak, peak_at = 0, 0
     return Simulation(
         peak_bytes=int(peak),
-        recompute_s=float(sum(rec_s)),
+        recompute_s=float(sum(rec_s)) + off_s,
         live_bytes=tuple(timeline),
         positions=tuple(positions),
         peak_at=int(peak_at),
         region_recompute_s=tuple(rec_s),
         region_saved_bytes=tuple(saved_b),
         recompute_points=tuple(rps),
+        offload_s=off_s,
+        host_peak_bytes=host_peak,
     )
+
+
+def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
+                    spec: OffloadSpec | None) -> tuple[float, int]:
+    """Seconds (link time no compute hides, per-storage charges) and peak host bytes of the
+    offloaded copies (NOTE [offload time model] in ``memfit.planning.offload``)."""
+    if not copies:
+        return 0.0, 0
+    if spec is None:
+        spec = OffloadSpec(link_of(profile)[0])
+    if spec.link_bytes_per_s <= 0:
+        raise ValueError(f"the plan offloads {len(copies)} op(s), but the profile's device "
+                         f"{profile.device!r} has no host link to time the copies with; pass "
+                         "offload=OffloadSpec(link_bytes_per_s=...) to simulate")
+    host = dense(np.array([c.op for c in copies]), np.array([c.rp for c in copies]),
+                 np.array([c.nbytes for c in copies]), 0, arrs.n_ops - 1)
+    return offload_time_s(arrs, copies, spec), int(host.max(initial=0))

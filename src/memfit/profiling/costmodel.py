@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "calibrate_cpu"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "calibrate_cpu", "profile_preset"]
 
 
 class Target(str, enum.Enum):
@@ -36,6 +36,8 @@ class DevicePreset:
         memory_bytes: device memory, bytes (0 when not meaningful).
         op_overhead_s: fixed cost per op (kernel launch / dispatch), seconds.
         source: where the figures come from.
+        host_link_bytes_per_s: effective host<->device copy rate, bytes/s each way, pinned
+            host memory (0: no host link to offload over, as for the CPU preset).
     """
 
     name: str
@@ -45,6 +47,7 @@ class DevicePreset:
     memory_bytes: int
     op_overhead_s: float
     source: str
+    host_link_bytes_per_s: float = 0.0
 
     def peak_for(self, dtype: str) -> float:
         return self.flops_per_s if dtype in ("bfloat16", "float16") else self.fp32_flops_per_s
@@ -52,6 +55,13 @@ class DevicePreset:
 
 _GB = 1000**3
 _T = 1e12
+
+# NOTE [host link] The datasheets give the PCIe x16 rate summed over both directions: "PCIe
+# Gen4: 64 GB/s" (A100), "PCIe Gen5: 128 GB/s" (H100 SXM5, H200 SXM), i.e. 32 and 64 GB/s each
+# way. Pinned copies reach about 80% of that (packet and protocol overhead; the issue quotes
+# ~50-64 GB/s for an H100), so the presets assume 0.8 x half the datasheet figure each way:
+# 25.6 GB/s (A100), 51.2 GB/s (H100, H200). Pageable host memory is slower; the runtime pins.
+_LINK_EFFICIENCY = 0.8
 
 PRESETS: dict[str, DevicePreset] = {
     # Measured on the development machine with calibrate_cpu() on 2026-11-30 (torch 2.13 CPU,
@@ -62,20 +72,24 @@ PRESETS: dict[str, DevicePreset] = {
                         bandwidth_bytes_per_s=49 * _GB, memory_bytes=0, op_overhead_s=5e-6,
                         source="calibrate_cpu() on the dev machine, 2026-11-30, 2 threads"),
     # NVIDIA A100 Tensor Core GPU datasheet (2020/2021, SXM4 80GB): BF16 tensor core 312
-    # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s.
+    # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s, PCIe Gen4 64 GB/s
+    # (NOTE [host link]).
     "a100": DevicePreset("a100", flops_per_s=312 * _T, fp32_flops_per_s=19.5 * _T,
                          bandwidth_bytes_per_s=2039 * _GB, memory_bytes=80 * _GB,
-                         op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB"),
+                         op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB",
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity, i.e.
-    # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB.
+    # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB; PCIe Gen5 128 GB/s.
     "h100": DevicePreset("h100", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=3350 * _GB, memory_bytes=80 * _GB,
-                         op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5"),
+                         op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5",
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989.5
-    # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB.
+    # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB, PCIe Gen5 128 GB/s.
     "h200": DevicePreset("h200", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=4800 * _GB, memory_bytes=141 * _GB,
-                         op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM"),
+                         op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM",
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2),
 }
 
 
@@ -92,6 +106,26 @@ def preset(target: str | DevicePreset) -> DevicePreset:
     if key not in PRESETS:
         raise ValueError(f"unknown target {target!r}; known device presets: {sorted(PRESETS)}")
     return PRESETS[key]
+
+
+def profile_preset(device: str, cost_model: str = "") -> DevicePreset | None:
+    """The preset a Profile was made for, from its ``device`` and ``cost_model`` fields.
+
+    A fake-mode profile names its target (``device="h100"``, ``cost_model="roofline:h100"``);
+    a measured one names the device it ran on (``"cpu"``, ``"cuda:0"``), which says nothing of
+    its host link: ``None`` then, except for ``"cpu"`` (the CPU preset).
+
+    Example:
+        >>> profile_preset("h100", "roofline:h100").name
+        'h100'
+        >>> profile_preset("cuda:0") is None
+        True
+    """
+    name = cost_model.split(":", 1)[1] if cost_model.startswith("roofline:") else device
+    key = str(name).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    return PRESETS["cpu"] if key.startswith("cpu") else None
 
 
 def op_time_s(flops: int, bytes_moved: int, dtype: str, device: DevicePreset) -> float:

@@ -28,6 +28,14 @@ def _subsets(ops: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         yield tuple(o for q, o in enumerate(ops) if (m >> q) & 1)
 
 
+def _choice_sets(c: Candidate) -> Iterator[tuple[int, ...]]:
+    """Sets of ``c``'s choices with at most one per op (save or offload)."""
+    for sub in _subsets(tuple(range(len(c.choices)))):
+        ops = [c.choices[j].op for j in sub]
+        if len(set(ops)) == len(ops):
+            yield sub
+
+
 def _chain_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choices]]:
     chain = ctx.chains[0]
     n = len(chain.blocks)
@@ -52,7 +60,7 @@ def _chain_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choice
             r = at.get((k, j))
             if r is None:
                 continue
-            for ops in _subsets(tuple(range(len(cands[r].choices)))):
+            for ops in _choice_sets(cands[r]):
                 for rest in rec(j + 1):
                     yield [(r, ops), *rest]
 
@@ -70,7 +78,7 @@ def _region_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choic
         c = order[q]
         yield from rec(q + 1, free_from)
         if c.a >= free_from:
-            for ops in _subsets(tuple(range(len(c.choices)))):
+            for ops in _choice_sets(c):
                 for rest in rec(q + 1, c.b + 1):
                     yield [(c.index, ops), *rest]
 
@@ -91,6 +99,9 @@ def enumerate_plans(ctx: PlanningContext, mode: str) -> tuple[LinearModel, list[
     for q, choices in enumerate(plans):
         if q > 2_000_000:
             raise ValueError("brute force: more than 2,000,000 plans; use it on tiny profiles only")
+        cap = ctx.offload.host_budget_bytes if ctx.offload is not None else None
+        if cap is not None and lm.host_bytes(choices) > cap:
+            continue
         vs = lm.vars_of(choices)
         total = lm.base + A[:, vs].sum(axis=1) if vs else lm.base
         out.append((choices, int(total.max()), lm.time_s(choices)))

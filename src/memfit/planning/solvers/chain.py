@@ -343,7 +343,10 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     Raises:
         NotAChain: the profile has no chain the DP can use (use ``milp``).
         Infeasible: no plan of the chain's plan space fits.
+        ValueError: ``ctx`` plans with offload, which the DP cannot model (NOTE [chain and
+            offload] in ``memfit.planning.solvers.offload_pass``).
     """
+    _refuse_offload(ctx, "chain")
     if chain is None:
         if not ctx.chains:
             raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
@@ -361,3 +364,11 @@ def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool =
     with NOTE [nested regions] in it)."""
     model = ChainModel(ctx, chain or ctx.chains[0], nested=nested)
     return run_dp(model, None)[1]
+
+
+def _refuse_offload(ctx: PlanningContext, name: str) -> None:
+    if ctx.offload is not None:
+        raise ValueError(f"solver {name!r} cannot model offload: its plan's time must add up block by "
+                         "block, and offloaded copies share one host link (NOTE [chain and offload] in "
+                         "memfit.planning.solvers.offload_pass). Pass a PlanningContext without offload; "
+                         f"plan(..., solver={name!r}, offload=True) plans without it, then offloads")

@@ -48,8 +48,9 @@ import numpy as np
 
 from memfit._native_output import silenced_fd
 from memfit.errors import SolverTimeout
-from memfit.planning.candidates import PlanningContext, overlap_groups
+from memfit.planning.candidates import OpChoice, PlanningContext, overlap_groups
 from memfit.planning.costs import LinearModel
+from memfit.planning.plan import OpPolicy
 from memfit.planning.solvers import Infeasible, Solution
 from memfit.planning.solvers.milp_rows import MemoryRows, _gcd, memory_rows
 from memfit.units import format_bytes
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 # HiGHS presolve off: on the compressed model of an 8-block GPT it spent 0.5-1.5 s before the
 # root and its restarts did not repay it (median solve 1.4 s off vs 2.4 s on, measured here)
 PRESOLVE = False
+
+# with OFFLOAD columns the dense rows are used up to this many cells (NOTE [offload in the milp])
+DENSE_OFFLOAD_CELLS = 20_000_000
 
 
 def _choices(lm: LinearModel, x: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
@@ -84,8 +88,93 @@ def _fixings(lm: LinearModel, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if owners.size:
         np.add.at(best.T, owners, np.minimum(R[:, nc:], 0).T)
     useless = np.asarray((best >= 0).all(axis=0))
-    free_save = np.asarray((R[:, nc:] <= 0).all(axis=0))
+    free_save = np.asarray((R[:, nc:] <= 0).all(axis=0)) & ~_has_alternative(lm)
     return useless, free_save
+
+
+def _choice_of(lm: LinearModel, v: int) -> OpChoice:
+    return lm.cands[lm.var_owner[v]].choices[lm.var_choice[v]]
+
+
+def _has_alternative(lm: LinearModel) -> np.ndarray:
+    """Per choice variable: whether it is an OFFLOAD or a SAVE whose op may also be offloaded
+    (NOTE [offload in the milp]: such saves are never tied to their candidate)."""
+    nc = len(lm.cands)
+    out = np.zeros(lm.n_vars - nc, dtype=bool)
+    if getattr(getattr(lm, "ctx", None), "offload", None) is None:  # no OFFLOAD choices
+        return out
+    for v in range(nc, lm.n_vars):
+        c = lm.cands[lm.var_owner[v]]
+        ch = c.choices[lm.var_choice[v]]
+        out[v - nc] = ch.policy is OpPolicy.OFFLOAD or any(
+            o.op == ch.op and o.policy is OpPolicy.OFFLOAD for o in c.choices)
+    return out
+
+
+def _offload_rows(lm: LinearModel, rows: _Rows, first_e: int, peak_mode: bool, unit_s: float) -> int:
+    """NOTE [offload in the milp] Rows for OFFLOAD choices; returns the continuous columns
+    added (``e_D``, ``e_H`` at ``first_e``, ``first_e + 1``, then the running sums; none in
+    peak mode).
+    - one decision per op: ``s_save + s_offload <= y_r``;
+    - the host cap: ``Σ bytes_v s_v <= host budget`` (the host peak is the sum of offloaded
+      bytes, NOTE [offload memory model] in ``memfit.planning.offload``);
+    - the link time no compute hides (NOTE [offload time model]): ``e_D >= Σ_{op_v >= p}
+      copy_v s_v - Wf(p)`` for each offloaded op ``p``, ``e_H >= Σ_{rp_v <= q} copy_v s_v -
+      Wb(q)`` for each recompute point ``q``; ``e_D, e_H >= 0`` in the objective at cost 1.
+      The sums are running sums in queue order (continuous columns ``S``), one nonzero per copy.
+    Seconds are counted in objective units (``unit_s``), and HiGHS presolves these models: with
+    presolve off (``PRESOLVE``) it reported as optimal plans 2.5x (seconds as coefficients) and
+    then 4% (objective units) slower than the optimum it accepted when that plan was fixed
+    (a 2-layer fake Llama 7B at 8.2 GiB, 2026-12-01); with presolve on it found the optimum.
+    At another budget (9.0 GiB) the compressed rows still gave a plan 30% slower than the dense
+    rows' optimum (which the compressed model accepts when fixed): until that is understood, a
+    model with OFFLOAD columns uses the dense rows up to ``DENSE_OFFLOAD_CELLS``.
+    Then the MILP's time of a plan is exactly ``LinearModel.time_s``."""
+    spec = lm.ctx.offload
+    nc = len(lm.cands)
+    off = [v for v in range(nc, lm.n_vars) if _choice_of(lm, v).copy is not None]
+    if spec is None or not off:
+        return 0
+    by_op: dict[tuple[int, int], list[int]] = {}
+    for v in range(nc, lm.n_vars):
+        by_op.setdefault((lm.var_owner[v], _choice_of(lm, v).op), []).append(v)
+    for (r, _), vs in by_op.items():
+        if len(vs) > 1:
+            rows.add(1, np.zeros(len(vs) + 1, dtype=np.int64), np.array([*vs, r], dtype=np.int64),
+                     np.array([1.0] * len(vs) + [-1.0]), -np.inf, 0.0)
+    cps = [_choice_of(lm, v).copy for v in off]
+    nbytes = np.array([c.nbytes for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    if spec.host_budget_bytes is not None:
+        g = _gcd(nbytes)
+        rows.add(1, np.zeros(len(off), dtype=np.int64), np.array(off, dtype=np.int64), nbytes / g,
+                 -np.inf, float(spec.host_budget_bytes // g))
+    if peak_mode:
+        return 0
+    arrs = lm.ctx.arrays
+    cum, nf = arrs.op_cumtime, arrs.n_forward
+    copy_s = nbytes / spec.link_bytes_per_s / unit_s
+    ops = np.array([c.op for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    rps = np.array([c.rp for c in cps], dtype=np.int64)  # type: ignore[union-attr]
+    offv = np.array(off, dtype=np.int64)
+    # running sums S_k = S_{k-1} + (copies at threshold k) x, in queue order, then e >= S_k - W_k:
+    # one nonzero per copy instead of one per copy and threshold
+    n_s = 0
+    for col, key, window in ((first_e, -ops, lambda p: cum[nf] - cum[p + 1]),
+                             (first_e + 1, rps, lambda q: cum[q] - cum[nf])):
+        levels, group = np.unique(key, return_inverse=True)
+        for k, lvl in enumerate(levels):
+            s_col = first_e + 2 + n_s + k
+            m = group == k
+            prev = [s_col - 1] if k else []
+            rows.add(1, np.zeros(int(m.sum()) + 1 + len(prev), dtype=np.int64),
+                     np.array([s_col, *prev, *offv[m]], dtype=np.int64),
+                     np.array([1.0, *[-1.0] * len(prev), *(-copy_s[m])]), 0.0, 0.0)
+            t = int(-lvl) if col == first_e else int(lvl)
+            rows.add(1, np.zeros(2, dtype=np.int64), np.array([s_col, col], dtype=np.int64),
+                     np.array([1.0, -1.0]), -np.inf, float(window(t)) / unit_s)
+        n_s += len(levels)
+    return 2 + n_s
+
 
 
 def _paying_free_saves(lm: LinearModel, free_save: np.ndarray) -> np.ndarray:
@@ -174,25 +263,29 @@ def _run(lm: LinearModel, A: np.ndarray, budget: int | None, time_limit_s: float
         rows.add(sk.size, np.concatenate([np.arange(sk.size)] * 2), np.concatenate([nc + sk, zcol]),
                  np.concatenate([np.ones(sk.size), -np.ones(sk.size)]), -np.inf, 0.0)
     nz = charged.size
-    lb, ub = np.concatenate([lb, np.zeros(nz)]), np.concatenate([ub, np.ones(nz)])
+    # objective units: 1e3 per the largest time (HiGHS prefers coefficients near 1)
+    scale = float(max(np.abs(lm.var_time).max(), lm.selective_time.max(initial=0.0))) or 1.0
+    ne = _offload_rows(lm, rows, n + nz, peak_mode, scale / 1e3)
+    lb, ub = np.concatenate([lb, np.zeros(nz + ne)]), np.concatenate([ub, np.ones(nz), np.full(ne, np.inf)])
     ub[n: n + nz][useless[charged]] = 0.0
-    integrality = np.zeros(n + nz)
+    integrality = np.zeros(n + nz + ne)
     integrality[:nv] = 1
-    integrality[n:] = 1
-    c = np.zeros(n + nz)
+    integrality[n: n + nz] = 1
+    c = np.zeros(n + nz + ne)
     if peak_mode:
         c[n - 1] = 1.0
         lb[n - 1] = lower / g if compress else -np.inf
         ub[n - 1] = np.inf
     else:
-        scale = float(max(np.abs(lm.var_time).max(), lm.selective_time.max(initial=0.0))) or 1.0
         c[:nv] = lm.var_time / scale * 1e3
-        c[n:] = lm.selective_time[charged] / scale * 1e3
-    n += nz
+        c[n: n + nz] = lm.selective_time[charged] / scale * 1e3
+        c[n + nz: n + nz + min(ne, 2)] = 1.0  # e_D, e_H are in objective units already
+    n += nz + ne
     cons = [rows.constraint(n)] if rows.n else []
     with silenced_fd(1):  # HiGHS may print progress lines to stdout from C++
         res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
-                   options={"time_limit": float(time_limit_s), "mip_rel_gap": 0.0, "presolve": PRESOLVE})
+                   options={"time_limit": float(time_limit_s), "mip_rel_gap": 0.0,
+                            "presolve": PRESOLVE or ne > 0})  # NOTE [offload in the milp]
     return res, n_mem
 
 
@@ -269,6 +362,8 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     cands = ctx.region_candidates()
     lm = LinearModel(ctx, cands)
     nf = ctx.arrays.n_forward
+    if compress and ctx.offload is not None and lm.n_vars * lm.n_points <= DENSE_OFFLOAD_CELLS:
+        compress = False  # NOTE [offload in the milp]
     if not cands:
         pk = int(lm.base.max())
         if pk > budget_bytes:

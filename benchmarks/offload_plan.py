@@ -1,0 +1,67 @@
+"""Offload as a planner choice on a 7B Llama profiled in fake mode: recompute time with and
+without offload at one budget (issue #15).
+
+    PYTHONPATH=src python benchmarks/offload_plan.py [--layers 32] [--budget 40GiB]
+
+Prints both plans' predicted peak, recompute time and host bytes, and writes
+benchmarks/results/offload_plan.json. Pure planning: no GPU, no timing of this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    import transformers
+
+    from memfit.planning.planner import plan
+    from memfit.profiling.tracer import profile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--budget", default="40GiB")
+    ap.add_argument("--host-budget", default="64GiB")
+    ap.add_argument("--target", default="h100")
+    ap.add_argument("--out", default="benchmarks/results/offload_plan.json")
+    args = ap.parse_args()
+    cfg = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=args.layers,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=args.seq, attn_implementation="eager", tie_word_embeddings=False,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.train()
+    ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    prof = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target=args.target)
+    rows = {"profile_s": time.perf_counter() - t0, "plain_peak_bytes": prof.peak_bytes}
+    for off in (False, True):
+        t0 = time.perf_counter()
+        p = plan(prof, budget=args.budget, offload=off,
+                 host_budget=args.host_budget if off else None)
+        key = "offload" if off else "recompute_only"
+        rows[key] = {"plan_s": time.perf_counter() - t0, "solver": p.solver,
+                     "predicted_peak_bytes": p.predicted_peak_bytes, "recompute_s": p.recompute_s,
+                     "host_peak_bytes": p.host_peak_bytes, "notes": list(p.notes)}
+        print(p)
+    a, b = rows["recompute_only"], rows["offload"]
+    rows["recompute_reduction"] = 1 - b["recompute_s"] / a["recompute_s"]  # type: ignore[index]
+    rows.update(torch=torch.__version__, layers=args.layers, seq=args.seq, budget=args.budget,
+                target=args.target)
+    print(f"recompute {a['recompute_s'] * 1e3:.1f} ms -> {b['recompute_s'] * 1e3:.1f} ms "  # type: ignore[index]
+          f"({rows['recompute_reduction']:.1%} less); peak {a['predicted_peak_bytes']} -> "  # type: ignore[index]
+          f"{b['predicted_peak_bytes']} bytes; host {b['host_peak_bytes']} bytes")  # type: ignore[index]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
