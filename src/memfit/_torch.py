@@ -40,6 +40,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
+import torch.fx.traceback
 import torch.utils.checkpoint
 from torch import nn
 
@@ -71,6 +72,7 @@ __all__ = [
     "no_python_dispatch",
     "outer_saved_tensors_hooks",
     "sac_forget",
+    "traced_source_fn",
     "require_chain_segments",
     "open_checkpoint",
     "close_checkpoint",
@@ -252,6 +254,21 @@ def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
         return False
     storage[op][index] = marker
     return True
+
+
+_current_meta = getattr(torch.fx.traceback, "get_current_meta", None)
+
+
+def traced_source_fn() -> Any:
+    """While AOTAutograd traces a graph that dynamo captured: the innermost source of the node
+    being traced (the module class or torch function it came from; memfit reads it for
+    NOTE [op keys under torch.compile] in ``memfit.runtime.checkpoint``), else None (also on
+    a torch that records it differently: rule 5)."""
+    meta = _current_meta() if _current_meta is not None else None
+    stack = meta.get("source_fn_stack") if isinstance(meta, dict) else None
+    if not stack or not isinstance(stack[-1], tuple) or len(stack[-1]) != 2:
+        return None
+    return stack[-1][1]
 
 
 _GENERATOR_PARAMS = (
