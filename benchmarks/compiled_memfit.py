@@ -37,7 +37,7 @@ def specs(peer_peaks: Mapping[str, int], *, quick: bool) -> list[BudgetSpec]:
            for f in (QUICK_FRACTIONS if quick else FRACTIONS)]
     out.append(BudgetSpec(f"{PREFIX}_min", MIN_FEASIBLE))
     out.extend(BudgetSpec(f"{PREFIX}@{peer}", int(peak), peer=peer)
-               for peer, peak in peer_peaks.items() if peer.startswith("compile"))
+               for peer, peak in peer_peaks.items() if peer.startswith("compile_budget"))
     return out
 
 
@@ -81,7 +81,7 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["name"]: r for r in records}
     out = []
     for peer in records:
-        if not peer["name"].startswith("compile") or not peer["step_s"] or not peer["peak_bytes"]:
+        if not peer["name"].startswith("compile_budget") or not peer["step_s"] or not peer["peak_bytes"]:
             continue
         mine = by_name.get(f"{PREFIX}@{peer['name']}")
         row: dict[str, Any] = {"peer": peer["name"], "peer_peak_bytes": peer["peak_bytes"],
