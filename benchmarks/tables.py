@@ -167,6 +167,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         tuned_table(result),
     ]
+    from benchmarks.compiled_memfit import table as compiled_table
+    if compiled_table(result):
+        head += ["", compiled_table(result)]
     if result.get("errors"):
         head += ["", "Errors:", *[f"- {e}" for e in result["errors"]]]
     return "\n".join(head) + "\n"

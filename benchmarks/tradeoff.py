@@ -136,7 +136,7 @@ def _check_and_measure(method: Any, ref: Any, rec: dict[str, Any], seed: int) ->
 
 def run_case(name: str, settings: Settings) -> dict[str, Any]:
     """Benchmark every method on one model; return the JSON-ready result."""
-    from benchmarks import models, peers, planned
+    from benchmarks import compiled_memfit, models, peers, planned
 
     t_start = time.perf_counter()
     case = models.build_case(name)
@@ -166,6 +166,7 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
                                  include_min=settings.include_min)
     log.info("%s: memfit profile + %d plans", name, len(specs))
     sweep = planned.build_memfit(case, specs)
+    sweep = compiled_memfit.extend(sweep, case, peer_peaks, quick=settings.quick)  # compile + memfit
     errors.extend(sweep.errors)
     for m in sweep.methods:
         records[m.name] = _record(m)
@@ -213,6 +214,7 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
         "memfit": {"profile_s": sweep.profile_s, "plain_predicted_peak_bytes": sweep.plain_predicted_peak_bytes},
         "methods": method_records,
         "comparisons": comparisons(method_records),
+        "compiled_comparisons": compiled_memfit.comparisons(method_records),
         "errors": errors,
         "wall_s": time.perf_counter() - t_start,
         # 1-minute load average when timing began and ended; above the core count, other
@@ -232,7 +234,8 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     counts only where memfit's *measured* peak is at most the peer's (``peak_ok``).
     """
     by_name = {r["name"]: r for r in records}
-    memfit = [r for r in records if r["family"] == "memfit" and r["step_s"] and r["peak_bytes"]]
+    memfit = [r for r in records if r["family"] == "memfit" and r["step_s"] and r["peak_bytes"]
+              and not r["name"].startswith("compiled_memfit")]  # compiled: compiled_comparisons
     out = []
     for peer in records:
         if peer["family"] != "peer" or not peer["step_s"] or not peer["peak_bytes"]:

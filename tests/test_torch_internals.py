@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import logging
 import os
 import re
@@ -369,6 +370,28 @@ def _cpu_memory_events() -> None:
         T.cpu_memory_events(object())
 
 
+def _traced_source_fn() -> None:
+    assert T.traced_source_fn() is None  # nothing is being traced
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append((str(op), T.traced_source_fn()))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    drop = nn.Dropout(0.0)
+
+    def region(x):
+        return drop(x.sin())
+
+    def step(x):
+        return torch.utils.checkpoint.checkpoint(
+            region, x, use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+
+    torch.compile(step, backend="aot_eager")(torch.ones(3, requires_grad=True)).sum().backward()
+    assert ("aten.clone.default", nn.Dropout) in seen  # dropout(p=0) traces as a clone
+
+
 EXERCISES: dict[str, Callable[[], None]] = {
     "SUPPORTED_TORCH": _supported_torch,
     "TorchDispatchMode": _torch_dispatch_mode,
@@ -400,6 +423,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "sac_saved_tensor": _sac_storage_entries,
     "sac_is_entry": _sac_storage_entries,
     "returns_alias": _returns_alias,
+    "traced_source_fn": _traced_source_fn,
     "require_chain_segments": _require_chain_segments,
     "open_checkpoint": _open_checkpoint,
     "close_checkpoint": _close_checkpoint,

@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
+import torch.fx.traceback
 import torch.utils.checkpoint
 from torch import nn
 
@@ -77,6 +78,7 @@ __all__ = [
     "sac_saved_tensor",
     "sac_is_entry",
     "returns_alias",
+    "traced_source_fn",
     "require_chain_segments",
     "open_checkpoint",
     "close_checkpoint",
@@ -311,6 +313,19 @@ def returns_alias(op: Any) -> bool:
     """True if one of the op's returns aliases an input (a view op: ``t``, ``split``...)."""
     schema = op_schema(op)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
+_current_meta = getattr(torch.fx.traceback, "get_current_meta", None)
+
+
+def traced_source_fn() -> Any:
+    """While AOTAutograd traces a graph that dynamo captured: the innermost source of the node
+    being traced (the module class or torch function it came from; memfit reads it for
+    NOTE [op keys under torch.compile] in ``memfit.runtime.checkpoint``), else None (also on
+    a torch that records it differently: rule 5)."""
+    meta = _current_meta() if _current_meta is not None else None
+    stack = meta.get("source_fn_stack") if isinstance(meta, dict) else None
+    if not stack or not isinstance(stack[-1], tuple) or len(stack[-1]) != 2:
+        return None
+    return stack[-1][1]
 
 
 _GENERATOR_PARAMS = (

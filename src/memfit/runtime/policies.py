@@ -81,6 +81,18 @@ class Policy:
     decision unless it is RECOMPUTE, else ``b``'s.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Policy:
+        self = super().__new__(cls)
+        # NOTE [policies under torch.compile] in memfit.runtime.checkpoint: a plain function
+        # returning the policy, which dynamo can pass on to AOTAutograd (not the object).
+        object.__setattr__(self, "itself", _returning(self))
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("itself", None)  # a closure: __new__ makes a new one on unpickling
+        return state
+
     def decision(self, op: OpOverload, key: str, args: tuple, kwargs: dict) -> OpPolicy:
         raise NotImplementedError
 
@@ -408,6 +420,12 @@ class RegionPolicy:
         for t in written_tensors(op, args, kwargs):
             for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
                 sac_forget(self.caching_mode, saved_op, index)
+
+
+def _returning(policy: Policy) -> Callable[[], Policy]:
+    def itself() -> Policy:
+        return policy
+    return itself
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -1,0 +1,132 @@
+"""memfit's plans under ``torch.compile``: the planned model compiled (inductor), against
+``torch.compile``'s own ``activation_memory_budget`` (the ``compile_budget_<b>`` peers).
+
+Budgets: a few fractions of the plain peak, the smallest feasible one, and each compile peer's
+measured peak (``compiled_memfit@compile_budget_<b>``), so that the two ways of trading memory
+for time under compilation meet at the same memory. memfit plans from its eager profile; the
+compiled graph saves what the plan saves (NOTE [policies under torch.compile] in
+``memfit.runtime.checkpoint``), and inductor's fusions change the transients around it, so the
+measured peak is what the tables report.
+
+``extend`` adds the methods to the eager memfit sweep, so that the trade-off run checks,
+meters and times them with every other method (interleaved).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from benchmarks.models import Case
+from benchmarks.peers import Method, warm_compiled
+from benchmarks.planned import MIN_FEASIBLE, BudgetSpec, MemfitSweep, build_memfit
+
+__all__ = ["PREFIX", "specs", "compile_method", "extend", "comparisons"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "compiled_memfit"
+FRACTIONS = (0.6, 0.4)
+QUICK_FRACTIONS = (0.4,)
+
+
+def specs(peer_peaks: Mapping[str, int], *, quick: bool) -> list[BudgetSpec]:
+    """Fractions, the smallest feasible peak, then each compile peer's measured peak."""
+    out = [BudgetSpec(f"{PREFIX}_{f:.2f}", float(f))
+           for f in (QUICK_FRACTIONS if quick else FRACTIONS)]
+    out.append(BudgetSpec(f"{PREFIX}_min", MIN_FEASIBLE))
+    out.extend(BudgetSpec(f"{PREFIX}@{peer}", int(peak), peer=peer)
+               for peer, peak in peer_peaks.items() if peer.startswith("compile_budget"))
+    return out
+
+
+def compile_method(method: Method) -> Method:
+    """The planned model of an eager memfit method, compiled with inductor's defaults."""
+    import torch
+
+    if not method.applicable or method.model is None:
+        return method
+    model, loss_fn = method.model, method.forward_loss
+
+    def forward_loss(*inputs: Any) -> Any:
+        assert loss_fn is not None
+        return loss_fn(*inputs)
+
+    label = method.label.replace("memfit", "compile + memfit", 1)
+    return Method(method.name, label, method.family, model, torch.compile(forward_loss),
+                  method.inputs, info={**method.info, "compiled": "inductor"})
+
+
+def extend(sweep: MemfitSweep, case: Case, peer_peaks: Mapping[str, int], *,
+           quick: bool) -> MemfitSweep:
+    """Append compiled memfit methods (compiled and warmed) to ``sweep``; nothing if no
+    compile peer ran."""
+    wanted = specs(peer_peaks, quick=quick)
+    if not any(s.peer for s in wanted):
+        return sweep
+    built = build_memfit(case, wanted)
+    sweep.errors.extend(f"{PREFIX}: {e}" for e in built.errors)
+    for method in built.methods:
+        compiled = compile_method(method)
+        if compiled.applicable:
+            log.info("%s: compiling %s", case.name, compiled.name)
+            warm_compiled(compiled)
+        sweep.methods.append(compiled)
+    return sweep
+
+
+def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per compile peer: compiled memfit planned at the peer's measured peak."""
+    by_name = {r["name"]: r for r in records}
+    out = []
+    for peer in records:
+        if not peer["name"].startswith("compile_budget") or not peer["step_s"] or not peer["peak_bytes"]:
+            continue
+        mine = by_name.get(f"{PREFIX}@{peer['name']}")
+        row: dict[str, Any] = {"peer": peer["name"], "peer_peak_bytes": peer["peak_bytes"],
+                               "peer_step_s": peer["step_s"]}
+        if mine is not None and mine["step_s"] and mine["peak_bytes"]:
+            row.update(matched=mine["name"], matched_peak_bytes=mine["peak_bytes"],
+                       matched_step_s=mine["step_s"],
+                       matched_time_ratio=mine["step_s"] / peer["step_s"],
+                       matched_peak_ok=mine["peak_bytes"] <= peer["peak_bytes"])
+        out.append(row)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown: compile's budget vs compiled memfit's plans (peak, step, ratio)."""
+    recs = [r for r in result["methods"]
+            if r["name"].startswith(("compile_budget", PREFIX)) or r["name"] == "none"]
+    if not any(r["name"].startswith(PREFIX) for r in recs):
+        return ""
+    mib = 2**20
+    base = next((r["step_s"] for r in recs if r["name"] == "none"), None)
+    lines = ["torch.compile + memfit (planned from memfit's eager profile, compiled with "
+             "inductor) vs torch.compile's activation_memory_budget:", "",
+             "| method | budget | peak MiB | predicted MiB | step s | vs eager none | notes |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in recs:
+        info = r["info"]
+        budget = info.get("budget", info.get("budget_spec", "-"))
+        if info.get("matched_peer"):
+            budget = f"{info['matched_peer']}'s peak"
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / mib:.1f}"
+        pred = ("-" if r["predicted_peak_bytes"] is None
+                else f"{r['predicted_peak_bytes'] / mib:.1f}")
+        step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
+        vs = "-" if r["step_s"] is None or not base else f"{r['step_s'] / base:.2f}x"
+        note = (r.get("reason") or r.get("error") or "").replace("|", "/")[:120]
+        if info.get("same_plan_as"):
+            note = f"same plan as {info['same_plan_as']}"
+        lines.append(f"| {r['name']} | {budget} | {peak} | {pred} | {step} | {vs} | {note} |")
+    for c in result.get("compiled_comparisons", []):
+        if "matched_time_ratio" in c:
+            lines.append("")
+            lines.append(
+                f"At {c['peer']}'s measured peak ({c['peer_peak_bytes'] / mib:.1f} MiB): compiled "
+                f"memfit {c['matched_peak_bytes'] / mib:.1f} MiB, time ratio "
+                f"{c['matched_time_ratio']:.3f} (memfit / compile; below 1: memfit faster), "
+                f"peak within: {'yes' if c['matched_peak_ok'] else 'NO'}.")
+    return "\n".join(lines)
