@@ -73,7 +73,7 @@ def fit(
     """
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.tracer import profile
+    from memfit.calibration import profile
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):

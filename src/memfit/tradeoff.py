@@ -165,7 +165,7 @@ def sweep(
         >>> print_sweep(s)                                                                # doctest: +SKIP
     """
     from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.tracer import profile as make_profile
+    from memfit.calibration import profile as make_profile
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")

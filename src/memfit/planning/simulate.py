@@ -20,9 +20,10 @@ from memfit.planning.effects import (
 from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
+from memfit.profiling.calibrate import TimeTerms
 from memfit.profiling.profile import Profile
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["Simulation", "simulate", "time_terms"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,10 @@ class Simulation:
 
     Attributes:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
-        recompute_s: seconds of forward ops rerun in backward, plus the fixed cost of each
-            checkpointed region (NOTE [region overhead] and NOTE [dispatch overhead] in
-            ``memfit.planning.effects``).
+        recompute_s: seconds of forward ops rerun in backward, scaled per op class by the
+            profile's calibration, plus the fixed cost of each checkpointed region (NOTE
+            [calibration] in ``memfit.profiling.calibrate``; NOTE [region overhead] and NOTE
+            [dispatch overhead] in ``memfit.planning.effects``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -227,3 +229,26 @@ def simulate(profile: Profile, plan: Plan, *, _arrays: ProfileArrays | None = No
         region_saved_bytes=tuple(saved_b),
         recompute_points=tuple(rps),
     )
+
+
+def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
+    """What ``plan`` reruns, in the time model's units (NOTE [calibration] in
+    ``memfit.profiling.calibrate``): ``profile.calibration.recompute_s(time_terms(profile,
+    plan))`` equals ``simulate(profile, plan).recompute_s`` up to float rounding.
+
+    Raises:
+        ValueError: as ``simulate``; also nested regions (calibration times flat plans only).
+
+    Example:
+        >>> time_terms(profile, every_block_plan).regions     # doctest: +SKIP
+        8
+    """
+    arrs = ProfileArrays(profile)
+    models, parent = region_models(profile, arrs, plan.regions)
+    if any(p >= 0 for p in parent):
+        raise ValueError("time_terms models flat plans only; this plan nests regions")
+    parts = [rm.time_terms(saved) for rm, saved in models]
+    return TimeTerms(
+        matmul_s=float(sum(t.matmul_s for t in parts)), other_s=float(sum(t.other_s for t in parts)),
+        regions=sum(t.regions for t in parts), ops=sum(t.ops for t in parts),
+        selective_ops=sum(t.selective_ops for t in parts))
