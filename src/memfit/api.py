@@ -71,9 +71,9 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    from memfit.calibration import profile
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
-    from memfit.calibration import profile
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):
