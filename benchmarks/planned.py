@@ -86,9 +86,9 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None) -
     """
     out = MemfitSweep()
     try:
+        from memfit import calibration
         from memfit.errors import InfeasibleBudget
         from memfit.planning import planner
-        from memfit import calibration
         from memfit.runtime import apply as runtime_apply
     except ImportError as e:
         out.errors.append(f"memfit is not ready: {e}")
