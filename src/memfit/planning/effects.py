@@ -60,7 +60,6 @@ from memfit.profiling.calibrate import (
     DEFAULT_REGION_S,
     DEFAULT_SELECTIVE_OP_S,
     Calibration,
-    TimeTerms,
 )
 from memfit.profiling.profile import Profile, StorageKind
 
@@ -325,9 +324,9 @@ class RegionModel:
 
     def time_s(self, saved_ops: set[int]) -> float:
         """Recompute seconds: non-saved ops ``a..stop``, calibrated (NOTE [calibration])."""
-        return float(self.op_time[self.a: self.stop + 1][self._rerun(saved_ops)].sum())
+        return float(self.op_time[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
 
-    def _rerun(self, saved_ops: set[int] | list[int]) -> np.ndarray | slice:
+    def rerun(self, saved_ops: set[int] | list[int]) -> np.ndarray | slice:
         """Which of ops ``a..stop`` rerun (a slice when all do: one float sum in op order, as
         the cost model's sums)."""
         ops = [i for i in sorted(saved_ops) if self.a <= i <= self.stop]
@@ -336,15 +335,6 @@ class RegionModel:
         keep = np.ones(self.stop - self.a + 1, dtype=bool)
         keep[np.array(ops) - self.a] = False
         return keep
-
-    def time_terms(self, saved_ops: set[int] | list[int]) -> TimeTerms:
-        """What the region reruns, in the time model's units (NOTE [calibration])."""
-        sel = self._rerun(saved_ops)
-        fwd = self.fwd_time[self.a: self.stop + 1][sel] if self.useful else self.fwd_time[:0]
-        mm = self.op_matmul[self.a: self.stop + 1][sel] if self.useful else self.op_matmul[:0]
-        n = self.n_forward_ops
-        return TimeTerms(matmul_s=float(fwd[mm].sum()), other_s=float(fwd[~mm].sum()), regions=1,
-                         ops=n, selective_ops=n if saved_ops and self.useful else 0)
 
     # -- lifetimes under a save set (used by the simulator) --------------------------------
     def versions(self, sv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

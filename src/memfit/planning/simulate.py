@@ -247,8 +247,22 @@ def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
     models, parent = region_models(profile, arrs, plan.regions)
     if any(p >= 0 for p in parent):
         raise ValueError("time_terms models flat plans only; this plan nests regions")
-    parts = [rm.time_terms(saved) for rm, saved in models]
+    parts = [_region_terms(rm, saved) for rm, saved in models]
     return TimeTerms(
         matmul_s=float(sum(t.matmul_s for t in parts)), other_s=float(sum(t.other_s for t in parts)),
         regions=sum(t.regions for t in parts), ops=sum(t.ops for t in parts),
         selective_ops=sum(t.selective_ops for t in parts))
+
+
+def _region_terms(rm: RegionModel, saved_ops: list[int]) -> TimeTerms:
+    """What one region reruns: its non-saved ops ``a..stop`` if it drops anything (as
+    ``RegionModel.time_s``), and its fixed charges (as ``RegionModel.fixed_s``)."""
+    if rm.useful:
+        sel = rm.rerun(saved_ops)
+        fwd = rm.fwd_time[rm.a: rm.stop + 1][sel]
+        mm = rm.op_matmul[rm.a: rm.stop + 1][sel]
+    else:
+        fwd, mm = rm.fwd_time[:0], rm.op_matmul[:0]
+    n = rm.n_forward_ops
+    return TimeTerms(matmul_s=float(fwd[mm].sum()), other_s=float(fwd[~mm].sum()), regions=1, ops=n,
+                     selective_ops=n if saved_ops and rm.useful else 0)
