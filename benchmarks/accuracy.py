@@ -208,6 +208,16 @@ def _calibration_lines(results: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _write(results: list[dict[str, Any]], env: dict[str, Any], out: Path) -> str:
+    md = markdown(results, env)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps(
+        {"kind": "memfit.benchmark.accuracy", "schema_version": SCHEMA_VERSION, "target": TARGET,
+         "time_target": TIME_TARGET, "environment": env, "results": results}, indent=1) + "\n")
+    (out / "accuracy.md").write_text(md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0])
@@ -222,17 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         harness.ensure_pinned_malloc("benchmarks.accuracy", argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env = harness.collect_environment(args.threads).to_dict()
-    results = []
+    results: list[dict[str, Any]] = []
+    md = ""
     for name in args.model:
         log.info("accuracy: %s", name)
         results.append(run_model(name, rounds=args.rounds))
-    md = markdown(results, env)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accuracy.json").write_text(json.dumps(
-        {"kind": "memfit.benchmark.accuracy", "schema_version": SCHEMA_VERSION, "target": TARGET,
-         "time_target": TIME_TARGET,
-         "environment": env, "results": results}, indent=1) + "\n")
-    (args.out / "accuracy.md").write_text(md)
+        md = _write(results, env, args.out)  # after each model: a long run keeps what it measured
     print(md, flush=True)
     failed = [row for r in results for row in r["rows"] if "error" in row or not row.get("within_target")]
     return 1 if failed else 0
