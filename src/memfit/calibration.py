@@ -101,6 +101,10 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 1) -> Profile:
     already carries a plan, a plan that fails), the profile gets the default time model and
     the reason.
 
+    A failure of the calibration itself (a baseline plan the simulator rejects, a step that
+    fails once planned) is logged and gives the default time model with the reason: it never
+    fails the profile.
+
     Raises:
         ValueError: ``rounds`` below 1.
     """
@@ -109,7 +113,11 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 1) -> Profile:
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     t0 = time.perf_counter()
-    cal = _calibration(prof, step, rounds)
+    try:
+        cal = _calibration(prof, step, rounds)
+    except Exception as e:  # noqa: BLE001 - a failed calibration must not fail the profile
+        log.info("calibration failed (%s: %s); default time model", type(e).__name__, e)
+        cal = Calibration.default(f"calibration failed: {type(e).__name__}: {str(e)[:300]}")
     wall = time.perf_counter() - t0
     log.info("calibrated %s in %.3fs (%.1f plain steps): %s", prof.model, wall,
              wall / prof.step_time_s if prof.step_time_s > 0 else float("nan"), _describe(cal))
@@ -132,15 +140,11 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> Calibration:
                                        f"{MIN_BLOCKS}: too little recompute to time")
         if all(tuple(p.regions) != tuple(q.regions) for q in plans.values()):
             plans[name] = p
-    try:
-        times = _time_plans(step, plans, rounds)
-    except Exception as e:  # noqa: BLE001 - a failed timing must not fail the profile
-        log.warning("calibration: timing the baseline plans failed (%s: %s); default time model",
-                    type(e).__name__, e)
-        return Calibration.default(f"timing the baseline plans failed: {type(e).__name__}: {e}")
+    terms = {name: time_terms(prof, p) for name, p in plans.items()}  # before any step runs
+    times = _time_plans(step, plans, rounds)
     plain = statistics.median([prof.step_time_s, *times.pop("plain")])
-    rows = [TimedPlan(name, time_terms(prof, p), statistics.median(times[name]) - plain,
-                      statistics.median(times[name])) for name, p in plans.items()]
+    rows = [TimedPlan(name, terms[name], statistics.median(times[name]) - plain,
+                      statistics.median(times[name])) for name in plans]
     return fit_calibration(rows, prior=prof.calibration)
 
 

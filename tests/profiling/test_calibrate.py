@@ -216,3 +216,18 @@ def test_calibration_off_leaves_the_profile_uncalibrated() -> None:
 def test_steady_check_checks_no_call() -> None:
     """The calibration times the default check's unchecked calls (NOTE [calibrated steady state])."""
     assert not any(STEADY_CHECK.checks(call) for call in range(1000))
+
+
+def test_a_failing_calibration_keeps_the_constants_and_the_profile(monkeypatch) -> None:
+    """E.g. a baseline plan the simulator rejects (nested regions on some Hugging Face models)."""
+    import memfit.calibration
+
+    def broken(*args, **kwargs):
+        raise ValueError("region 'a.b' is nested two levels deep")
+
+    monkeypatch.setattr(memfit.calibration, "_time_plans", broken)
+    model = _blocks(4)
+    prof = calibrated_profile(model, torch.randn(4, 32))
+    assert prof.calibration is not None and prof.calibration.source is CalibrationSource.DEFAULT
+    assert prof.calibration.reason == "calibration failed: ValueError: region 'a.b' is nested two levels deep"
+    assert not any("_memfit_applied" in m.__dict__ for m in model.modules())

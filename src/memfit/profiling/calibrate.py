@@ -201,8 +201,8 @@ def fit_calibration(measurements: Sequence[TimedPlan], *,
     if bad:
         lo, hi = SCALE_BOUNDS
         reason = (f"fit rejected: {', '.join(bad)} outside [{lo}, {hi}] (measured extra seconds "
-                  f"{[round(v, 6) for v in b]}: timing noise larger than the recompute?)")
-        log.warning("calibration: %s; keeping the default time model", reason)
+                  f"{[round(float(v), 6) for v in b]}: timing noise larger than the recompute?)")
+        log.info("calibration: %s; keeping the default time model", reason)
         return replace(base, reason=reason)
     mm, other, sel, op, region = (float(v) for v in values)  # FIT_ORDER
     return replace(base, source=CalibrationSource.FIT, reason="", matmul_scale=mm, other_scale=other,
