@@ -102,9 +102,9 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
     """
     out = MemfitSweep()
     try:
+        from memfit import calibration
         from memfit.errors import InfeasibleBudget
         from memfit.planning import planner
-        from memfit.profiling import tracer
         from memfit.runtime import apply as runtime_apply
     except ImportError as e:
         out.errors.append(f"memfit is not ready: {e}")
@@ -114,7 +114,7 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
         model = copy.deepcopy(case.model).train()
         t0 = time.perf_counter()
         try:
-            prof = tracer.profile(model, case.inputs, loss_fn=case.loss_fn)
+            prof = calibration.profile(model, case.inputs, loss_fn=case.loss_fn)
         except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
             out.errors.append(f"memfit.profile failed: {type(e).__name__}: {e}")
             return out
@@ -144,6 +144,7 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
         info.update(planning_s=planning_s, budget_bytes=plan.budget_bytes,
                     predicted_peak_bytes=int(plan.predicted_peak_bytes),
                     predicted_recompute_s=float(plan.recompute_s), solver=plan.solver,
+                    predicted_step_s=float(plan.predicted_step_s),
                     n_regions=len(plan.regions),
                     n_saved_ops=sum(len(r.save) for r in plan.regions))
         if plan.tuning is not None:

@@ -70,15 +70,16 @@ def methods_table(result: dict[str, Any]) -> str:
     base = next((r for r in recs if r["name"] == "none"), None)
     base_peak = base["peak_bytes"] if base else None
     lines = [
-        "| method | peak MiB | peak vs none | predicted MiB | step s | overhead | CPU s | CPU overhead "
-        "| plan s | compile s | grads bitwise | buffers equal | notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|:-:|---|",
+        "| method | peak MiB | peak vs none | predicted MiB | step s | pred. time s | overhead | CPU s "
+        "| CPU overhead | plan s | compile s | grads bitwise | buffers equal | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|:-:|---|",
     ]
     for r in recs:
         frac = r["peak_bytes"] / base_peak if (r["peak_bytes"] and base_peak) else None
         lines.append(
             f"| {r['name']} | {_mib(r['peak_bytes'])} | {_pct(frac, signed=False)} | "
-            f"{_mib(r['predicted_peak_bytes'])} | {_s(r['step_s'])} | {_pct(r['overhead'])} | "
+            f"{_mib(r['predicted_peak_bytes'])} | {_s(r['step_s'])} | "
+            f"{_s(r.get('info', {}).get('predicted_step_s'))} | {_pct(r['overhead'])} | "
             f"{_s(r.get('cpu_s'))} | {_pct(r.get('cpu_overhead'))} | "
             f"{_s(r['planning_s'])} | {_s(r['compile_s'])} | {_yes(r['grads_equal'])} | "
             f"{_yes(r['buffers_equal'])} | {_notes(r)} |"

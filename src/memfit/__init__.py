@@ -44,7 +44,7 @@ _LAZY = {
     "unapply": "memfit.runtime.apply",
     "measure": "memfit.profiling.measure",
     "Measurement": "memfit.profiling.measure",
-    "profile": "memfit.profiling.tracer",
+    "profile": "memfit.calibration",
     "simulate": "memfit.planning.simulate",
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.planning.planner",

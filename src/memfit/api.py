@@ -85,10 +85,10 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    from memfit.calibration import profile
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.tracer import profile
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):

@@ -186,8 +186,8 @@ def sweep(
         >>> s = sweep(memfit.zoo.gpt(n_layer=2, d_model=64, seq_len=32), x, (1.0, 0.5))  # doctest: +SKIP
         >>> print_sweep(s)                                                                # doctest: +SKIP
     """
+    from memfit.calibration import profile as make_profile
     from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.tracer import profile as make_profile
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")

@@ -181,3 +181,14 @@ def test_pareto_front() -> None:
     pts = [(1.0, 10.0), (1.2, 6.0), (1.1, 8.0), (1.3, 7.0), (2.0, 3.0)]
     assert plot.pareto(pts) == [(1.0, 10.0), (1.1, 8.0), (1.2, 6.0), (2.0, 3.0)]
     assert tables._mib(3 * 2**20) == "3.0"
+
+
+def test_methods_table_gives_memfit_predicted_step_time() -> None:
+    recs = [_rec("none", "none", 2**20, 1.0, overhead=0.0),
+            _rec("memfit_60", "memfit", 2**19, 1.25, overhead=0.25, info={"predicted_step_s": 1.2}),
+            _rec("every_block", "peer", 2**19, 1.5, overhead=0.5)]
+    rows = tables.methods_table({"methods": recs}).splitlines()
+    assert "| step s | pred. time s |" in rows[0]
+    cells = {r.split(" | ")[0].lstrip("| "): r.split(" | ") for r in rows[2:]}
+    assert cells["memfit_60"][4:6] == ["1.250", "1.200"]
+    assert cells["every_block"][4:6] == ["1.500", "-"]

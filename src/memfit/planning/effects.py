@@ -33,7 +33,9 @@ NOTE [region memory model]
     (its second lifetime). Memory at replay step ``i`` is the memory just before op ``rp``
     (storages live at both ``rp - 1`` and ``rp``) plus the replayed storages live at ``i``,
     plus op ``i``'s kernel workspace if op ``i`` is not saved (it runs again).
-    Recompute time is the forward time of the non-saved ops ``a..L``.
+    Recompute time is the forward time of the non-saved ops ``a..L``, scaled per op class by
+    the profile's calibration (NOTE [calibration] in ``memfit.profiling.calibrate``), plus the
+    fixed charges of NOTE [region overhead] and NOTE [dispatch overhead].
 
     Kernel workspaces (NOTE [kernel workspaces] in ``memfit.profiling.profile``) add
     ``workspace_bytes[p]`` at op position ``p`` whatever the plan (forward ops run either way),
@@ -52,7 +54,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.planning.rules import is_saveable
+from memfit.planning.rules import is_matmul, is_saveable
+from memfit.profiling.calibrate import (
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
+    Calibration,
+)
 from memfit.profiling.profile import Profile, StorageKind
 
 # NOTE [region overhead] Each checkpointed call costs time beyond the ops it reruns: torch's
@@ -60,8 +68,9 @@ from memfit.profiling.profile import Profile, StorageKind
 # this project's 2-core CPU machine (2026-11-30, torch 2.13): 250-380 us per region per step
 # for 20 wrapped Linear+Tanh blocks. Counting it makes the solvers prefer fewer, larger regions
 # where a tiny one (a lone LayerNorm or Dropout) would save almost nothing. 2**-12 s (244 us):
-# a power of two, so that sums of dyadic test times stay exact.
-REGION_OVERHEAD_S = 2.0**-12
+# a power of two, so that sums of dyadic test times stay exact. The default of the profile's
+# calibration (NOTE [calibration] in memfit.profiling.calibrate), which replaces it when fitted.
+REGION_OVERHEAD_S = DEFAULT_REGION_S
 
 # NOTE [dispatch overhead] Checkpointed regions also pay per op, in Python: the divergence
 # check (memfit.runtime.divergence) records every forward op of a region and compares every
@@ -73,9 +82,9 @@ REGION_OVERHEAD_S = 2.0**-12
 # region (apply's default check=True), SAC_OP_OVERHEAD_S when the region saves any op. The
 # second is a fixed charge, paid once per region whatever the number of saved ops: the
 # solvers weigh it against the recompute that saving ops avoids (a block of 60 ops pays
-# about 0.9 ms).
-OP_OVERHEAD_S = 2.0**-16
-SAC_OP_OVERHEAD_S = 2.0**-16
+# about 0.9 ms). Both are defaults of the profile's calibration, as REGION_OVERHEAD_S.
+OP_OVERHEAD_S = DEFAULT_OP_S
+SAC_OP_OVERHEAD_S = DEFAULT_SELECTIVE_OP_S
 
 __all__ = ["REGION_OVERHEAD_S", "OP_OVERHEAD_S", "SAC_OP_OVERHEAD_S", "ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span"]
 
@@ -123,6 +132,11 @@ class ProfileArrays:
         self.by_creator = ids[order]
         self.by_creator_op = self.creator[self.by_creator]
         self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
+        # NOTE [calibration]: the seconds an op costs when a region reruns it
+        self.calibration = profile.calibration if profile.calibration is not None else Calibration()
+        cal = self.calibration
+        self.op_matmul = np.array([is_matmul(op) for op in profile.ops], dtype=bool)
+        self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
         self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
@@ -277,7 +291,10 @@ class RegionModel:
         self.in_c = arrs.creator[self.inputs]
         self.in_f = arrs.freed[self.inputs]
         self.in_nb = arrs.nbytes[self.inputs]
-        self.op_time = arrs.op_time
+        self.op_time = arrs.rerun_time  # calibrated (NOTE [calibration])
+        self.fwd_time = arrs.op_time
+        self.op_matmul = arrs.op_matmul
+        self.calibration = arrs.calibration
         self.workspace = arrs.workspace
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
@@ -291,8 +308,9 @@ class RegionModel:
     def fixed_s(self, selective: bool) -> float:
         """Seconds a checkpointed call costs beyond the ops it reruns (NOTE [region overhead],
         NOTE [dispatch overhead]); ``selective``: the region saves some op."""
-        per_op = OP_OVERHEAD_S + (SAC_OP_OVERHEAD_S if selective else 0.0)
-        return REGION_OVERHEAD_S + self.n_forward_ops * per_op
+        cal = self.calibration
+        per_op = cal.op_s + (cal.selective_op_s if selective else 0.0)
+        return cal.region_s + self.n_forward_ops * per_op
 
     @property
     def useful(self) -> bool:
@@ -305,13 +323,18 @@ class RegionModel:
         return np.isin(self.c, ops) if ops.size else np.zeros(self.c.shape, dtype=bool)
 
     def time_s(self, saved_ops: set[int]) -> float:
-        """Recompute seconds: non-saved ops ``a..stop``."""
+        """Recompute seconds: non-saved ops ``a..stop``, calibrated (NOTE [calibration])."""
+        return float(self.op_time[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
+
+    def rerun(self, saved_ops: set[int] | list[int]) -> np.ndarray | slice:
+        """Which of ops ``a..stop`` rerun (a slice when all do: one float sum in op order, as
+        the cost model's sums)."""
         ops = [i for i in sorted(saved_ops) if self.a <= i <= self.stop]
-        if not ops:  # one float sum in op order, as the cost model's sums
-            return float(self.op_time[self.a: self.stop + 1].sum())
+        if not ops:
+            return slice(None)
         keep = np.ones(self.stop - self.a + 1, dtype=bool)
         keep[np.array(ops) - self.a] = False
-        return float(self.op_time[self.a: self.stop + 1][keep].sum())
+        return keep
 
     # -- lifetimes under a save set (used by the simulator) --------------------------------
     def versions(self, sv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -155,6 +155,11 @@ class Plan:
         return self.recompute_s / self.plain_step_s if self.plain_step_s > 0 else 0.0
 
     @property
+    def predicted_step_s(self) -> float:
+        """Predicted seconds of one planned step: the plain step plus the recompute."""
+        return self.plain_step_s + self.recompute_s
+
+    @property
     def peak_fraction(self) -> float:
         return self.predicted_peak_bytes / self.plain_peak_bytes if self.plain_peak_bytes else 1.0
 

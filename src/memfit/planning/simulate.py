@@ -28,9 +28,10 @@ from memfit.planning.offload import (
 )
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
+from memfit.profiling.calibrate import TimeTerms
 from memfit.profiling.profile import Profile
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["Simulation", "simulate", "time_terms"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,10 @@ class Simulation:
 
     Attributes:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
-        recompute_s: seconds of forward ops rerun in backward, plus the fixed cost of each
-            checkpointed region (NOTE [region overhead] and NOTE [dispatch overhead] in
-            ``memfit.planning.effects``).
+        recompute_s: seconds of forward ops rerun in backward, scaled per op class by the
+            profile's calibration, plus the fixed cost of each checkpointed region (NOTE
+            [calibration] in ``memfit.profiling.calibrate``; NOTE [region overhead] and NOTE
+            [dispatch overhead] in ``memfit.planning.effects``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -267,3 +269,38 @@ def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
     host = dense(np.array([c.op for c in copies]), np.array([c.rp for c in copies]),
                  np.array([c.nbytes for c in copies]), 0, arrs.n_ops - 1)
     return offload_time_s(arrs, copies, spec), int(host.max(initial=0))
+def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
+    """What ``plan`` reruns, in the time model's units (NOTE [calibration] in
+    ``memfit.profiling.calibrate``): ``profile.calibration.recompute_s(time_terms(profile,
+    plan))`` equals ``simulate(profile, plan).recompute_s`` up to float rounding.
+
+    Raises:
+        ValueError: as ``simulate``; also nested regions (calibration times flat plans only).
+
+    Example:
+        >>> time_terms(profile, every_block_plan).regions     # doctest: +SKIP
+        8
+    """
+    arrs = ProfileArrays(profile)
+    models, parent = region_models(profile, arrs, plan.regions)
+    if any(p >= 0 for p in parent):
+        raise ValueError("time_terms models flat plans only; this plan nests regions")
+    parts = [_region_terms(rm, saved + offloaded) for rm, saved, offloaded in models]  # neither reruns
+    return TimeTerms(
+        matmul_s=float(sum(t.matmul_s for t in parts)), other_s=float(sum(t.other_s for t in parts)),
+        regions=sum(t.regions for t in parts), ops=sum(t.ops for t in parts),
+        selective_ops=sum(t.selective_ops for t in parts))
+
+
+def _region_terms(rm: RegionModel, saved_ops: list[int]) -> TimeTerms:
+    """What one region reruns: its non-saved ops ``a..stop`` if it drops anything (as
+    ``RegionModel.time_s``), and its fixed charges (as ``RegionModel.fixed_s``)."""
+    if rm.useful:
+        sel = rm.rerun(saved_ops)
+        fwd = rm.fwd_time[rm.a: rm.stop + 1][sel]
+        mm = rm.op_matmul[rm.a: rm.stop + 1][sel]
+    else:
+        fwd, mm = rm.fwd_time[:0], rm.op_matmul[:0]
+    n = rm.n_forward_ops
+    return TimeTerms(matmul_s=float(fwd[mm].sum()), other_s=float(fwd[~mm].sum()), regions=1, ops=n,
+                     selective_ops=n if saved_ops and rm.useful else 0)

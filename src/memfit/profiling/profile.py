@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
+from memfit.profiling.calibrate import Calibration
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
@@ -176,6 +177,9 @@ class Profile:
     mode: str = "measure"
     cost_model: str = "measured"
     signature: str = ""
+    # the recompute time model (NOTE [calibration] in memfit.profiling.calibrate); None: not
+    # calibrated (a profile made before calibration, or by the tracer alone): the defaults
+    calibration: Calibration | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -276,10 +280,14 @@ def _scalar_fields(data: dict[str, Any]) -> dict[str, Any]:
         k: v for k, v in data.items() if k not in ("ops", "storages", "modules", "kind")
     }
     out["live_bytes"] = tuple(data["live_bytes"])
+    cal = data.get("calibration")
+    out["calibration"] = Calibration.from_dict(cal) if cal is not None else None
     return out
 
 
 def _to_jsonable(obj: Any) -> Any:
+    if isinstance(obj, Calibration):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         if isinstance(obj, Profile):

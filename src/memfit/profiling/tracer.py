@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from memfit.errors import ProfileMismatch
+from memfit.profiling.calibrate import Calibration
 from memfit.profiling.costmodel import op_time_s, preset
 from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.modules import ModuleRecorder, param_owners
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 #     counts: op keys ("aten.mm.default#2") agree between plan and runtime. Timing runs install
 #     identity hooks so their op sequence lines up with the traced one. Memory is unaffected
 #     (the skipped detach is a view).
+
+
+FAKE_CALIBRATION = ("fake mode: op times come from the cost model and no step runs, so "
+                    "recompute is not timed; the default time model applies")
 
 
 class ProfileMode(str, enum.Enum):
@@ -235,6 +240,8 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         device=cost.name if cost is not None else str(dev), mode=mode.value,
         cost_model=f"roofline:{cost.name}" if cost is not None else "measured",
         signature=op_signature(ops, n_forward),
+        # NOTE [calibration]: nothing runs in fake mode to time recompute against
+        calibration=Calibration.default(FAKE_CALIBRATION) if fake else None,
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
                "repeats": repeats if not fake else 1,
                "workspace_runs": tr.workspace_runs, "workspace_s": tr.workspace_s},

@@ -1,0 +1,196 @@
+"""``profile`` with a calibrated time model: trace the step, then time a few baseline plans.
+
+The tracer (``memfit.profiling``) decides nothing and applies nothing; timing a plan needs the
+planner and the runtime, so the calibration runs here, above all three stages, and the public
+``memfit.profile`` is this module's :func:`profile`.
+
+NOTE [calibrated steady state]
+    The time model predicts a planned step in the steady state of apply's default check
+    (``check=True``: each region's first 3 calls checked, then one in 100): an unchecked call,
+    which runs exactly as ``check=False`` with a call counter (NOTE [check sampling] in
+    ``memfit.runtime.divergence``). The first calls, and one in 100 after them, cost more
+    (measured: ops and values +35% on a GPT step). The calibration therefore times each plan
+    applied with ``STEADY_CHECK`` (the default's sampler, no call checked): the code path of
+    the default's unchecked calls, reached without the 4 warm-up steps per plan that the
+    default itself would need (NOTE [calibration cost]).
+
+NOTE [calibration cost]
+    Profiling already costs about 4-5 plain steps (``memfit.profiling.tracer.profile``). The
+    calibration adds one step of every-block checkpointing (``every_block`` baseline) and one
+    of every block saving its matmuls (``save_matmuls``; skipped when it is the same plan),
+    about 2.7 plain steps on the zoo GPT; the plain reference is the profile's own plain step,
+    timed just before. ``rounds > 1`` times plain, every-block and save-matmuls again,
+    interleaved (NOTE [interleaving] in ``benchmarks.harness``), ``rounds - 1`` more times,
+    and fits the medians.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memfit.planning.plan import Plan
+from memfit.profiling.calibrate import Calibration, TimedPlan, fit_calibration
+from memfit.profiling.inputs import LossFn
+from memfit.profiling.profile import Profile
+from memfit.profiling.tracer import ProfileMode
+from memfit.profiling.tracer import profile as trace_profile
+from memfit.runtime.divergence import DivergenceCheck
+from memfit.step import ModelState, Step
+
+__all__ = ["profile", "calibrate", "STEADY_CHECK", "MIN_BLOCKS"]
+
+log = logging.getLogger(__name__)
+
+# NOTE [calibrated steady state]: apply's default sampler with no call checked
+STEADY_CHECK = DivergenceCheck(first_calls=0, every=0)
+# fewer checkpointable blocks than this: too little recompute to tell from timing noise
+MIN_BLOCKS = 2
+_PLANS = ("every_block", "save_matmuls")
+
+
+def profile(
+    model: torch.nn.Module | Step,
+    example_inputs: Any = None,
+    *,
+    loss_fn: LossFn | None = None,
+    mode: ProfileMode | str = ProfileMode.MEASURE,
+    device: str | torch.device | None = None,
+    repeats: int = 2,
+    target: str = "cpu",
+    calibrate_time: bool = True,
+    rounds: int = 1,
+) -> Profile:
+    """Trace one forward + loss + backward of ``model`` into a Profile; in measure mode, also
+    calibrate its recompute time model on a few timed steps (NOTE [calibration] in
+    ``memfit.profiling.calibrate``).
+
+    Args:
+        model, example_inputs, loss_fn, mode, device, repeats, target: as
+            :func:`memfit.profiling.tracer.profile`.
+        calibrate_time: time baseline plans and fit the time model (measure mode only;
+            default True). False, or fake mode: the default time model (today's constants).
+        rounds: timed steps per baseline plan (default 1, about 2.7 plain steps of extra
+            time: NOTE [calibration cost]).
+
+    Example:
+        >>> m = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+        >>> p = profile(m, torch.randn(32, 64))
+        >>> p.calibration.source.value in ("fit", "default")
+        True
+    """
+    prof = trace_profile(model, example_inputs, loss_fn=loss_fn, mode=mode, device=device,
+                         repeats=repeats, target=target)
+    if not calibrate_time or prof.mode != ProfileMode.MEASURE.value:
+        return prof
+    step = model if isinstance(model, Step) else Step.of(model, example_inputs, loss_fn=loss_fn)
+    return calibrate(prof, step, rounds=rounds)
+
+
+def calibrate(prof: Profile, step: Step, *, rounds: int = 1) -> Profile:
+    """``prof`` with its time model fitted to timed steps of baseline plans of ``step``.
+
+    The model is left as found (grads, buffers, RNG state; the plans are removed). Where the
+    plans cannot be timed or tell nothing (fewer than ``MIN_BLOCKS`` blocks, a model that
+    already carries a plan, a plan that fails), the profile gets the default time model and
+    the reason.
+
+    A failure of the calibration itself (a baseline plan the simulator rejects, a step that
+    fails once planned) is logged and gives the default time model with the reason: it never
+    fails the profile.
+
+    Raises:
+        ValueError: ``rounds`` below 1.
+    """
+    import dataclasses
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    t0 = time.perf_counter()
+    try:
+        cal = _calibration(prof, step, rounds)
+    except Exception as e:  # noqa: BLE001 - a failed calibration must not fail the profile
+        log.info("calibration failed (%s: %s); default time model", type(e).__name__, e)
+        cal = Calibration.default(f"calibration failed: {type(e).__name__}: {str(e)[:300]}")
+    wall = time.perf_counter() - t0
+    log.info("calibrated %s in %.3fs (%.1f plain steps): %s", prof.model, wall,
+             wall / prof.step_time_s if prof.step_time_s > 0 else float("nan"), _describe(cal))
+    return dataclasses.replace(prof, calibration=cal, extra={**prof.extra, "calibration_wall_s": wall})
+
+
+def _calibration(prof: Profile, step: Step, rounds: int) -> Calibration:
+    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.simulate import time_terms
+
+    model = step.model
+    if any("_memfit_applied" in m.__dict__ for m in model.modules()):
+        return Calibration.default("the model carries a memfit plan: the profile is of a planned "
+                                   "step, not timed again")
+    plans: dict[str, Plan] = {}
+    for name in _PLANS:
+        p = make_plan(prof, budget=1.0, solver=name)
+        if name == "every_block" and len(p.regions) < MIN_BLOCKS:
+            return Calibration.default(f"{len(p.regions)} checkpointable block(s), fewer than "
+                                       f"{MIN_BLOCKS}: too little recompute to time")
+        if all(tuple(p.regions) != tuple(q.regions) for q in plans.values()):
+            plans[name] = p
+    terms = {name: time_terms(prof, p) for name, p in plans.items()}  # before any step runs
+    times = _time_plans(step, plans, rounds)
+    plain = statistics.median([prof.step_time_s, *times.pop("plain")])
+    rows = [TimedPlan(name, terms[name], statistics.median(times[name]) - plain,
+                      statistics.median(times[name])) for name in plans]
+    return fit_calibration(rows, prior=prof.calibration)
+
+
+def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
+    """Step times of each plan (and of the plain step after the first round), interleaved."""
+    from memfit.runtime.apply import apply, unapply
+
+    model = step.model
+    names: list[str | None] = [None, *plans]
+    out: dict[str, list[float]] = {"plain": [], **{n: [] for n in plans}}
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    gc_was_enabled = gc.isenabled()
+    with ModelState(model, step.inputs) as keep:
+        try:
+            gc.disable()  # a collection inside one plan's window would be charged to it
+            for r in range(rounds):
+                for i in range(len(names)):
+                    name = names[(r + i) % len(names)]
+                    if name is None and r == 0:
+                        continue  # the profile's own plain step is the first round's
+                    if name is not None:
+                        apply(model, plans[name], check=STEADY_CHECK)
+                    try:
+                        out[name or "plain"].append(_timed(lambda: keep.run(step), dev))
+                    finally:
+                        if name is not None:
+                            unapply(model)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    return out
+
+
+def _timed(fn: Callable[[], None], dev: torch.device) -> float:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
+def _describe(cal: Calibration) -> str:
+    if cal.fitted:
+        return (f"matmul x{cal.matmul_scale:.3f}, other x{cal.other_scale:.3f} "
+                f"(fitted: {', '.join(cal.fitted)})")
+    return f"default time model ({cal.reason})"
