@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from memfit._torch import OpOverloadPacket, op_packet, op_schema
+from memfit._torch import OpOverload, OpOverloadPacket, op_packet, op_schema
 
 __all__ = [
     "RandomKind",
@@ -57,6 +57,10 @@ __all__ = [
     "uses_workspace",
     "packet_name",
     "aten_overloads",
+    "op_name",
+    "op_packet_name",
+    "resolve_op_name",
+    "must_recompute",
 ]
 
 
@@ -229,3 +233,61 @@ def aten_overloads() -> Iterator[Any]:
             continue
         for overload in packet.overloads():
             yield getattr(packet, overload)
+
+
+def resolve_op_name(name: Any) -> tuple[str, str]:
+    """Return ("overload"|"packet", canonical name) or raise ValueError naming the bad name."""
+    if isinstance(name, OpOverload):
+        return "overload", str(name)
+    if isinstance(name, OpOverloadPacket):
+        return "packet", str(name)
+    if not isinstance(name, str):
+        raise ValueError(
+            f"op name {name!r} ({type(name).__name__}) is neither a string like 'aten.mm' nor "
+            "a torch.ops object"
+        )
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"unknown op name {name!r}: expected 'namespace.op' or 'namespace.op.overload', "
+            "e.g. 'aten.mm' or 'aten.addmm.default'"
+        )
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if len(parts) == 2:
+            if not isinstance(packet, OpOverloadPacket):
+                raise AttributeError(parts[1])
+            return "packet", str(packet)
+        overload = getattr(packet, parts[2])
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"unknown op name {name!r}: torch.ops has no such op; check the spelling "
+            "(names look like 'aten.mm' or 'aten.addmm.default')"
+        ) from None
+    return "overload", str(overload)
+
+
+_NAMES: dict[Any, str] = {}
+_PACKETS: dict[Any, str] = {}
+
+
+def op_name(op: Any) -> str:
+    """``str(op)`` ("aten.mm.default"), cached per op."""
+    name = _NAMES.get(op)
+    if name is None:
+        name = _NAMES[op] = str(op)
+    return name
+
+
+def op_packet_name(op: Any) -> str:
+    """``"aten.mm"`` for the overload ``aten.mm.default``, cached per op."""
+    packet = _PACKETS.get(op)
+    if packet is None:
+        packet = _PACKETS[op] = op_name(op).rsplit(".", 1)[0]
+    return packet
+
+
+def must_recompute(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -> bool:
+    """True if NOTE [forced recompute] forbids saving this call's outputs (without ``args``:
+    any call's)."""
+    return writes_input(op) or is_random(op, args, kwargs)

@@ -50,7 +50,14 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from memfit._torch import OpOverload, OpOverloadPacket, returns_alias, sac_forget, written_tensors
-from memfit.ops import MATMUL_PACKETS, is_random, writes_input
+from memfit.ops import (
+    MATMUL_PACKETS,
+    must_recompute,
+    op_name,
+    op_packet_name,
+    resolve_op_name,
+    writes_input,
+)
 from memfit.planning.plan import OpPolicy
 
 __all__ = [
@@ -125,7 +132,7 @@ class _SaveOps(Policy):
         return self.decide(op, op_name(op), 0, args, kwargs)
 
     def decide(self, op, name, k, args, kwargs) -> OpPolicy:
-        return _SAVE if name in self.overloads or _packet_name(op) in self.packets else _RECOMPUTE
+        return _SAVE if name in self.overloads or op_packet_name(op) in self.packets else _RECOMPUTE
 
     def __repr__(self) -> str:
         return f"save_ops({', '.join(repr(n) for n in sorted(self.overloads | self.packets))})"
@@ -233,7 +240,7 @@ def save_ops(*names: str | OpOverload | OpOverloadPacket) -> Policy:
     overloads: set[str] = set()
     packets: set[str] = set()
     for name in names:
-        kind, resolved = _resolve_op_name(name)
+        kind, resolved = resolve_op_name(name)
         (overloads if kind == "overload" else packets).add(resolved)
     return _SaveOps(frozenset(overloads), frozenset(packets))
 
@@ -283,7 +290,7 @@ def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]], *
                 f"op key {key!r} is not of the form '<overload>#<k>' (e.g. 'aten.mm.default#2')"
             )
         try:
-            kind, _ = _resolve_op_name(match["op"])
+            kind, _ = resolve_op_name(match["op"])
         except ValueError as e:
             raise ValueError(f"op key {key!r}: {e}") from None
         if kind != "overload":
@@ -338,38 +345,6 @@ def resolve(policy: Any) -> Policy | None:
     )
 
 
-def _resolve_op_name(name: Any) -> tuple[str, str]:
-    """Return ("overload"|"packet", canonical name) or raise ValueError naming the bad name."""
-    if isinstance(name, OpOverload):
-        return "overload", str(name)
-    if isinstance(name, OpOverloadPacket):
-        return "packet", str(name)
-    if not isinstance(name, str):
-        raise ValueError(
-            f"op name {name!r} ({type(name).__name__}) is neither a string like 'aten.mm' nor "
-            "a torch.ops object"
-        )
-    parts = name.split(".")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(
-            f"unknown op name {name!r}: expected 'namespace.op' or 'namespace.op.overload', "
-            "e.g. 'aten.mm' or 'aten.addmm.default'"
-        )
-    try:
-        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
-        if len(parts) == 2:
-            if not isinstance(packet, OpOverloadPacket):
-                raise AttributeError(parts[1])
-            return "packet", str(packet)
-        overload = getattr(packet, parts[2])
-    except (AttributeError, RuntimeError):
-        raise ValueError(
-            f"unknown op name {name!r}: torch.ops has no such op; check the spelling "
-            "(names look like 'aten.mm' or 'aten.addmm.default')"
-        ) from None
-    return "overload", str(overload)
-
-
 class RegionPolicy:
     """The per-call policy function handed to ``create_selective_checkpoint_contexts``.
 
@@ -394,7 +369,7 @@ class RegionPolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self.recorder is not None:
             self.recorder.note(op, getattr(ctx, "op_output", None), args, kwargs)
-        name = _NAMES.get(op) or op_name(op)
+        name = op_name(op)
         counts = self.counts
         k = counts.get(name, 0)
         counts[name] = k + 1
@@ -434,28 +409,3 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [v for v in value if isinstance(v, torch.Tensor)]
     return []
-
-
-_NAMES: dict[Any, str] = {}
-_PACKETS: dict[Any, str] = {}
-
-
-def op_name(op: Any) -> str:
-    """``str(op)`` ("aten.mm.default"), cached per op."""
-    name = _NAMES.get(op)
-    if name is None:
-        name = _NAMES[op] = str(op)
-    return name
-
-
-def _packet_name(op: Any) -> str:
-    packet = _PACKETS.get(op)
-    if packet is None:
-        packet = _PACKETS[op] = op_name(op).rsplit(".", 1)[0]
-    return packet
-
-
-def must_recompute(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -> bool:
-    """True if NOTE [forced recompute] forbids saving this call's outputs (without ``args``:
-    any call's)."""
-    return writes_input(op) or is_random(op, args, kwargs)
