@@ -328,7 +328,7 @@ class CompiledRegionPolicy:
         policy: the region's memfit policy.
         counts: per eager op name, the occurrences before this call (default none; a block of
             a segment continues its predecessors' counts: NOTE [segments under
-            torch.compile] in ``memfit.runtime.segment``).
+            torch.compile] in ``memfit.runtime.segment_compiled``).
     """
 
     def __init__(self, policy: _policies.Policy, counts: dict[str, int] | None = None) -> None:

@@ -51,6 +51,9 @@ NOTE [chain segments]
     and global forward pre-hooks, run outside the region in forward but inside the replay
     (the divergence check reports it if they run ops); KV caches must be off
     (``use_cache=False``), since a replay would update them again.
+    Under ``torch.compile`` the hooks do nothing and each block runs as its own region, op
+    keys still counted over the segment (NOTE [segments under torch.compile] in
+    ``memfit.runtime.segment_compiled``).
 
     Implementation: ``SegmentHandle`` puts a ``_PreHook`` (prepended) and a ``_PostHook``
     (``always_call``) on each block. Block i's pre-hook, with a checkpoint open: takes the

@@ -86,21 +86,22 @@ class SegmentTrace:
         self.__init__(state["name"], state["n_blocks"])  # type: ignore[misc]
 
     def say_memory(self) -> None:
-        """Log, once, what the compiled segment keeps beyond the plan (NOTE rule 3)."""
+        """Log, once, what the compiled segment keeps beyond the plan (rule 3 of NOTE
+        [segments under torch.compile])."""
         if self.warned:
             return
         self.warned = True
         sizes = [self.extra_bytes.get(p) for p in range(self.n_blocks)]
-        known = all(isinstance(n, int) for n in sizes)
-        amount = f"{sum(n for n in sizes if n is not None):,} bytes" if known else \
-            "an unknown number of bytes (symbolic shapes)"
+        amount = "an unknown number of bytes (symbolic shapes)"
+        if all(isinstance(n, int) for n in sizes):
+            amount = f"{sum(n for n in sizes if n is not None):,} bytes"
         log.warning(
             "memfit segment %s runs under torch.compile as %d checkpointed regions, one per "
             "block: a compiled graph cannot hold one checkpoint spanning several module calls. "
             "Each block saves what the plan says (op keys continue across the blocks), but the "
             "compiled graph also keeps the input of each block after the first, up to %s more "
-            "than the plan predicts. Plan with a lower budget, or without segments, if that "
-            "does not fit (NOTE [segments under torch.compile]).",
+            "than the plan predicts; plan at a budget lower by that much if the compiled step "
+            "must fit (NOTE [segments under torch.compile]).",
             self.name, self.n_blocks, amount,
         )
 
