@@ -19,9 +19,10 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import memfit
 from memfit.ops import MATMUL_PACKETS, is_view
-from memfit.planning.plan import OpPolicy
+from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import checkpoint as ck
 from memfit.runtime import policies as P
+from memfit.runtime.apply import apply
 from memfit.runtime.wrap import wrap
 from memfit.zoo import gpt
 
@@ -93,6 +94,38 @@ def test_compiled_planned_gpt_trains_bitwise_like_compiled_plain(plain_run, budg
         assert torch.equal(p, plain_weights[name]), name
 
 
+# ---- segments (NOTE [segments under torch.compile] in memfit.runtime.segment_compiled) ----
+# One segment over both blocks saving block 0's first q@k (B*nh,T,T) and block 1's qkv
+# projection (B*T,3C): the first addmm of block 1 is the segment's fifth. Had block 1 counted
+# from 0, it would save its own q@k instead (other bytes) and no addmm.
+SEGMENT_KEYS = ("aten.bmm.default#0", "aten.addmm.default#4")
+BLOCK_KEYS = (("aten.bmm.default#0",), ("aten.addmm.default#0",))  # the same, block by block
+BLOCK_INPUT_BYTES = B * T * 32 * 4  # (B,T,C) float32: block 1's input, kept by the graph
+
+
+def _segmented(model: torch.nn.Module) -> torch.nn.Module:
+    plan = Plan(regions=(Region.saving(("blocks.0", "blocks.1"), SEGMENT_KEYS),),
+                predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None, solver="test",
+                profile_signature="")
+    return apply(model, plan)
+
+
+def test_compiled_segment_plan_trains_bitwise_like_compiled_plain(plain_run, caplog):
+    model = _segmented(_model())
+    with caplog.at_level(logging.WARNING, logger="memfit.runtime.segment_compiled"):
+        grads = _train(model)  # fullgraph=True
+    said = [r.getMessage() for r in caplog.records if r.name == "memfit.runtime.segment_compiled"]
+    assert len(said) == 1, said  # once per segment, however many traces and steps
+    assert "blocks.0..blocks.1" in said[0] and f"{BLOCK_INPUT_BYTES:,} bytes" in said[0]
+
+    plain_grads, plain_weights = plain_run
+    for step, (got, want) in enumerate(zip(grads, plain_grads, strict=True)):
+        for name in want:
+            assert torch.equal(got[name], want[name]), (step, name)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, plain_weights[name]), name
+
+
 # ---- what the compiled graph saves --------------------------------------------------------
 def _saved(model: torch.nn.Module) -> tuple[int, int]:
     """(tensors, bytes) the compiled step saves for backward, storages counted once."""
@@ -146,6 +179,17 @@ def test_compiled_graph_saves_what_the_policy_says():
     # proj (B,T,C), fc (B,T,4C), proj (B,T,C) in float32 = 917504 bytes per block at C=32
     assert saved["recompute_all"][1] + 2 * 917504 - 2 * 65536 <= saved["save_matmuls"][1]
     assert saved["recompute_all"][1] < saved["save_matmuls"][1] < plain[1]
+
+
+def test_compiled_segment_saves_its_plan_block_by_block():
+    blocks = _model(dropout=0.0)
+    for block, keys in zip(blocks.blocks, BLOCK_KEYS, strict=True):
+        wrap(block, P.save_keys(keys), check=False)
+    segment = _saved(_segmented(_model(dropout=0.0)))
+    assert segment == _saved(blocks)  # count and bytes: block 1's keys continue block 0's
+    plain = _saved(_model(dropout=0.0))
+    # q@k and qkv outputs kept, the rest of both blocks recomputed
+    assert segment[1] + 2 * (B * 2 * T * T * 4) < plain[1]
 
 
 # ---- op keys (NOTE [op keys under torch.compile]) ------------------------------------------

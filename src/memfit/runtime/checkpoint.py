@@ -322,11 +322,18 @@ def _is_dropout(source: Any) -> bool:
 
 class CompiledRegionPolicy:
     """The selective-checkpoint policy of one compiled region call (NOTE [op keys under
-    torch.compile]): counts the traced ops in eager op keys, then asks the memfit policy."""
+    torch.compile]): counts the traced ops in eager op keys, then asks the memfit policy.
 
-    def __init__(self, policy: _policies.Policy) -> None:
+    Args:
+        policy: the region's memfit policy.
+        counts: per eager op name, the occurrences before this call (default none; a block of
+            a segment continues its predecessors' counts: NOTE [segments under
+            torch.compile] in ``memfit.runtime.segment_compiled``).
+    """
+
+    def __init__(self, policy: _policies.Policy, counts: dict[str, int] | None = None) -> None:
         self.policy = policy
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, int] = dict(counts or {})
         self.keys: list[tuple[str, str]] = []  # (eager key, traced op), for tests and logs
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -363,6 +370,14 @@ def compiled_contexts(policy: Callable[[], _policies.Policy] | None) -> tuple[An
     Args:
         policy: the region policy's ``itself`` (None: recompute everything).
     """
+    say_unchecked()
+    region_policy: Any = (recompute_everything if policy is None
+                          else CompiledRegionPolicy(policy()))
+    return create_selective_checkpoint_contexts(region_policy)
+
+
+def say_unchecked() -> None:
+    """Log, once per process, that compiled regions run without the divergence check."""
     if not _said_unchecked:
         _said_unchecked.append(True)
         log.warning(
@@ -371,10 +386,8 @@ def compiled_contexts(policy: Callable[[], _policies.Policy] | None) -> tuple[An
             "Python-side recorder cannot follow (the plan's per-op policy still decides what "
             "the graph saves). Verify the plan eagerly (memfit.verify) before compiling."
         )
-    region_policy: Any = (_recompute_everything if policy is None
-                          else CompiledRegionPolicy(policy()))
-    return create_selective_checkpoint_contexts(region_policy)
 
 
-def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpoint policy of a compiled region without a memfit policy."""
     return CheckpointPolicy.PREFER_RECOMPUTE

@@ -51,6 +51,9 @@ NOTE [chain segments]
     and global forward pre-hooks, run outside the region in forward but inside the replay
     (the divergence check reports it if they run ops); KV caches must be off
     (``use_cache=False``), since a replay would update them again.
+    Under ``torch.compile`` the hooks do nothing and each block runs as its own region, op
+    keys still counted over the segment (NOTE [segments under torch.compile] in
+    ``memfit.runtime.segment_compiled``).
 
     Implementation: ``SegmentHandle`` puts a ``_PreHook`` (prepended) and a ``_PostHook``
     (``always_call``) on each block. Block i's pre-hook, with a checkpoint open: takes the
@@ -98,6 +101,7 @@ from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import CheckSampler
 from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark
 from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
+from memfit.runtime.segment_compiled import SegmentForward, SegmentTrace
 
 __all__ = ["checkpoint_segment", "SegmentHandle", "segment_of"]
 
@@ -124,9 +128,14 @@ class SegmentHandle:
         self.check = CheckSampler(check)  # one call counter per segment
         self.name = name
         self.cuts: set[int] = set()
+        self.trace = SegmentTrace(name, len(self.blocks))  # NOTE [segments under torch.compile]
         self._tls = ThreadState()
         self._hooks: list[Any] = []
+        self._forwards: list[SegmentForward] = []
         for pos, block in enumerate(self.blocks):
+            forward = SegmentForward(self, pos, block.__dict__.get("forward"))
+            self._forwards.append(forward)
+            block.forward = forward  # type: ignore[method-assign]
             self._hooks.append(block.register_forward_pre_hook(
                 _PreHook(self, pos), with_kwargs=True, prepend=True))
             self._hooks.append(block.register_forward_hook(
@@ -152,12 +161,19 @@ class SegmentHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for block in self.blocks:
+        for block, forward in zip(self.blocks, self._forwards, strict=True):
             if segment_mark(block) is self:
                 delattr(block, SEGMENT_ATTR)
+            if block.__dict__.get("forward") is forward:
+                if forward.instance_forward is None:
+                    del block.__dict__["forward"]
+                else:
+                    block.__dict__["forward"] = forward.instance_forward
+        self._forwards = []
 
     # ---- forward-time logic (NOTE [chain segments], Implementation) ---------------------
-    def _wants_checkpoint(self, pos: int, args: Any, kwargs: Any) -> bool:
+    def wants_checkpoint(self, pos: int, args: Any, kwargs: Any) -> bool:
+        """Whether autograd records block ``pos``'s call (NOTE [when a region checkpoints])."""
         if not torch.is_grad_enabled():  # also in eval(): NOTE [when a region checkpoints], wrap.py
             return False
         found = []
@@ -220,6 +236,8 @@ class SegmentHandle:
             )
 
     def pre_hook(self, pos: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():  # NOTE [segments under torch.compile]
+            return
         if self._tls.replaying:  # rule 3
             return
         op = self._tls.open
@@ -236,10 +254,12 @@ class SegmentHandle:
             else:
                 op.add_call(pos, module, args, kwargs)
                 return
-        if self._wants_checkpoint(pos, args, kwargs):
+        if self.wants_checkpoint(pos, args, kwargs):
             self._start(pos, module, args, kwargs)
 
     def post_hook(self, pos: int, module: nn.Module, output: Any) -> None:
+        if torch.compiler.is_compiling():  # NOTE [segments under torch.compile]
+            return
         if self._tls.replaying:  # rule 3
             return
         op = self._tls.open
