@@ -53,7 +53,7 @@ def test_verify_passes_bitwise_on_planned_gpt(planned_gpt):
     assert {"loss", "outputs", "parameter gradients", "RNG state after the step",
             "peak matches prediction"} <= set(names)
     text = str(report)
-    assert text.startswith("memfit verify (hand, cpu): PASSED") and "[FAIL]" not in text
+    assert text.startswith("memfit verify (hand, cpu, bitwise): PASSED") and "[FAIL]" not in text
     assert report.to_dict()["ok"] is True
 
 

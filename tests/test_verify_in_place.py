@@ -58,7 +58,7 @@ def test_verify_in_place_passes_bitwise_and_leaves_the_model_alone(paths):
 
     assert report.compared == "in place"
     assert report.ok and report.bitwise and report.max_abs_diff == 0.0, str(report)
-    assert str(report).startswith("memfit verify (hand, cpu, in place): PASSED")
+    assert str(report).startswith("memfit verify (hand, cpu, in place, bitwise): PASSED")
     assert 0 < report.peak_bytes < report.plain_peak_bytes
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
@@ -76,3 +76,27 @@ def test_verify_in_place_reports_a_plan_that_does_not_apply():
     assert [c.name for c in report.failures] == ["plan applies to the model"]
     assert "'blocks.9'" in report.failures[0].detail
     assert model.memfit_plan is plan  # the model keeps the plan it carried
+
+
+@pytest.mark.parametrize(("comparison", "plain_runs"), [(None, 1), ("within plain spread", 2)],
+                         ids=["bitwise", "within-plain-spread"])
+def test_verify_in_place_runs_the_plain_step_twice_only_to_compare_within_its_spread(
+        monkeypatch, comparison, plain_runs):
+    import memfit.verification as verification
+
+    model, x, plan = _uncopyable_planned_gpt(("blocks.0",))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    real, calls = verification.record_step, []
+
+    def counting(step, **kw):
+        calls.append(model.__dict__.get("memfit_plan"))  # None while the plan is lifted: a plain run
+        return real(step, **kw)
+
+    monkeypatch.setattr(verification, "record_step", counting)
+    report = verify(model, x, comparison=comparison)
+    mode = comparison or "bitwise"
+    assert report.ok and report.bitwise and report.comparison == mode, str(report)
+    assert str(report).startswith(f"memfit verify (hand, cpu, in place, {mode}): PASSED")
+    assert calls == [None] * plain_runs + [plan]
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.memfit_plan is plan

@@ -5,8 +5,11 @@ replace the function ``memfit.verify`` with itself as soon as anything imported 
 
 ``verify(model, x)`` runs one training step of the planned model and one of a plain deep copy,
 from the same RNG seed, and compares the loss, the outputs, every parameter and input
-gradient, the buffers (BatchNorm statistics) and the RNG state after the step; it also
-measures the planned step's peak memory against the plan's prediction and the budget.
+gradient, the buffers (BatchNorm statistics) and the RNG state after the step: bitwise on CPU
+or with deterministic algorithms, else within the plain step's own run-to-run spread (two
+plain runs; NOTE [comparison modes] in ``memfit.comparison``; ``VerifyReport.comparison`` says
+which). It also measures the planned step's peak memory against the plan's prediction and the
+budget.
 
 NOTE [verify leaves the model alone]
     Both steps run on twins (``memfit.twins``): the planned twin is a plain copy with the plan
@@ -48,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.comparison import Check, Comparison, compare_steps, comparison_for
 from memfit.errors import MemfitError
 from memfit.planning.plan import Plan
 from memfit.step import ModelState, Step, model_device
@@ -63,7 +67,7 @@ from memfit.twins import (
 from memfit.twins import make_step as make_step  # where tests and benchmarks have imported it from
 from memfit.units import format_bytes
 
-__all__ = ["Check", "VerifyReport", "verify", "print_verify", "peak_tolerance", "rng_state_bytes",
+__all__ = ["Check", "Comparison", "VerifyReport", "verify", "print_verify", "peak_tolerance", "rng_state_bytes",
            "PEAK_RTOL", "PEAK_ATOL_BYTES", "make_step"]
 
 log = logging.getLogger(__name__)
@@ -72,20 +76,6 @@ log = logging.getLogger(__name__)
 PEAK_RTOL = 0.03
 #: ...or by this many bytes plus one CPU RNG state per region, if more (NOTE [peak tolerance]).
 PEAK_ATOL_BYTES = 16 * 1024
-# Off CPU some kernels are not run-to-run deterministic (atomic adds in embedding and
-# index backward, split-K matmuls), so two plain steps can already differ in the last bits;
-# these bounds are a few float32 ulps of accumulated rounding, far below any real bug.
-DEVICE_RTOL = 1e-5
-DEVICE_ATOL = 1e-7
-
-
-@dataclass(frozen=True)
-class Check:
-    """One comparison ``verify`` made: its name, whether it passed, and what it saw."""
-
-    name: str
-    passed: bool
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,8 @@ class VerifyReport:
 
     Attributes:
         ok: every check passed.
-        bitwise: loss, outputs, gradients and buffers are bit-for-bit equal to the plain step.
+        bitwise: loss, outputs, gradients and buffers are bit-for-bit equal to the plain step
+            (whichever ``comparison`` ran).
         max_abs_diff: the largest absolute difference over all compared floating tensors.
         max_rel_diff: the largest difference relative to the plain value.
         peak_bytes: measured peak activation memory of the planned step.
@@ -110,6 +101,9 @@ class VerifyReport:
         compared: how the two steps ran: ``"twins"`` (deep copies of the model) or ``"in
             place"`` (the model itself, its plan lifted for the plain step: a model sharded by
             FSDP or wrapped in DDP; NOTE [models without twins] in ``memfit.twins``).
+        comparison: how tensors were compared: ``"bitwise"`` (CPU, or deterministic
+            algorithms) or ``"within plain spread"`` (a ``Comparison`` value; NOTE [comparison
+            modes] in ``memfit.comparison``).
     """
 
     ok: bool
@@ -126,6 +120,7 @@ class VerifyReport:
     solver: str = ""
     tracked_peak_bytes: int = 0
     compared: str = "twins"
+    comparison: str = Comparison.BITWISE.value
 
     @property
     def failures(self) -> tuple[Check, ...]:
@@ -142,116 +137,10 @@ class VerifyReport:
     def __str__(self) -> str:
         head = "PASSED" if self.ok else f"FAILED ({len(self.failures)} of {len(self.checks)} checks)"
         where = "" if self.compared == "twins" else f", {self.compared}"
-        lines = [f"memfit verify ({self.solver or 'plan'}, {self.device}{where}): {head}"]
+        lines = [f"memfit verify ({self.solver or 'plan'}, {self.device}{where}, {self.comparison}): {head}"]
         for c in self.checks:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
         return "\n".join(lines)
-
-
-# ---- comparison -----------------------------------------------------------------------------
-@dataclass
-class _Diff:
-    bitwise: bool = True
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    close: bool = True
-    first_bad: str = ""
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    if a.is_floating_point():  # NaNs compare unequal; compare the bits
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if bits is not None:
-            return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return False
-
-
-def _compare(diff: _Diff, what: str, a: torch.Tensor | None, b: torch.Tensor | None, bitwise_required: bool) -> None:
-    if a is None or b is None:
-        if (a is None) != (b is None):
-            diff.bitwise = diff.close = False
-            diff.max_abs = diff.max_rel = math.inf
-            diff.first_bad = diff.first_bad or f"{what} (gradient missing in one step)"
-        return
-    if a.shape != b.shape or a.dtype != b.dtype:
-        diff.bitwise = diff.close = False
-        diff.max_abs = diff.max_rel = math.inf
-        diff.first_bad = diff.first_bad or f"{what} ({tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype})"
-        return
-    same = _bitwise_equal(a, b)
-    if same:
-        return
-    diff.bitwise = False
-    if a.is_floating_point() or a.is_complex():
-        d = (a.double() - b.double()).abs()
-        d = torch.where(torch.isnan(a.double()) & torch.isnan(b.double()), torch.zeros_like(d), d)
-        max_abs = float(d.max()) if d.numel() else 0.0
-        max_rel = float((d / b.double().abs().clamp_min(1e-30)).max()) if d.numel() else 0.0
-        if math.isnan(max_abs):
-            max_abs = max_rel = math.inf
-        diff.max_abs = max(diff.max_abs, max_abs)
-        diff.max_rel = max(diff.max_rel, max_rel)
-        close = not bitwise_required and bool(torch.allclose(a, b, rtol=DEVICE_RTOL, atol=DEVICE_ATOL, equal_nan=True))
-    else:
-        diff.max_abs = diff.max_rel = math.inf
-        close = False
-    if not close:
-        diff.close = False
-        diff.first_bad = diff.first_bad or what
-
-
-def _tensor_check(name: str, pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]],
-                  bitwise_required: bool, total: _Diff) -> Check:
-    diff = _Diff()
-    for what, a, b in pairs:
-        _compare(diff, what, a, b, bitwise_required)
-    total.bitwise &= diff.bitwise
-    total.close &= diff.close
-    total.max_abs = max(total.max_abs, diff.max_abs)
-    total.max_rel = max(total.max_rel, diff.max_rel)
-    n = len(pairs)
-    if diff.bitwise:
-        return Check(name, True, f"{n} tensor{'s' if n != 1 else ''} bitwise equal")
-    how = f"max abs diff {diff.max_abs:.3g}, max rel diff {diff.max_rel:.3g}"
-    if diff.close:
-        return Check(name, True, f"{n} tensors within rtol={DEVICE_RTOL:g}, atol={DEVICE_ATOL:g} ({how})")
-    need = "bitwise equality on CPU" if bitwise_required else f"rtol={DEVICE_RTOL:g}"
-    return Check(name, False, f"{diff.first_bad} differs from the plain step ({how}; need {need})")
-
-
-def _compare_steps(got: StepResult, ref: StepResult, bitwise_required: bool) -> tuple[list[Check], _Diff, bool]:
-    total = _Diff()
-    checks = [
-        _tensor_check("loss", [("loss", got.loss, ref.loss)], bitwise_required, total),
-        _tensor_check("outputs", [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(got.outputs, ref.outputs, strict=False))],
-                      bitwise_required, total),
-        _tensor_check("parameter gradients",
-                      [(f"{n}.grad", got.param_grads.get(n), ref.param_grads.get(n)) for n in ref.param_grads],
-                      bitwise_required, total),
-    ]
-    if len(got.outputs) != len(ref.outputs):
-        total.bitwise = total.close = False
-        checks[1] = Check("outputs", False, f"the planned step returned {len(got.outputs)} tensors, "
-                                            f"the plain step {len(ref.outputs)}")
-    if ref.input_grads:
-        checks.append(_tensor_check(
-            "input gradients",
-            [(f"input {i}.grad", a, b) for i, (a, b) in enumerate(zip(got.input_grads, ref.input_grads, strict=False))],
-            bitwise_required, total))
-    buf = _tensor_check("buffers (BatchNorm statistics, masks)",
-                        [(n, got.buffers.get(n), ref.buffers.get(n)) for n in ref.buffers], True, total)
-    if not ref.buffers:
-        buf = Check("buffers (BatchNorm statistics, masks)", True, "the model has no buffers")
-    checks.append(buf)
-    rng_same = torch.equal(got.rng_after, ref.rng_after)
-    checks.append(Check("RNG state after the step", rng_same,
-                        "same as the plain step" if rng_same else
-                        "differs from the plain step: recompute consumed random numbers again"))
-    return checks, total, buf.passed
 
 
 def rng_state_bytes() -> int:
@@ -313,13 +202,15 @@ def verify(
     peak_rtol: float = PEAK_RTOL,
     peak_atol_bytes: int | None = None,
     step: Step | None = None,
+    comparison: Comparison | str | None = None,
 ) -> VerifyReport:
     """Check that a plan changes memory, not results: one step against the un-checkpointed twin.
 
     The planned step (``plan``, else ``model.memfit_plan``) and a plain step run from the same
     RNG seed on deep copies; loss, outputs, parameter and input gradients, buffers and the RNG
-    state after the step must be bitwise equal on CPU (within ``DEVICE_RTOL`` elsewhere), and the
-    measured peak must stay within tolerance of the prediction and under the budget (``peak_rtol``,
+    state after the step must be bitwise equal on CPU or with deterministic algorithms, else
+    within the plain step's run-to-run spread (the plain step runs twice: NOTE [comparison
+    modes] in ``memfit.comparison``), and the measured peak must stay within tolerance of the prediction and under the budget (``peak_rtol``,
     or a floor of bytes on tiny steps: NOTE [peak tolerance]). The
     model, its parameters, buffers, ``.grad`` and the RNG state are left as they were (NOTE
     [verify leaves the model alone]).
@@ -337,6 +228,9 @@ def verify(
         step: the step to run instead of ``example_inputs`` and ``loss_fn``: a
             ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included);
             a step given as a callable cannot run on the twins and raises ``TypeError``.
+        comparison: ``"bitwise"`` or ``"within plain spread"`` (a ``Comparison``) to force
+            one; default ``comparison_for(device)``: bitwise on CPU or with
+            ``torch.use_deterministic_algorithms(True)``, else within plain spread.
 
     Returns:
         A ``VerifyReport``; ``print(report)`` explains every check.
@@ -359,7 +253,7 @@ def verify(
                          "real steps; build the model on a real device")
     the_step = step_of(model, example_inputs, loss_fn, step)
     budget = budget_bytes if budget_bytes is not None else plan.budget_bytes
-    bitwise_required = device.type == "cpu"
+    mode = _mode(comparison, device)
 
     reason = no_twin_reason(model)
     got: StepResult | Check
@@ -369,6 +263,8 @@ def verify(
         if reason is None:
             try:
                 ref = record_step(twin_step(the_step, None), seed=seed, device=device)
+                ref2 = (record_step(twin_step(the_step, None), seed=seed, device=device)
+                        if mode is Comparison.WITHIN_PLAIN_SPREAD else None)
             except UncopyableModel as e:
                 reason = str(e)
             else:
@@ -376,17 +272,17 @@ def verify(
         if reason is not None:
             log.info("verify: comparing on %s itself, its plan lifted for the plain step (%s)",
                      type(model).__name__, reason)
-            ref, got = _in_place(the_step, plan, seed, device)
+            ref, ref2, got = _in_place(the_step, plan, seed, device, mode)
     compared = "twins" if reason is None else "in place"
     if isinstance(got, Check):
         applied = Check("plan applies to the model", True, f"{len(plan.regions)} regions")
         return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes, plan.predicted_peak_bytes,
                             budget, False, (applied, got) if got.name != applied.name else (got,),
-                            str(device), plan.solver, compared=compared)
+                            str(device), plan.solver, compared=compared, comparison=mode.value)
 
     checks = [Check("plan applies to the model", True,
                     f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
-    tensor_checks, total, bn_ok = _compare_steps(got, ref, bitwise_required)
+    tensor_checks, total, bn_ok = compare_steps(got, ref, mode, ref2)
     checks += tensor_checks
     checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
                            got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes)
@@ -396,10 +292,20 @@ def verify(
         peak_bytes=got.peak_bytes, plain_peak_bytes=ref.peak_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget, bn_stats_equal=bn_ok,
         checks=tuple(checks), device=str(device), solver=plan.solver,
-        tracked_peak_bytes=got.tracked_peak_bytes, compared=compared,
+        tracked_peak_bytes=got.tracked_peak_bytes, compared=compared, comparison=mode.value,
     )
     log.info("%s", report)
     return report
+
+
+def _mode(comparison: Comparison | str | None, device: torch.device) -> Comparison:
+    if comparison is None:
+        return comparison_for(device)
+    try:
+        return Comparison(comparison)
+    except ValueError:
+        raise ValueError(f"comparison must be one of {[c.value for c in Comparison]} (or None: chosen by "
+                         f"device and determinism), got {comparison!r}") from None
 
 
 def _planned_on_twin(step: Step, plan: Plan, seed: int, device: torch.device) -> StepResult | Check:
@@ -414,9 +320,11 @@ def _planned_on_twin(step: Step, plan: Plan, seed: int, device: torch.device) ->
         return Check("planned step runs", False, f"{type(e).__name__}: {e}")
 
 
-def _in_place(step: Step, plan: Plan, seed: int, device: torch.device) -> tuple[StepResult, StepResult | Check]:
-    """The plain and the planned step on the model itself (NOTE [models without twins] in
-    ``memfit.twins``), its state put back after each; the model keeps the plan it carried. In
+def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
+              mode: Comparison) -> tuple[StepResult, StepResult | None, StepResult | Check]:
+    """The plain step (twice when comparing within its spread) and the planned step on the
+    model itself (NOTE [models without twins] in ``memfit.twins``), its state put back after
+    each; the model keeps the plan it carried. In
     a distributed job a collective: the steps run the model's collectives, and ``apply``
     checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""
     from memfit.runtime.apply import apply
@@ -425,14 +333,18 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device) -> tuple[
     with lifted_plan(step.model), state:
         ref = record_step(step.with_input_copies(), seed=seed, device=device)
         state.restore()
+        ref2 = None
+        if mode is Comparison.WITHIN_PLAIN_SPREAD:
+            ref2 = record_step(step.with_input_copies(), seed=seed, device=device)
+            state.restore()
         try:
             apply(step.model, plan)
         except MemfitError as e:
-            return ref, Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
+            return ref, ref2, Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
         try:
-            return ref, record_step(step.with_input_copies(), seed=seed, device=device)
+            return ref, ref2, record_step(step.with_input_copies(), seed=seed, device=device)
         except MemfitError as e:
-            return ref, Check("planned step runs", False, f"{type(e).__name__}: {e}")
+            return ref, ref2, Check("planned step runs", False, f"{type(e).__name__}: {e}")
         finally:
             state.restore()
 
