@@ -38,6 +38,7 @@ import torch
 from memfit.planning.plan import Plan
 from memfit.profiling.calibrate import Calibration, TimedPlan, fit_calibration
 from memfit.profiling.inputs import LossFn
+from memfit.profiling.measure import time_step
 from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import ProfileMode
 from memfit.profiling.tracer import profile as trace_profile
@@ -179,14 +180,8 @@ def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, li
 
 
 def _timed(fn: Callable[[], None], dev: torch.device) -> float:
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter() - t0
+    gc.collect()  # an earlier step's garbage is not this one's time
+    return time_step(fn, dev)
 
 
 def _describe(cal: Calibration) -> str:
