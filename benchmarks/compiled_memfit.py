@@ -65,7 +65,7 @@ def extend(sweep: MemfitSweep, case: Case, peer_peaks: Mapping[str, int], *,
     wanted = specs(peer_peaks, quick=quick)
     if not any(s.peer for s in wanted):
         return sweep
-    built = build_memfit(case, wanted)
+    built = build_memfit(case, wanted, tune=False)  # tuned rows are eager ones: planned.py
     sweep.errors.extend(f"{PREFIX}: {e}" for e in built.errors)
     for method in built.methods:
         compiled = compile_method(method)
