@@ -166,23 +166,38 @@ def peak_tolerance(reference: int, n_regions: int, rtol: float = PEAK_RTOL,
                    f"{'s' if n_regions != 1 else ''} of {rng_state_bytes()} B, above {rtol:.0%}")
 
 
+def _collective_job() -> bool:
+    """Whether this process is a rank of an initialised ``torch.distributed`` job."""
+    from memfit.distributed import is_distributed
+
+    return is_distributed()
+
+
+# NOTE [peaks in a distributed job] In a rank of a torch.distributed job the CPU allocator's
+# peak also holds what the collective backend allocates inside its calls (gloo's send and
+# receive buffers), which no plan can drop and no dispatch-level meter sees: on 2 gloo ranks
+# with FSDP2 (tests/distributed) the allocator read +4.7% to +6.7% over the prediction while
+# the tensors' peak was within 512 B of it. There verify checks the tensors' peak (the meter
+# the profile's prediction is built on) against the prediction and the budget, and names the
+# allocator's figure in the check's text.
 def _peak_checks(peak: int, plain_peak: int, predicted: int | None, budget: int | None,
                  rtol: float, tracked: int = 0, n_regions: int = 0,
-                 atol_bytes: int | None = None) -> list[Check]:
+                 atol_bytes: int | None = None, meter: str = "") -> list[Check]:
     checks = []
+    seen_by = f" ({meter})" if meter else ""
     if budget is not None:
         tol, why = peak_tolerance(budget, n_regions, rtol, atol_bytes)
         ok = peak <= budget + tol
         checks.append(Check(
             "peak within budget", ok,
-            f"measured {format_bytes(peak)} {'<=' if ok else '>'} budget {format_bytes(budget)} "
+            f"measured {format_bytes(peak)}{seen_by} {'<=' if ok else '>'} budget {format_bytes(budget)} "
             f"+ {format_bytes(tol)} ({why})"))
     if predicted is not None:
         tol, why = peak_tolerance(predicted, n_regions, rtol, atol_bytes)
         err = (peak - predicted) / predicted if predicted else (0.0 if peak == 0 else math.inf)
         checks.append(Check(
             "peak matches prediction", abs(peak - predicted) <= tol,
-            f"measured {format_bytes(peak)} vs predicted {format_bytes(predicted)} ({err:+.1%}, "
+            f"measured {format_bytes(peak)}{seen_by} vs predicted {format_bytes(predicted)} ({err:+.1%}, "
             f"{peak - predicted:+d} B; tolerance {format_bytes(tol)}: {why}; "
             f"tensors alone {format_bytes(tracked)})"))
     saved = 1 - peak / plain_peak if plain_peak else 0.0
@@ -284,8 +299,17 @@ def verify(
                     f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
     tensor_checks, total, bn_ok = compare_steps(got, ref, mode, ref2)
     checks += tensor_checks
-    checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
-                           got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes)
+    if _collective_job() and got.tracked_peak_bytes:  # NOTE [peaks in a distributed job]
+        log.info("verify: peak checks on the tensors' peak (%d B); the allocator's, %d B, also "
+                 "holds the collective backend's buffers", got.tracked_peak_bytes, got.peak_bytes)
+        checks += _peak_checks(got.tracked_peak_bytes, ref.tracked_peak_bytes or ref.peak_bytes,
+                               plan.predicted_peak_bytes, budget,
+                               peak_rtol, got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes,
+                               meter=f"tensors; allocator {format_bytes(got.peak_bytes)} with the "
+                                     "collective backend's buffers")
+    else:
+        checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
+                               got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes)
     ok = all(c.passed for c in checks)
     report = VerifyReport(
         ok=ok, bitwise=total.bitwise, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,

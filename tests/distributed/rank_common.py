@@ -76,4 +76,5 @@ def write(rank: int, result: dict[str, Any]) -> None:
     result["seconds_after_imports"] = time.perf_counter() - _START_S[0]
     path = Path(os.environ["MEMFIT_DIST_OUT"]) / f"rank{rank}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
