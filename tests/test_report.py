@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -156,8 +157,9 @@ def test_sweep_keeps_the_spread_of_its_repeats():
     x = zoo.example_inputs(model, batch=2)
     s = sweep(model, x, (0.8,), baselines=(), repeats=2, progress=False)
     assert [r.label for r in s.rows] == ["plain", "80%"] and s.rows[1].error is None
-    for r in s.rows:
-        assert r.step_spread_s is not None and 0.0 <= r.step_spread_s <= r.step_time_s, r
+    for r in s.rows:  # a spread above the median is possible on a loaded machine
+        assert r.step_spread_s is not None and 0.0 <= r.step_spread_s < math.inf, r
+        assert r.step_time_s is not None and r.step_time_s > 0.0, r
 
 
 def test_sweep_of_a_step_measures_that_step_and_leaves_the_model_as_found():
