@@ -311,12 +311,6 @@ def _sac_storage_entries() -> None:
     assert not T.sac_is_entry(storage[aten.mm.default][0])  # consumed by the replay
 
 
-def _returns_alias() -> None:
-    assert T.returns_alias(aten.t.default) and T.returns_alias(aten.split.Tensor)
-    assert T.returns_alias(aten.add_.Tensor)  # an in-place op returns its input
-    assert not T.returns_alias(aten.mm.default) and not T.returns_alias(aten.gelu.default)
-
-
 def _require_chain_segments() -> None:
     assert T.require_chain_segments() is None
 
@@ -422,7 +416,6 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "sac_set_storage": _sac_storage_entries,
     "sac_saved_tensor": _sac_storage_entries,
     "sac_is_entry": _sac_storage_entries,
-    "returns_alias": _returns_alias,
     "traced_source_fn": _traced_source_fn,
     "require_chain_segments": _require_chain_segments,
     "open_checkpoint": _open_checkpoint,

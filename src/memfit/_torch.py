@@ -77,7 +77,6 @@ __all__ = [
     "sac_set_storage",
     "sac_saved_tensor",
     "sac_is_entry",
-    "returns_alias",
     "traced_source_fn",
     "require_chain_segments",
     "open_checkpoint",
@@ -309,10 +308,6 @@ def sac_saved_tensor(leaf: Any) -> tuple[torch.Tensor, int] | None:
     return (val, leaf.version) if isinstance(val, torch.Tensor) else None
 
 
-def returns_alias(op: Any) -> bool:
-    """True if one of the op's returns aliases an input (a view op: ``t``, ``split``...)."""
-    schema = op_schema(op)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 _current_meta = getattr(torch.fx.traceback, "get_current_meta", None)
 
 

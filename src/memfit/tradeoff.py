@@ -126,21 +126,13 @@ def time_plan_step(model: nn.Module, plan: Plan | None, step: Callable[[], None]
     Returns:
         The wall seconds of the call.
     """
-    import time
-
+    from memfit.profiling.measure import time_step
     from memfit.runtime.apply import apply, unapply
 
-    now = clock or time.perf_counter
     if plan is not None:
         apply(model, plan, check=check, check_ranks=False)
     try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = now()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return now() - t0
+        return time_step(step, device, clock)
     finally:
         if plan is not None:
             unapply(model)

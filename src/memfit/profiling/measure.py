@@ -52,15 +52,18 @@ class Measurement:
     device: str = "cpu"
 
 
-def time_step(step: Callable[[], object], device: torch.device) -> float:
-    """Wall seconds of one call of ``step``, CUDA work included (synchronised before and after)."""
+def time_step(step: Callable[[], object], device: torch.device,
+              clock: Callable[[], float] | None = None) -> float:
+    """Wall seconds of one call of ``step``, CUDA work included (synchronised before and after);
+    ``clock`` (default ``time.perf_counter``) reads the seconds."""
+    now = clock or time.perf_counter
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    t0 = now()
     step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 def measure(

@@ -52,7 +52,6 @@ import torch
 
 from memfit._torch import (
     require_sac_storage,
-    returns_alias,
     sac_is_entry,
     sac_saved_tensor,
     sac_set_storage,
@@ -329,11 +328,6 @@ def selective_contexts(region_policy: Any, pool: HostPool) -> tuple[Any, Any, Of
     storage = OffloadStorage(region_policy.offloads, pool)
     sac_set_storage(caching, cached, storage)
     return caching, cached, storage
-
-
-def is_view_op(op: Any) -> bool:
-    """True for ops whose outputs alias an input: offload keeps them on the device (rule 5)."""
-    return returns_alias(op)
 
 
 def pool_of(policy: Any) -> HostPool | None:

@@ -49,9 +49,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from memfit._torch import OpOverload, OpOverloadPacket, returns_alias, sac_forget, written_tensors
+from memfit._torch import OpOverload, OpOverloadPacket, sac_forget, written_tensors
 from memfit.ops import (
     MATMUL_PACKETS,
+    is_view,
     must_recompute,
     op_name,
     op_packet_name,
@@ -379,7 +380,7 @@ class RegionPolicy:
             return CheckpointPolicy.MUST_RECOMPUTE
         decision = self.policy.decide(op, name, k, args, kwargs)
         if decision is _SAVE or decision is _OFFLOAD:
-            if decision is _OFFLOAD and not returns_alias(op):
+            if decision is _OFFLOAD and not is_view(op):  # in-place ops returned above
                 self.offloads.add((op, k))
             if self.caching_mode is not None:
                 for t in _tensors(getattr(ctx, "op_output", None)):
