@@ -33,7 +33,9 @@ model = llama()
 if order == "shard-then-fit":
     memfit.fit(shard(model), batch(), budget=0.6)
 else:
-    memfit.fit(model, batch(), budget=0.6)
+    # per-block regions: a budgeted plan made before sharding may hold a segment over two
+    # blocks, which becomes two FSDP units once sharded (docs/distributed.md, limits)
+    memfit.fit(model, batch(), budget=0.6, solver="every_block")
     shard(model)
 plan = model.memfit_plan
 report = memfit.verify(model, batch())
