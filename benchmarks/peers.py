@@ -11,6 +11,14 @@ loss, backward) on the same inputs. Peers are applied the way their users apply 
   saving the outputs of matmuls and convolutions and recomputing the rest.
 - ``compile_budget_<b>``: ``torch.compile`` (inductor) with
   ``torch._functorch.config.activation_memory_budget = b`` set while the graph is partitioned.
+
+NOTE [the measured step]
+    Every method's step holds the model's output until its backward has run, as
+    ``memfit.Step.run`` does when memfit profiles the step (and as a loop written
+    ``out = model(x); loss = loss_fn(out, y); loss.backward()`` does). A step that dropped the
+    output before backward would peak lower by the output's bytes than the step memfit
+    planned (the UNet3D's 2.8 MB output, the Llama's 8.4 MB of logits), and memfit's plans
+    would be made for, and compared against, a different step.
 """
 
 from __future__ import annotations
@@ -68,7 +76,10 @@ class Method:
         label: short text for the plot.
         family: none, peer or memfit.
         model: the module whose parameters receive the gradients (a deep copy per method).
-        forward_loss: ``forward_loss(*inputs) -> loss``; ``None`` when not applicable.
+        forward_loss: ``forward_loss(*inputs) -> (loss, output)``; ``None`` when not
+            applicable. ``step`` keeps the output referenced through backward, as
+            ``memfit.Step.run`` (and a training loop that writes ``out = model(x)``) does, so
+            the step measured is the step memfit profiled (NOTE [the measured step]).
         reason: why the method is not applicable (empty when it is).
         info: method-specific numbers (compile seconds, planning seconds, budget, plan).
     """
@@ -77,7 +88,7 @@ class Method:
     label: str
     family: Family
     model: nn.Module | None = None
-    forward_loss: Callable[..., torch.Tensor] | None = None
+    forward_loss: Callable[..., tuple[torch.Tensor, Any]] | None = None
     inputs: tuple[Any, ...] = ()
     reason: str = ""
     info: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +101,9 @@ class Method:
         """One training step: forward, loss, backward. Returns the (detached) loss."""
         if self.forward_loss is None:
             raise NotApplicable(f"{self.name}: {self.reason}")
-        loss = self.forward_loss(*self.inputs)
+        loss, out = self.forward_loss(*self.inputs)
         loss.backward()
+        del out
         return loss.detach()
 
     def clear_grads(self) -> None:
@@ -111,8 +123,9 @@ def _method(case: Case, name: str, label: str, family: Family, model: nn.Module,
     fn = call if call is not None else model
     loss_fn = case.loss_fn
 
-    def forward_loss(*inputs: Any) -> torch.Tensor:
-        return loss_fn(fn(*inputs))
+    def forward_loss(*inputs: Any) -> tuple[torch.Tensor, Any]:
+        out = fn(*inputs)
+        return loss_fn(out), out
 
     return Method(name, label, family, model, forward_loss, case.inputs, info=dict(info))
 
@@ -219,8 +232,9 @@ def compiled(case: Case, budget: float) -> Method:
 
     loss_fn = case.loss_fn
 
-    def forward_loss(*inputs: Any) -> torch.Tensor:
-        return loss_fn(model(*inputs))
+    def forward_loss(*inputs: Any) -> tuple[torch.Tensor, Any]:
+        out = model(*inputs)
+        return loss_fn(out), out
 
     fn = torch.compile(forward_loss, backend=backend)
     method = Method(name, label, Family.PEER, model, fn, case.inputs, info={"budget": budget})

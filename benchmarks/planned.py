@@ -163,7 +163,8 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
             continue
         seen[key] = spec.name
         def forward_loss(*inputs: Any, _model: Any = model, _loss_fn: Any = case.loss_fn) -> Any:
-            return _loss_fn(_model(*inputs))
+            out = _model(*inputs)
+            return _loss_fn(out), out
 
         info["plan"] = plan.to_dict()["regions"]
         out.methods.append(Method(spec.name, label, Family.MEMFIT, model, forward_loss, case.inputs, info=info))

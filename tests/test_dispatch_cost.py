@@ -1,0 +1,52 @@
+"""The fixed charges measured on this machine (NOTE [measured dispatch charges] in
+``memfit.dispatch_cost``) and how the calibration uses them (NOTE [calibration cost] in
+``memfit.calibration``). No test asserts a speed: the measured values only have to be
+plausible, and what is derived from them is checked exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.calibration import profile as calibrated_profile
+from memfit.dispatch_cost import DispatchCharges, _checked, measure_dispatch_charges
+from memfit.profiling.calibrate import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+
+
+def test_measured_charges_are_positive_and_all_measured_on_cpu() -> None:
+    c = measure_dispatch_charges("cpu")
+    assert c.measured == ("region_s", "op_s", "selective_op_s"), c.reason
+    assert c.region_s > 0 and c.op_s > 0 and c.selective_op_s > 0
+    assert measure_dispatch_charges("cpu") is c  # once per process and device
+
+
+def test_no_measurement_off_the_cpu() -> None:
+    c = measure_dispatch_charges("meta")
+    assert c == DispatchCharges(reason="not measured on meta: host work overlaps the device's")
+    assert (c.region_s, c.op_s, c.selective_op_s) == (DEFAULT_REGION_S, DEFAULT_OP_S, DEFAULT_SELECTIVE_OP_S)
+
+
+def test_implausible_charges_keep_their_defaults_and_say_so() -> None:
+    c = _checked(region=-1e-4, op=2e-5, sel=1.0)
+    assert c.measured == ("op_s",)
+    assert (c.region_s, c.op_s, c.selective_op_s) == (DEFAULT_REGION_S, 2e-5, DEFAULT_SELECTIVE_OP_S)
+    assert c.reason == ("implausible (timing noise?), defaults kept: region_s -100.0 us, "
+                        "selective_op_s 1000000.0 us")
+
+
+def test_calibration_holds_the_measured_charges_and_the_interleaved_plain_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                                      torch.nn.Linear(64, 32)) for _ in range(4)))
+    prof = calibrated_profile(model, torch.randn(16, 32), rounds=3)
+    cal = prof.calibration
+    charges = measure_dispatch_charges("cpu")
+    assert cal is not None and cal.charges_measured == charges.measured
+    held = {"region_s": charges.region_s, "op_s": charges.op_s, "selective_op_s": charges.selective_op_s}
+    for name, value in held.items():
+        if name not in cal.fitted:  # the fit holds what it does not determine
+            assert getattr(cal, name) == value, name
+    # the plain step is the median of the two interleaved plain steps (round 0 warms up)
+    traced = prof.extra["traced_step_time_s"]
+    assert prof.step_time_s > 0 and traced > 0
+    for m in cal.measurements:
+        assert m.extra_s == m.step_s - prof.step_time_s
