@@ -137,3 +137,30 @@ def test_op_timer_times_cuda_ops_with_events_read_after_one_synchronize(monkeypa
     assert t.names == ["ones.default", "sin.default", "cos.default"]
     assert t.times == [0.25e-3] * 3 and syncs == [1]
     assert t.times == [0.25e-3] * 3 and syncs == [1]  # resolved once
+
+
+def test_cuda_profile_takes_op_times_from_the_timing_runs_only(monkeypatch):
+    """On CUDA the traced run's wall-clock op times are launch times: only the OpTimer runs'
+    (event) times count, and one timing run is made even with ``repeats=1``."""
+    import dataclasses
+
+    import memfit.profiling.tracer as tracer_mod
+    from memfit.profiling.tracker import OpTimer
+
+    real_setup = tracer_mod._setup
+    monkeypatch.setattr(tracer_mod, "_setup",
+                        lambda *a, **k: dataclasses.replace(real_setup(*a, **k), device=torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runs: list[int] = []
+
+    class Counting(OpTimer):  # the timing run's op times: 1 ms per op, recognisably
+        @property
+        def times(self) -> list[float]:
+            runs.append(1)
+            return [1e-3] * len(super().times)
+
+    monkeypatch.setattr(tracer_mod, "OpTimer", Counting)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    prof = tracer_mod.profile(model, torch.randn(4, 8), repeats=1)
+    assert runs, "no timing run on CUDA with repeats=1"
+    assert [op.time_s for op in prof.ops] == [1e-3] * len(prof.ops)

@@ -181,14 +181,18 @@ def profile(
     plain: list[float] = []
     try:
         keep.reset()
+        # A CUDA op returns once its kernels are queued: the traced run's wall-clock op times
+        # would be launch times, so on CUDA only the timing runs' events count (NOTE [CUDA
+        # op times] in ``memfit.profiling.timer``), and at least one timing run is made.
+        async_dev = dev.type == "cuda"
         # NOTE [kernel workspaces]: measured on CPU only (CUDA workspaces not modelled yet)
-        with _traced(su, time_ops=not fake,
+        with _traced(su, time_ops=not fake and not async_dev,
                      measure_workspace=not fake and dev.type == "cpu") as (tr, rec):
             pass
         if not fake:
-            op_times = [[op.time_s] for op in tr.ops]
+            op_times = [[] if async_dev else [op.time_s] for op in tr.ops]
             step = su.step.run
-            for _ in range(repeats - 1):
+            for _ in range(max(repeats - 1, 1 if async_dev else 0)):
                 keep.reset()
                 timer = OpTimer()
                 # the same hooks as the traced run, so the same ops (NOTE [hooked op sequence])
@@ -200,6 +204,9 @@ def profile(
                 else:
                     log.warning("profile: a timing run dispatched %d ops, the traced run %d; "
                                 "its op times are ignored", len(timer.times), len(tr.ops))
+            if async_dev and not any(op_times):
+                log.warning("profile: no timing run matched the traced run's ops; every op "
+                            "time is 0 (plans are then chosen by memory alone)")
             for _ in range(max(1, repeats // 2)):
                 keep.reset()
                 _sync(dev)
@@ -218,7 +225,7 @@ def profile(
             dtype = op.outputs[0][2] if op.outputs else "float32"
             t = op_time_s(op.flops, op.bytes_moved, dtype, cost)
         else:
-            t = statistics.median(op_times[i])
+            t = statistics.median(op_times[i]) if op_times[i] else 0.0
         ops.append(OpRecord(
             index=i, name=op.name, module=op.module,
             phase=Phase.BACKWARD if i >= n_forward else Phase.FORWARD,
