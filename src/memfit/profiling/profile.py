@@ -27,6 +27,15 @@ NOTE [kernel workspaces]
     ``i`` only (not "just before" op ``i``), and again wherever a recompute replays op ``i``.
     Fake-mode profiles and CUDA workspaces are not modelled yet: ``workspace_bytes`` is 0 there.
 
+NOTE [region state bytes]
+    ``Profile.region_state_bytes`` is what each checkpointed call keeps on the profiled
+    device besides tensors of the step: torch's checkpoint stashes the CPU generator's state
+    (``torch.get_rng_state()``, 5,056 B on torch 2.13) at the call, to replay random ops,
+    and holds it until the call's recompute. On a CPU device that is device memory (a plan
+    of 13 regions measured 65,792 B over its prediction before it was counted); on a GPU
+    the CPU state, and the CUDA generators' states torch reads into CPU tensors, are host
+    memory: 0. Profiles written before the field load with 0.
+
 NOTE [saved tensors]
     ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
     it). ``first_unpack`` is the backward op during which backward first read it; a region's
@@ -180,6 +189,7 @@ class Profile:
     # the recompute time model (NOTE [calibration] in memfit.profiling.calibrate); None: not
     # calibrated (a profile made before calibration, or by the tracer alone): the defaults
     calibration: Calibration | None = None
+    region_state_bytes: int = 0  # NOTE [region state bytes]
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 

@@ -35,7 +35,7 @@ from memfit.profiling.profile import (
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
 from memfit.step import ModelState, Step
 
-__all__ = ["ProfileMode", "profile", "check_profile_matches"]
+__all__ = ["ProfileMode", "profile", "check_profile_matches", "region_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         signature=op_signature(ops, n_forward),
         # NOTE [calibration]: nothing runs in fake mode to time recompute against
         calibration=Calibration.default(FAKE_CALIBRATION) if fake else None,
+        region_state_bytes=region_state_bytes(cost.name if cost is not None else dev.type),
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
                "repeats": repeats if not fake else 1,
                "workspace_runs": tr.workspace_runs, "workspace_s": tr.workspace_s},
@@ -257,6 +258,12 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
              result.model, len(ops), n_forward, result.peak_bytes, cost_s,
              cost_s / step_time if step_time > 0 else float("nan"))
     return result
+
+
+def region_state_bytes(device: str) -> int:
+    """Device bytes one checkpointed call keeps besides the step's tensors (NOTE [region
+    state bytes] in ``memfit.profiling.profile``): the CPU generator's state on a CPU."""
+    return int(torch.get_rng_state().nbytes) if device == "cpu" else 0
 
 
 def _as_step(model: Any, example_inputs: Any, loss_fn: LossFn | None) -> Step:
