@@ -25,7 +25,11 @@ NOTE [region memory model]
       use (NOTE [cached transients]; measured: saving a 6 MiB transient of a GPT block's
       attention was predicted 1 MiB high before, exact after).
     Storages read by region ops and created before ``a`` (the region's inputs) are held by the
-    checkpoint until ``rp`` at least: ``[c, max(freed_after, rp)]``.
+    checkpoint until ``rp`` at least: ``[c, max(freed_after, rp)]``. A region that drops
+    something also holds ``Profile.region_state_bytes`` (the generator state its call
+    stashes, NOTE [region state bytes] in ``memfit.profiling.profile``) from ``a`` until its
+    frame dies with the region's backward: to the last plain free of its dropped storages
+    (at least ``rp``).
 
     The replay runs just before op ``rp``, one step per op ``a..L`` (saved ops return their
     cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
@@ -138,6 +142,7 @@ class ProfileArrays:
         self.op_matmul = np.array([is_matmul(op) for op in profile.ops], dtype=bool)
         self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
         self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
+        self.region_state = int(profile.region_state_bytes)  # NOTE [region state bytes]
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
         ptr = [0]
@@ -296,6 +301,7 @@ class RegionModel:
         self.op_matmul = arrs.op_matmul
         self.calibration = arrs.calibration
         self.workspace = arrs.workspace
+        self.state_bytes = arrs.region_state
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
         self.replayed = c <= self.stop
@@ -399,15 +405,27 @@ class RegionModel:
         end = np.where(self.dropped, self.stop, self.rend)
         return self.c[rep], end[rep], self.nb[rep]
 
+    def state_pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The call's stashed generator state, from ``a`` to the end of the region's backward
+        (NOTE [region memory model]); nothing for a region that drops nothing (its frame dies
+        with its forward)."""
+        if self.rp is None or self.state_bytes <= 0:
+            z = np.zeros(0, dtype=np.int64)
+            return z, z, z
+        end = max(self.rp, int(self.f[self.dropped].max(initial=self.rp)))
+        return (np.array([self.a], dtype=np.int64), np.array([end], dtype=np.int64),
+                np.array([self.state_bytes], dtype=np.int64))
+
     def base_effect(self) -> Effect:
         """Recompute-all: every region op reruns (up to the stop op)."""
         rp = self.rp if self.rp is not None else 0
         allm = np.ones(self.c.shape, dtype=bool)
         ps, pe, pv = self._version_pieces(allm, saved=False)
         ext = self.in_f < rp
-        ps = _cat(ps, self.in_c[ext], self.in_c[ext])
-        pe = _cat(pe, np.full(int(ext.sum()), rp, dtype=np.int64), self.in_f[ext])
-        pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext])
+        ss, se, sv = self.state_pieces()
+        ps = _cat(ps, self.in_c[ext], self.in_c[ext], ss)
+        pe = _cat(pe, np.full(int(ext.sum()), rp, dtype=np.int64), self.in_f[ext], se)
+        pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv)
         rs, re_, rv = self._recompute_replay(allm)
         ws_ops = self._workspace_ops()
         rs, re_, rv = _cat(rs, ws_ops), _cat(re_, ws_ops), _cat(rv, self.workspace[ws_ops])

@@ -149,6 +149,12 @@ class NestedModel:
                        + sum(inner.fixed_s(selective=False) for inner in self.inners if inner.rp is None))
         self.arrs = arrs
 
+    def state_pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The generator states the outer call and each useful inner call stash, each from its
+        first op to its recompute point (NOTE [region memory model] in ``effects``)."""
+        parts = [self.outer.state_pieces(), *(i.state_pieces() for i in self.inners)]
+        return _cat(*(p[0] for p in parts)), _cat(*(p[1] for p in parts)), _cat(*(p[2] for p in parts))
+
     @property
     def saved_bytes(self) -> int:
         """Bytes held from forward to backward: the outer region's inputs."""
@@ -164,9 +170,10 @@ class NestedModel:
         pv = _cat(-out.nb, out.nb, out.nb[has2])
         f_in = self.arrs.freed[self.input_ids]
         ext = self.input_end > f_in
-        ps = _cat(ps, f_in[ext] + 1)
-        pe = _cat(pe, self.input_end[ext])
-        pv = _cat(pv, self.arrs.nbytes[self.input_ids[ext]])
+        ss, se, sv = self.state_pieces()
+        ps = _cat(ps, f_in[ext] + 1, ss)
+        pe = _cat(pe, self.input_end[ext], se)
+        pv = _cat(pv, self.arrs.nbytes[self.input_ids[ext]], sv)
         empty = np.zeros(0, dtype=np.int64)
         return Effect(ps, pe, pv, empty, empty, empty, time_s=self.time_s), self.replays
 

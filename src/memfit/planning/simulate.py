@@ -162,6 +162,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         if parent[q] >= 0 and not models[parent[q]][0].useful:
             parent[q] = -1
     copies: list[Copy] = []
+    states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # NOTE [region state bytes]
     for q, (rm, saved, offloaded) in enumerate(models):
         if parent[q] >= 0:
             continue
@@ -179,6 +180,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
             end1[nm.input_ids] = np.maximum(end1[nm.input_ids], nm.input_end)
             for r in nm.replays:
                 replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
+            states.append(nm.state_pieces())
             rec_s[q] = nm.outer_time_s
             saved_b[q] = nm.saved_bytes
             rps[q] = nm.rp
@@ -202,6 +204,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
                                                             strict=True))  # type: ignore[assignment]
             copies.extend(offload_copies(rm, i) for i in offloaded)
         replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
+        states.append(rm.state_pieces())
         rec_s[q] = rm.time_s(set(saved) | set(offloaded)) + rm.fixed_s(selective=bool(len(saved) + len(offloaded)))
         saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum())
         rps[q] = rp
@@ -211,9 +214,9 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
     s2 = second[ids]
     has2 = s2 >= 0
     f = end2[ids]
-    starts = np.concatenate([c, s2[has2]])
-    ends = np.concatenate([e, f[has2]])
-    vals = np.concatenate([nb, nb[has2]])
+    starts = np.concatenate([c, s2[has2], *(x[0] for x in states)])
+    ends = np.concatenate([e, f[has2], *(x[1] for x in states)])
+    vals = np.concatenate([nb, nb[has2], *(x[2] for x in states)])
     live = dense(starts, ends, vals, 0, n - 1) + arrs.workspace  # NOTE [region memory model]
     before = dense(starts + 1, ends, vals, 0, n - 1)
     # replays, grouped by recompute point; ones sharing a point run one after another (later
