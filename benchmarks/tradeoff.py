@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python -m benchmarks.tradeoff --model gpt|gpt-act|unet3d|resnet|llama|all [--quick] [--out DIR]
+    python -m benchmarks.tradeoff --model gpt|gpt-act|unet3d|resnet|llama|all [--quick] [--repeats N] [--out DIR]
 
 Per model it writes ``DIR/<model>.json`` (every number, plus the environment), ``DIR/<model>.md``
 (the tables, also printed) and ``DIR/<model>.png`` (memory vs time). The process re-executes
@@ -20,6 +20,7 @@ Order of a run, per model:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -289,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     parser.add_argument("--no-reexec", action="store_true", help="do not re-execute with the pinned malloc")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds per method (default 7, 3 with --quick)")
     args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if not args.no_reexec:
         harness.ensure_pinned_malloc("benchmarks.tradeoff", argv)
@@ -300,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
     env = harness.collect_environment(args.threads).to_dict()
     settings = Settings.make(quick=args.quick, threads=args.threads, no_compile=args.no_compile)
+    if args.repeats is not None:
+        settings = dataclasses.replace(settings, repeats=args.repeats)
     names = model_names() if args.model == "all" else [args.model]
     failed = []
     for name in names:
