@@ -82,6 +82,8 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if spec is not None and solver not in BASELINES:
         solve = offload_solver(solver)
     ctx = PlanningContext(profile, offload=spec)
+    if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
+        notes.append(ctx.arrays.host.note)
     smallest: tuple[Solution, Any] | None = None
     if _is_min(budget):
         if solver in BASELINES:
