@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +39,9 @@ from memfit.planning.effects import Effect, dense
 from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution
+
+if TYPE_CHECKING:
+    from memfit.planning.solvers.chain_offload import LinkWindows
 
 __all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
 
@@ -68,7 +72,7 @@ class ChainModel:
     """Per-choice local peaks, constants and times of one chain (NOTE [chain DP])."""
 
     def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None,
-                 nested: bool = True, shift: float = 0.0, host_price: float = 0.0) -> None:
+                 nested: bool = True, windows: LinkWindows | None = None, host_price: float = 0.0) -> None:
         self.ctx = ctx
         self.host_price = host_price  # seconds per host byte (NOTE [chain DP with offload])
         self.chain = chain
@@ -95,11 +99,11 @@ class ChainModel:
         tail = arrs.base_live[b_last + 1: self.rp[-1]]
         self.tail_peak = int(tail.max()) if tail.size else 0
         self.cap = segment_cap(n) if cap is None else cap
-        self.windows = None
-        if ctx.offload is not None:
+        self.windows = windows  # NOTE [chain DP with offload]
+        if ctx.offload is not None and windows is None:
             from memfit.planning.solvers.chain_offload import link_windows
 
-            self.windows = link_windows(arrs.op_cumtime, arrs.n_forward, self.a, self.fwd_hi, self.rp, shift)
+            self.windows = link_windows(arrs, self.a, self.fwd_hi, self.rp)
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))

@@ -1,21 +1,22 @@
-"""Offload with solvers that cannot model it: the chain DP and greedy, then an offload pass.
+"""Offload with solvers that cannot model it exactly, and the offload pass.
 
 NOTE [chain and offload]
-    The chain DP (NOTE [chain DP]) needs each block's time to be its own: a block choice's
-    seconds are added along the chain. Offload's link time is not a block's own: copies of all
-    blocks queue on one link and hide behind the same forward (NOTE [offload time model] in
-    ``memfit.planning.offload``), and the host cap is shared by all blocks. So the chain DP
-    and greedy plan without offload, and ``offload_pass`` then turns recomputed ops of the
-    chosen regions into offloaded ones where the exact time model says it pays (link time that
-    does not hide and, for a region that saved nothing, the selective-mode charge included),
-    within the host cap: first every op that saves at least ``rho`` recompute seconds per byte
-    copied, at the best threshold ``rho``, less the regions that do not pay; then, region by
-    region (two sweeps in forward order), the prefix of its remaining ops by that ratio that
-    lowers the plan's time most. Offload changes device memory
-    only inside its region's replay (NOTE [offload memory model]), so the plan is then
-    simulated; while its peak exceeds the budget at a replay, that region's offloads are undone,
-    last first. A heuristic over the solver's regions, not an optimum: the MILP (which models
-    offload exactly) is preferred whenever it is small enough.
+    Offload's link time is not a region's own: copies of all regions queue on one link and
+    hide behind the same forward (NOTE [offload time model] in ``memfit.planning.offload``),
+    and the host cap is shared by all regions. Greedy plans without offload; the chain DP
+    models it with a link window per block (NOTE [chain DP with offload] in
+    ``memfit.planning.solvers.chain_offload``), an upper bound of the exact link time. Both
+    plans then go to ``offload_pass``, which turns recomputed ops of the chosen regions into
+    offloaded ones where the exact time model says it pays (link time that does not hide,
+    the copies the plan already makes included, and, for a region that kept nothing, the
+    selective-mode charge), within the host cap: first every op that saves at least ``rho``
+    recompute seconds per byte copied, at the best threshold ``rho``, less the regions that
+    do not pay; then, region by region (two sweeps in forward order), the prefix of its
+    remaining ops by that ratio that lowers the plan's time most. Offload changes device
+    memory only inside its region's replay (NOTE [offload memory model]), so the plan is then
+    simulated; while its peak exceeds the budget at a replay, that region's added offloads
+    are undone, last first. A heuristic over the solver's regions, not an optimum: the MILP
+    (which models offload exactly) is preferred whenever it is small enough.
 """
 
 from __future__ import annotations
@@ -215,12 +216,10 @@ def offload_solver(name: str) -> SolveFn:
                 dp = chain.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
             except Infeasible:
                 dp = None
-            if dp is not None:
-                dp = offload_pass(ctx, dp, budget_bytes)
-                if dp.recompute_s < out.recompute_s:
-                    out = replace(dp, notes=(f"offload: {why}; the chain DP with offload, then the offload "
-                                             f"pass (faster than planning without it: {out.recompute_s:.6g} s)",
-                                             *dp.notes))
+            if dp is not None and dp.recompute_s < out.recompute_s:  # already through the offload pass
+                out = replace(dp, notes=(f"offload: {why}; the chain DP with offload, then the offload "
+                                         f"pass (faster than planning without it: {out.recompute_s:.6g} s)",
+                                         *dp.notes))
         return exact if exact is not None and exact.recompute_s <= out.recompute_s else out
 
     return solve
