@@ -134,3 +134,22 @@ def test_d2h_excess_is_the_lateness_of_the_block_queue():
     got = d2h_excess(np.array([[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]), x, np.array([1.0, 4.0]), 6.0)
     assert got.tolist() == [0.0, 0.0, 0.0]
     assert d2h_excess(np.array([[1.0, 1.0]]), x, np.array([2.0, 4.0]), 6.0).tolist() == [1.0]
+
+
+@pytest.mark.parametrize(("cap", "blocks_offloading", "priced"), [
+    (None, 3, False), (1000, 3, False), (640, 2, True), (320, 1, True), (0, 0, True),
+], ids=["no-cap", "cap1000", "cap640", "cap320", "cap0"])
+def test_chain_dp_host_cap_by_price(cap, blocks_offloading, priced):
+    """Four blocks (mm 256 B, 8 ticks -> gelu 64 B), smallest peak: layers.0..2 checkpointed,
+    each offloading 320 B when the host allows. A cap below 960 B makes the DP price host bytes
+    (NOTE [chain DP with offload] 3); the plan fits the cap and, here, equals brute force's."""
+    prof = chain_profile([residual_block([256, 64], times=[8 * TICK, TICK])] * 4)
+    spec = OffloadSpec(2.0**20, cap)
+    ctx = PlanningContext(prof, offload=spec)
+    lo = brute.min_peak(ctx, "chain")
+    got = chain.solve(ctx, lo, nested=False)
+    assert got.recompute_s == brute.solve(ctx, lo, mode="chain").recompute_s
+    sim = _sim(prof, got.regions, spec)
+    assert sim.host_peak_bytes == 320 * blocks_offloading and sim.peak_bytes == lo
+    assert sum(bool(r.keys_with(OpPolicy.OFFLOAD)) for r in got.regions) == blocks_offloading
+    assert any("host price" in n for n in got.notes) is priced

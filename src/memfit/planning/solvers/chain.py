@@ -24,6 +24,8 @@ NOTE [chain DP]
     single ops and a second frontier weighted by each op's largest local increase are added;
     only this case is not exact. Whether an effect really is constant on later zones is
     checked; where it is not, its maximum there is used (conservative) and a note says so.
+    With offload, a block's choices also offload ops and pay a link charge of their own
+    (NOTE [chain DP with offload] in ``memfit.planning.solvers.chain_offload``).
 """
 
 from __future__ import annotations
