@@ -3,8 +3,10 @@ without offload at one budget (issue #15).
 
     PYTHONPATH=src python benchmarks/offload_plan.py [--layers 32] [--budget 40GiB]
 
-Prints both plans' predicted peak, recompute time and host bytes, and writes
-benchmarks/results/offload_plan.json. Pure planning: no GPU, no timing of this machine.
+Prints the recompute-only plan and two offload plans (at the same budget, and with the
+recompute-only plan's predicted peak as budget): predicted peak, recompute time, host bytes,
+and writes benchmarks/results/offload_plan.json. Pure planning: no GPU; the planning seconds
+are this machine's.
 """
 
 from __future__ import annotations
@@ -43,22 +45,28 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target=args.target)
     rows = {"profile_s": time.perf_counter() - t0, "plain_peak_bytes": prof.peak_bytes}
-    for off in (False, True):
+    runs = (("recompute_only", args.budget, False), ("offload", args.budget, True),
+            ("offload_at_peak", None, True))  # None: the recompute-only plan's predicted peak
+    for key, budget, off in runs:
+        if budget is None:
+            budget = rows["recompute_only"]["predicted_peak_bytes"]  # type: ignore[index]
         t0 = time.perf_counter()
-        p = plan(prof, budget=args.budget, offload=off,
-                 host_budget=args.host_budget if off else None)
-        key = "offload" if off else "recompute_only"
-        rows[key] = {"plan_s": time.perf_counter() - t0, "solver": p.solver,
+        p = plan(prof, budget=budget, offload=off, host_budget=args.host_budget if off else None)
+        rows[key] = {"plan_s": time.perf_counter() - t0, "solver": p.solver, "budget_bytes": p.budget_bytes,
                      "predicted_peak_bytes": p.predicted_peak_bytes, "recompute_s": p.recompute_s,
                      "host_peak_bytes": p.host_peak_bytes, "notes": list(p.notes)}
         print(p)
-    a, b = rows["recompute_only"], rows["offload"]
-    rows["recompute_reduction"] = 1 - b["recompute_s"] / a["recompute_s"]  # type: ignore[index]
+    a = rows["recompute_only"]
+    for key, what in (("offload", f"same budget {args.budget}"),
+                      ("offload_at_peak", "budget = the recompute-only plan's predicted peak")):
+        b = rows[key]
+        rows[f"{key}_reduction"] = 1 - b["recompute_s"] / a["recompute_s"]  # type: ignore[index]
+        print(f"{what}: recompute {a['recompute_s'] * 1e3:.1f} ms -> {b['recompute_s'] * 1e3:.1f} ms "  # type: ignore[index]
+              f"({rows[f'{key}_reduction']:.1%} less); peak {a['predicted_peak_bytes']} -> "  # type: ignore[index]
+              f"{b['predicted_peak_bytes']} bytes; host {b['host_peak_bytes']} bytes; "  # type: ignore[index]
+              f"planned in {b['plan_s']:.1f} s")  # type: ignore[index]
     rows.update(torch=torch.__version__, layers=args.layers, seq=args.seq, budget=args.budget,
                 target=args.target)
-    print(f"recompute {a['recompute_s'] * 1e3:.1f} ms -> {b['recompute_s'] * 1e3:.1f} ms "  # type: ignore[index]
-          f"({rows['recompute_reduction']:.1%} less); peak {a['predicted_peak_bytes']} -> "  # type: ignore[index]
-          f"{b['predicted_peak_bytes']} bytes; host {b['host_peak_bytes']} bytes")  # type: ignore[index]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -227,12 +227,10 @@ def test_infeasible_is_unchanged_by_offload():
     assert e.value.min_bytes == MIN_PEAK
 
 
-def test_fake_llama_offload_plan_is_faster_at_the_same_budget():
+@pytest.fixture(scope="module")
+def llama2():
     """A 2-layer Llama with 7B sizes (bf16, batch 1, seq 4096, eager attention) profiled in
-    fake mode for an H100 (51.2 GB/s each way): halfway from the smallest peak to the plain
-    one, the MILP with offload predicts less recompute time than without, and than with a host
-    cap of 0 (5.979 -> 5.956 ms, 48 MiB offloaded, when written); simulate agrees. The full 7B
-    (32 layers) is measured by benchmarks/offload_plan.py."""
+    fake mode for an H100 (51.2 GB/s each way)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -246,7 +244,15 @@ def test_fake_llama_offload_plan_is_faster_at_the_same_budget():
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.train()
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
-    prof = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
+    return profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
+
+
+def test_fake_llama_offload_plan_is_faster_at_the_same_budget(llama2):
+    """Halfway from the smallest peak to the plain one, the MILP with offload predicts less
+    recompute time than without, and than with a host cap of 0 (3.934 -> 3.904 ms when
+    written); simulate agrees. The full 7B (32 layers) is measured by
+    benchmarks/offload_plan.py."""
+    prof = llama2
     lo = plan(prof, budget="min", solver="milp").predicted_peak_bytes
     budget = lo + (prof.peak_bytes - lo) // 2
     without = plan(prof, budget=budget, solver="milp")
@@ -260,6 +266,26 @@ def test_fake_llama_offload_plan_is_faster_at_the_same_budget():
     sim = simulate(prof, Plan(with_.regions, 0, 0.0, None, "t", ""))  # the link from the profile
     assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
         with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
+
+
+def test_fake_llama_chain_dp_offloads_saved_ops_at_no_higher_peak(llama2):
+    """NOTE [chain DP with offload]: a quarter of the way from the smallest peak to the plain
+    one, the chain DP with offload, given the recompute-only plan's predicted peak as its
+    budget, moves ops that plan saves on the device to the host and predicts less recompute
+    (5.088 -> 4.575 ms when written); simulate agrees."""
+    prof = llama2
+    lo = plan(prof, budget="min", solver="chain").predicted_peak_bytes
+    without = plan(prof, budget=lo + (prof.peak_bytes - lo) // 4, solver="chain")
+    with_ = plan(prof, budget=without.predicted_peak_bytes, solver="chain", offload=True)
+    assert with_.predicted_peak_bytes <= without.predicted_peak_bytes
+    assert with_.recompute_s < without.recompute_s
+    saved = {(r.name, k) for r in without.regions for k in r.keys_with(OpPolicy.SAVE)}
+    moved = {(r.name, k) for r in with_.regions for k in r.keys_with(OpPolicy.OFFLOAD)} & saved
+    assert moved
+    sim = simulate(prof, Plan(with_.regions, 0, 0.0, None, "t", ""))
+    assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
+        with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
+    assert any("host overhead on an async device hidden" in n for n in with_.notes)
 
 
 @pytest.mark.parametrize(("device", "cost_model", "link"), [
@@ -284,10 +310,9 @@ def test_host_link_of_a_gpu_measured_profile_is_unknown():
     assert link_of(prof, "a100")[0] == 0.8 * 64e9 / 2
 
 
-@pytest.mark.parametrize("name", ["chain", "greedy"])
-def test_chain_and_greedy_refuse_an_offload_context(name):
+def test_greedy_refuses_an_offload_context():
     from memfit.planning.solvers import get_solver
 
     ctx = PlanningContext(_toy(), offload=OffloadSpec(2.0**20))
-    with pytest.raises(ValueError, match=f"solver '{name}' cannot model offload"):
-        get_solver(name)(ctx, MIN_PEAK)
+    with pytest.raises(ValueError, match="solver 'greedy' cannot model offload"):
+        get_solver("greedy")(ctx, MIN_PEAK)

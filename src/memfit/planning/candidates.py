@@ -127,6 +127,7 @@ class PlanningContext:
         self._index = {m.path: k for k, m in enumerate(profile.modules)}
         self._cands: dict[tuple[str, ...], Candidate | None] = {}
         self._inner: dict[str, list[RegionModel]] = {}
+        self.memo: dict[str, dict] = {}  # solvers' per-context caches, by solver
 
     def candidate(self, modules: tuple[str, ...], *, with_ops: bool = True) -> Candidate | None:
         """The candidate for a module or segment, or ``None`` if checkpointing it drops nothing."""

@@ -41,16 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.planning.effects import Effect, ProfileArrays, RegionModel
+from memfit.planning.hosttime import OFFLOAD_TENSOR_S
 from memfit.profiling.costmodel import DevicePreset, preset, profile_preset
 from memfit.profiling.profile import Profile
 
 __all__ = ["OFFLOAD_TENSOR_S", "OffloadSpec", "Copy", "offload_effect", "offload_copies",
            "offload_replay_pieces", "link_exposed_s", "offload_time_s", "link_of"]
-
-# 2**-17 s (7.6 us) per offloaded storage, both directions: torchtune's OffloadActivations
-# and torch's offload pass record an event and a stream wait per copy each way (a few us each
-# on a GPU). A power of two, so that sums of dyadic test times stay exact.
-OFFLOAD_TENSOR_S = 2.0**-17
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
         offload: also consider keeping op outputs in host memory (``OpPolicy.OFFLOAD``;
             default ``False``; NOTE [offload memory model] and NOTE [offload time model] in
             ``memfit.planning.offload``). ``"milp"`` and ``"brute"`` model it exactly;
-            ``"auto"`` uses the MILP when small enough, else (as ``"chain"`` and ``"greedy"``)
-            plans without it and offloads afterwards (NOTE [chain and offload]). On a CPU
+            ``"auto"`` uses the MILP when small enough; ``"chain"`` (and ``"auto"`` on a chain)
+            also runs the chain DP with offload (NOTE [chain DP with offload]); all but the
+            exact solvers finish with the offload pass (NOTE [chain and offload]). On a CPU
             target it is a no-op, logged and noted in the plan: a CPU has no host link.
         host_budget: with ``offload``, the most host memory the plan may hold: int bytes or a
             size (``"64GiB"``); default ``None``: no cap.
@@ -82,6 +83,8 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if spec is not None and solver not in BASELINES:
         solve = offload_solver(solver)
     ctx = PlanningContext(profile, offload=spec)
+    if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
+        notes.append(ctx.arrays.host.note)
     smallest: tuple[Solution, Any] | None = None
     if _is_min(budget):
         if solver in BASELINES:

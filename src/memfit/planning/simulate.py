@@ -274,8 +274,10 @@ def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
     return offload_time_s(arrs, copies, spec), int(host.max(initial=0))
 def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
     """What ``plan`` reruns, in the time model's units (NOTE [calibration] in
-    ``memfit.profiling.calibrate``): ``profile.calibration.recompute_s(time_terms(profile,
-    plan))`` equals ``simulate(profile, plan).recompute_s`` up to float rounding.
+    ``memfit.profiling.calibrate``): ``ProfileArrays(profile).calibration.recompute_s(
+    time_terms(profile, plan))`` equals ``simulate(profile, plan).recompute_s`` up to float
+    rounding (that calibration is ``profile.calibration`` unless NOTE [host overhead on an
+    async device] in ``memfit.planning.hosttime`` zeroed its fixed charges).
 
     Raises:
         ValueError: as ``simulate``; also nested regions (calibration times flat plans only).

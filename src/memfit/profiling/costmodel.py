@@ -38,6 +38,9 @@ class DevicePreset:
         source: where the figures come from.
         host_link_bytes_per_s: effective host<->device copy rate, bytes/s each way, pinned
             host memory (0: no host link to offload over, as for the CPU preset).
+        asynchronous: whether the host enqueues work that the device runs later (a GPU), so
+            host overhead can hide behind device work (NOTE [host overhead on an async
+            device] in ``memfit.planning.hosttime``); False for the CPU.
     """
 
     name: str
@@ -48,6 +51,7 @@ class DevicePreset:
     op_overhead_s: float
     source: str
     host_link_bytes_per_s: float = 0.0
+    asynchronous: bool = False
 
     def peak_for(self, dtype: str) -> float:
         return self.flops_per_s if dtype in ("bfloat16", "float16") else self.fp32_flops_per_s
@@ -77,19 +81,19 @@ PRESETS: dict[str, DevicePreset] = {
     "a100": DevicePreset("a100", flops_per_s=312 * _T, fp32_flops_per_s=19.5 * _T,
                          bandwidth_bytes_per_s=2039 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2, asynchronous=True),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity, i.e.
     # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB; PCIe Gen5 128 GB/s.
     "h100": DevicePreset("h100", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=3350 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989.5
     # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB, PCIe Gen5 128 GB/s.
     "h200": DevicePreset("h200", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=4800 * _GB, memory_bytes=141 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True),
 }
 
 

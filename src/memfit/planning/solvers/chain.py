@@ -24,12 +24,15 @@ NOTE [chain DP]
     single ops and a second frontier weighted by each op's largest local increase are added;
     only this case is not exact. Whether an effect really is constant on later zones is
     checked; where it is not, its maximum there is used (conservative) and a note says so.
+    With offload, a block's choices also offload ops and pay a link charge of their own
+    (NOTE [chain DP with offload] in ``memfit.planning.solvers.chain_offload``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +41,9 @@ from memfit.planning.effects import Effect, dense
 from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution
+
+if TYPE_CHECKING:
+    from memfit.planning.solvers.chain_offload import LinkWindows
 
 __all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
 
@@ -61,14 +67,16 @@ class _Choice:
     D: int
     T: float
     inner: tuple[str, ...] = ()  # modules checkpointed inside the block (NOTE [nested regions])
+    H: int = 0  # host bytes offloaded (NOTE [chain DP with offload])
 
 
 class ChainModel:
     """Per-choice local peaks, constants and times of one chain (NOTE [chain DP])."""
 
     def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None,
-                 nested: bool = True) -> None:
+                 nested: bool = True, windows: LinkWindows | None = None, host_price: float = 0.0) -> None:
         self.ctx = ctx
+        self.host_price = host_price  # seconds per host byte (NOTE [chain DP with offload])
         self.chain = chain
         arrs = ctx.arrays
         n = len(chain.blocks)
@@ -93,6 +101,11 @@ class ChainModel:
         tail = arrs.base_live[b_last + 1: self.rp[-1]]
         self.tail_peak = int(tail.max()) if tail.size else 0
         self.cap = segment_cap(n) if cap is None else cap
+        self.windows = windows  # NOTE [chain DP with offload]
+        if ctx.offload is not None and windows is None:
+            from memfit.planning.solvers.chain_offload import link_windows
+
+            self.windows = link_windows(arrs, self.a, self.fwd_hi, self.rp)
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
@@ -139,6 +152,10 @@ class ChainModel:
         tj = np.array([c.effect.time_s for c in cand.choices], dtype=np.float64)
         for q, choice in enumerate(cand.choices):
             vj[q], _, dj[q] = self._eval(choice.effect, cand, k, k)
+        if self.ctx.offload is not None:  # NOTE [chain DP with offload]
+            from memfit.planning.solvers.chain_offload import block_choices
+
+            return out + block_choices(self, k, cand, v0, base, d0, vj, dj, tj)
         if J <= ENUM_LIMIT:
             masks = ((np.arange(2 ** J)[:, None] >> np.arange(J)[None, :]) & 1).astype(np.int64)
         else:
@@ -340,18 +357,23 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
           chain: Chain | None = None, nested: bool = True) -> Solution:
     """The least-recompute plan over the main chain whose predicted peak fits ``budget_bytes``.
 
+    With offload (``ctx.offload``), each block's ops may also be offloaded (NOTE [chain DP
+    with offload] in ``memfit.planning.solvers.chain_offload``); ``recompute_s`` is then the
+    exact model's figure for the plan.
+
     Raises:
         NotAChain: the profile has no chain the DP can use (use ``milp``).
         Infeasible: no plan of the chain's plan space fits.
-        ValueError: ``ctx`` plans with offload, which the DP cannot model (NOTE [chain and
-            offload] in ``memfit.planning.solvers.offload_pass``).
     """
-    _refuse_offload(ctx, "chain")
     if chain is None:
         if not ctx.chains:
             raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
                             "one after another) found in the profile; use solver='milp'")
         chain = ctx.chains[0]
+    if ctx.offload is not None:
+        from memfit.planning.solvers.chain_offload import solve_offload
+
+        return solve_offload(ctx, budget_bytes, chain, nested=nested)
     model = ChainModel(ctx, chain, nested=nested)
     chosen, peak, t = run_dp(model, budget_bytes)
     notes = [f"chain {chain.parent or '<root>'}: {model.n} blocks, segments up to {model.cap}"]
@@ -368,7 +390,7 @@ def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool =
 
 def _refuse_offload(ctx: PlanningContext, name: str) -> None:
     if ctx.offload is not None:
-        raise ValueError(f"solver {name!r} cannot model offload: its plan's time must add up block by "
-                         "block, and offloaded copies share one host link (NOTE [chain and offload] in "
-                         "memfit.planning.solvers.offload_pass). Pass a PlanningContext without offload; "
-                         f"plan(..., solver={name!r}, offload=True) plans without it, then offloads")
+        raise ValueError(f"solver {name!r} cannot model offload: offloaded copies share one host link "
+                         "(NOTE [chain and offload] in memfit.planning.solvers.offload_pass). Pass a "
+                         f"PlanningContext without offload; plan(..., solver={name!r}, offload=True) plans "
+                         "without it, then offloads")

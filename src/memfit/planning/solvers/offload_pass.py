@@ -1,21 +1,22 @@
-"""Offload with solvers that cannot model it: the chain DP and greedy, then an offload pass.
+"""Offload with solvers that cannot model it exactly, and the offload pass.
 
 NOTE [chain and offload]
-    The chain DP (NOTE [chain DP]) needs each block's time to be its own: a block choice's
-    seconds are added along the chain. Offload's link time is not a block's own: copies of all
-    blocks queue on one link and hide behind the same forward (NOTE [offload time model] in
-    ``memfit.planning.offload``), and the host cap is shared by all blocks. So the chain DP
-    and greedy plan without offload, and ``offload_pass`` then turns recomputed ops of the
-    chosen regions into offloaded ones where the exact time model says it pays (link time that
-    does not hide and, for a region that saved nothing, the selective-mode charge included),
-    within the host cap: first every op that saves at least ``rho`` recompute seconds per byte
-    copied, at the best threshold ``rho``, less the regions that do not pay; then, region by
-    region (two sweeps in forward order), the prefix of its remaining ops by that ratio that
-    lowers the plan's time most. Offload changes device memory
-    only inside its region's replay (NOTE [offload memory model]), so the plan is then
-    simulated; while its peak exceeds the budget at a replay, that region's offloads are undone,
-    last first. A heuristic over the solver's regions, not an optimum: the MILP (which models
-    offload exactly) is preferred whenever it is small enough.
+    Offload's link time is not a region's own: copies of all regions queue on one link and
+    hide behind the same forward (NOTE [offload time model] in ``memfit.planning.offload``),
+    and the host cap is shared by all regions. Greedy plans without offload; the chain DP
+    models it with a link window per block (NOTE [chain DP with offload] in
+    ``memfit.planning.solvers.chain_offload``), an upper bound of the exact link time. Both
+    plans then go to ``offload_pass``, which turns recomputed ops of the chosen regions into
+    offloaded ones where the exact time model says it pays (link time that does not hide,
+    the copies the plan already makes included, and, for a region that kept nothing, the
+    selective-mode charge), within the host cap: first every op that saves at least ``rho``
+    recompute seconds per byte copied, at the best threshold ``rho``, less the regions that
+    do not pay; then, region by region (two sweeps in forward order), the prefix of its
+    remaining ops by that ratio that lowers the plan's time most. Offload changes device
+    memory only inside its region's replay (NOTE [offload memory model]), so the plan is then
+    simulated; while its peak exceeds the budget at a replay, that region's added offloads
+    are undone, last first. A heuristic over the solver's regions, not an optimum: the MILP
+    (which models offload exactly) is preferred whenever it is small enough.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def _nests(r: Region, regions: tuple[Region, ...]) -> bool:
 
 
 def _by_threshold(ctx: PlanningContext, regions: list[Region],
-                  groups: dict[int, tuple[Candidate, list[OpChoice]]]) -> dict[int, list[tuple[str, Copy]]]:
+                  groups: dict[int, tuple[Candidate, list[OpChoice]]],
+                  before: list[Copy]) -> dict[int, list[tuple[str, Copy]]]:
     """The best start: every op saving at least ``rho`` recompute seconds per byte copied, over
     the thresholds ``rho`` the ops give, within the host cap, less the regions whose offloads
-    do not pay for their selective-mode charge."""
+    do not pay for their selective-mode charge (``before``: the plan's own copies)."""
     spec = ctx.offload
     assert spec is not None
     arrs = ctx.arrays
@@ -61,15 +63,16 @@ def _by_threshold(ctx: PlanningContext, regions: list[Region],
         for q, chs in sel.items():
             if chs:
                 t += sum(ch.effect.time_s for ch in chs) + (0.0 if regions[q].ops else groups[q][0].selective_s)
-        cps = [ch.copy for chs in sel.values() for ch in chs]
+        cps = [*before, *(ch.copy for chs in sel.values() for ch in chs)]
         return t + sum(link_exposed_s(arrs, cps, spec.link_bytes_per_s))  # type: ignore[arg-type]
 
     best: dict[int, list[OpChoice]] = {}
-    best_t = 0.0
+    best_t = total({})
     rhos = sorted({ratio(ch) for _, opts in groups.values() for ch in opts if ratio(ch) > 0}, reverse=True)
+    host0 = sum(c.nbytes for c in before)
     for rho in rhos:
         sel = {q: [ch for ch in opts if ratio(ch) >= rho] for q, (_, opts) in groups.items()}
-        host = sum(ch.copy.nbytes for chs in sel.values() for ch in chs if ch.copy is not None)
+        host = host0 + sum(ch.copy.nbytes for chs in sel.values() for ch in chs if ch.copy is not None)
         if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
             break
         t = total(sel)
@@ -96,20 +99,24 @@ def offload_pass(ctx: PlanningContext, sol: Solution, budget_bytes: int) -> Solu
     arrs = ctx.arrays
     regions = list(sol.regions)
     groups: dict[int, tuple[Candidate, list[OpChoice]]] = {}
+    before: list[Copy] = []  # copies the plan already makes (the chain DP with offload)
     for q, r in enumerate(regions):
         if r.is_segment or _nests(r, sol.regions):
             continue
         cand = ctx.candidate(r.modules)
         if cand is None:
             continue
+        offl = set(r.keys_with(OpPolicy.OFFLOAD))
+        before += [ch.copy for ch in cand.choices if ch.policy is OpPolicy.OFFLOAD and ch.copy is not None
+                   and cand.keys[ch.op] in offl]
         kept = set(r.decisions)
         opts = [ch for ch in cand.choices if ch.policy is OpPolicy.OFFLOAD and ch.copy is not None
                 and cand.keys[ch.op] not in kept]
         # recompute seconds saved per byte copied, best first
         opts.sort(key=lambda ch: (ch.effect.time_s / ch.copy.nbytes, ch.op))  # type: ignore[union-attr]
         groups[q] = (cand, opts)
-    added = _by_threshold(ctx, regions, groups)
-    copies = [c for v in added.values() for _, c in v]
+    added = _by_threshold(ctx, regions, groups, before)
+    copies = [*before, *(c for v in added.values() for _, c in v)]
     host = sum(c.nbytes for c in copies)
     exposed = sum(link_exposed_s(arrs, copies, spec.link_bytes_per_s))
     for _ in range(2):  # a second sweep uses link time the first left
@@ -163,7 +170,9 @@ def offload_solver(name: str) -> SolveFn:
     """The solve function for ``name`` when planning with offload (NOTE [chain and offload]):
     ``"milp"`` and ``"brute"`` model offload themselves; ``"auto"`` runs the MILP when it is
     small enough (``MILP_MAX_CELLS``), else, as ``"chain"`` and ``"greedy"`` do, plans without
-    offload and then runs the offload pass."""
+    offload and then runs the offload pass; where that plan is the chain DP's, the chain DP
+    with offload (NOTE [chain DP with offload]) then the offload pass also runs, and the
+    faster plan by the exact model wins."""
     if name in ("milp", "brute"):
         return get_solver(name)
     base = get_solver(name)
@@ -200,6 +209,17 @@ def offload_solver(name: str) -> SolveFn:
             raise
         out = offload_pass(ctx, sol, budget_bytes)
         out = replace(out, notes=(f"offload: {why}; planned without it, then the offload pass", *out.notes))
+        if sol.solver == "chain":  # NOTE [chain DP with offload], then the pass on its plan
+            from memfit.planning.solvers import chain
+
+            try:
+                dp = chain.solve(ctx, budget_bytes, time_limit_s=time_limit_s)
+            except Infeasible:
+                dp = None
+            if dp is not None and dp.recompute_s < out.recompute_s:  # already through the offload pass
+                out = replace(dp, notes=(f"offload: {why}; the chain DP with offload, then the offload "
+                                         f"pass (faster than planning without it: {out.recompute_s:.6g} s)",
+                                         *dp.notes))
         return exact if exact is not None and exact.recompute_s <= out.recompute_s else out
 
     return solve
