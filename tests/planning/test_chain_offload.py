@@ -18,7 +18,7 @@ from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
-from memfit.planning.solvers import Infeasible, brute, chain
+from memfit.planning.solvers import Infeasible, brute, chain, chain_offload
 from memfit.planning.solvers.chain_offload import d2h_excess, link_windows
 from memfit.profiling.costmodel import PRESETS
 
@@ -50,7 +50,7 @@ def test_chain_dp_with_offload_against_brute_force(seed, rate, cap):
     lo = brute.min_peak(ctx, "chain")
     for budget in sorted({lo, (2 * lo + prof.peak_bytes) // 3, prof.peak_bytes}):
         want = brute.solve(ctx, budget, mode="chain")
-        got = chain.solve(ctx, budget, nested=False)
+        got = chain_offload.solve(ctx, budget, nested=False)
         sim = _sim(prof, got.regions, spec)
         assert sim.recompute_s == got.recompute_s
         assert sim.peak_bytes <= budget
@@ -68,7 +68,7 @@ def test_brute_force_seeds_offload_on_the_fast_link():
         prof = random_chain(random.Random(s), max_blocks=3, max_ops=2)
         ctx = PlanningContext(prof, offload=OffloadSpec(2.0**30))
         assert ctx.chains
-        got = chain.solve(ctx, brute.min_peak(ctx, "chain"), nested=False)
+        got = chain_offload.solve(ctx, brute.min_peak(ctx, "chain"), nested=False)
         offloading += any(r.keys_with(OpPolicy.OFFLOAD) for r in got.regions)
     assert offloading == 7
 
@@ -78,7 +78,7 @@ def test_chain_dp_infeasible_below_the_smallest_peak_with_offload():
     ctx = PlanningContext(prof, offload=OffloadSpec(2.0**20))
     lo = brute.min_peak(ctx, "chain")
     with pytest.raises(Infeasible) as e:
-        chain.solve(ctx, lo - 1, nested=False)
+        chain_offload.solve(ctx, lo - 1, nested=False)
     assert e.value.min_bytes == lo
 
 
@@ -147,9 +147,17 @@ def test_chain_dp_host_cap_by_price(cap, blocks_offloading, priced):
     spec = OffloadSpec(2.0**20, cap)
     ctx = PlanningContext(prof, offload=spec)
     lo = brute.min_peak(ctx, "chain")
-    got = chain.solve(ctx, lo, nested=False)
+    got = chain_offload.solve(ctx, lo, nested=False)
     assert got.recompute_s == brute.solve(ctx, lo, mode="chain").recompute_s
     sim = _sim(prof, got.regions, spec)
     assert sim.host_peak_bytes == 320 * blocks_offloading and sim.peak_bytes == lo
     assert sum(bool(r.keys_with(OpPolicy.OFFLOAD)) for r in got.regions) == blocks_offloading
     assert any("host price" in n for n in got.notes) is priced
+
+
+def test_the_plain_chain_solver_refuses_an_offload_context() -> None:
+    """The chain DP with offload is ``chain_offload.solve``; ``chain.solve`` says so."""
+    prof = chain_profile([residual_block([256, 64], times=[8 * TICK, TICK])] * 3)
+    ctx = PlanningContext(prof, offload=OffloadSpec(link_bytes_per_s=1e9))
+    with pytest.raises(ValueError, match="cannot model offload"):
+        chain.solve(ctx, 10**12, nested=False)

@@ -12,7 +12,7 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import writes_buffers
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
-from memfit.planning.solvers.offload_pass import offload_solver
+from memfit.planning.solvers.offload_route import offload_solver
 from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes, parse_bytes, resolve_budget

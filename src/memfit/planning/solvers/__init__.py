@@ -17,7 +17,7 @@ from memfit.planning.plan import Region
 if TYPE_CHECKING:
     from memfit.planning.candidates import PlanningContext  # noqa: F401  (for solver signatures)
 
-__all__ = ["Solution", "SOLVERS", "get_solver", "solver_names", "Infeasible"]
+__all__ = ["Solution", "SOLVERS", "get_solver", "solver_names", "Infeasible", "refuse_offload"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,12 @@ def get_solver(name: str) -> SolveFn:
         raise ValueError(f"unknown solver {name!r}; choose one of {', '.join(SOLVERS)}")
     mod, fn = target.split(":")
     return getattr(importlib.import_module(mod), fn)  # type: ignore[no-any-return]
+
+
+def refuse_offload(ctx: PlanningContext, name: str) -> None:
+    """Raise ValueError when ``ctx`` plans with offload, which solver ``name`` cannot model."""
+    if ctx.offload is not None:
+        raise ValueError(f"solver {name!r} cannot model offload: offloaded copies share one host link "
+                         "(NOTE [chain and offload] in memfit.planning.solvers.offload_pass). Pass a "
+                         f"PlanningContext without offload; plan(..., solver={name!r}, offload=True) plans "
+                         "without it, then offloads")

@@ -31,8 +31,9 @@ NOTE [chain DP]
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +41,7 @@ from memfit.planning.candidates import Candidate, Chain, PlanningContext, segmen
 from memfit.planning.effects import Effect, dense
 from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Region
-from memfit.planning.solvers import Infeasible, Solution
-
-if TYPE_CHECKING:
-    from memfit.planning.solvers.chain_offload import LinkWindows
+from memfit.planning.solvers import Infeasible, Solution, refuse_offload
 
 __all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
 
@@ -74,7 +72,12 @@ class ChainModel:
     """Per-choice local peaks, constants and times of one chain (NOTE [chain DP])."""
 
     def __init__(self, ctx: PlanningContext, chain: Chain, *, cap: int | None = None,
-                 nested: bool = True, windows: LinkWindows | None = None, host_price: float = 0.0) -> None:
+                 nested: bool = True, windows: Any = None, host_price: float = 0.0,
+                 offload_choices: Callable[..., list[_Choice]] | None = None) -> None:
+        if ctx.offload is not None and (windows is None or offload_choices is None):
+            raise ValueError("a chain planned with offload needs the host link's windows and the "
+                             "offload choices: memfit.planning.solvers.chain_offload.solve plans it")
+        self.offload_choices = offload_choices  # NOTE [chain DP with offload]
         self.ctx = ctx
         self.host_price = host_price  # seconds per host byte (NOTE [chain DP with offload])
         self.chain = chain
@@ -102,10 +105,6 @@ class ChainModel:
         self.tail_peak = int(tail.max()) if tail.size else 0
         self.cap = segment_cap(n) if cap is None else cap
         self.windows = windows  # NOTE [chain DP with offload]
-        if ctx.offload is not None and windows is None:
-            from memfit.planning.solvers.chain_offload import link_windows
-
-            self.windows = link_windows(arrs, self.a, self.fwd_hi, self.rp)
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
@@ -152,10 +151,8 @@ class ChainModel:
         tj = np.array([c.effect.time_s for c in cand.choices], dtype=np.float64)
         for q, choice in enumerate(cand.choices):
             vj[q], _, dj[q] = self._eval(choice.effect, cand, k, k)
-        if self.ctx.offload is not None:  # NOTE [chain DP with offload]
-            from memfit.planning.solvers.chain_offload import block_choices
-
-            return out + block_choices(self, k, cand, v0, base, d0, vj, dj, tj)
+        if self.offload_choices is not None:  # NOTE [chain DP with offload]
+            return out + self.offload_choices(self, k, cand, v0, base, d0, vj, dj, tj)
         if J <= ENUM_LIMIT:
             masks = ((np.arange(2 ** J)[:, None] >> np.arange(J)[None, :]) & 1).astype(np.int64)
         else:
@@ -357,9 +354,8 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
           chain: Chain | None = None, nested: bool = True) -> Solution:
     """The least-recompute plan over the main chain whose predicted peak fits ``budget_bytes``.
 
-    With offload (``ctx.offload``), each block's ops may also be offloaded (NOTE [chain DP
-    with offload] in ``memfit.planning.solvers.chain_offload``); ``recompute_s`` is then the
-    exact model's figure for the plan.
+    A context with offload is refused (ValueError): ``memfit.planning.solvers.chain_offload
+    .solve`` plans a chain with offload (NOTE [chain DP with offload] there).
 
     Raises:
         NotAChain: the profile has no chain the DP can use (use ``milp``).
@@ -370,10 +366,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
                             "one after another) found in the profile; use solver='milp'")
         chain = ctx.chains[0]
-    if ctx.offload is not None:
-        from memfit.planning.solvers.chain_offload import solve_offload
-
-        return solve_offload(ctx, budget_bytes, chain, nested=nested)
+    refuse_offload(ctx, "chain")  # memfit.planning.solvers.chain_offload.solve plans with it
     model = ChainModel(ctx, chain, nested=nested)
     chosen, peak, t = run_dp(model, budget_bytes)
     notes = [f"chain {chain.parent or '<root>'}: {model.n} blocks, segments up to {model.cap}"]
@@ -386,11 +379,3 @@ def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool =
     with NOTE [nested regions] in it)."""
     model = ChainModel(ctx, chain or ctx.chains[0], nested=nested)
     return run_dp(model, None)[1]
-
-
-def _refuse_offload(ctx: PlanningContext, name: str) -> None:
-    if ctx.offload is not None:
-        raise ValueError(f"solver {name!r} cannot model offload: offloaded copies share one host link "
-                         "(NOTE [chain and offload] in memfit.planning.solvers.offload_pass). Pass a "
-                         f"PlanningContext without offload; plan(..., solver={name!r}, offload=True) plans "
-                         "without it, then offloads")

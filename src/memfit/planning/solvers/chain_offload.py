@@ -61,6 +61,7 @@ from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Solution
 from memfit.planning.solvers.chain import (
     ChainModel,
+    NotAChain,
     _Choice,
     _knapsack_masks,
     _pareto3,
@@ -69,7 +70,7 @@ from memfit.planning.solvers.chain import (
 )
 from memfit.planning.solvers.offload_pass import offload_pass
 
-__all__ = ["OFFLOAD_ENUM_LIMIT", "OFFLOAD_LEVELS", "SHIFTS", "ROUNDS", "PRICE_STEPS", "LinkWindows",
+__all__ = ["solve", "OFFLOAD_ENUM_LIMIT", "OFFLOAD_LEVELS", "SHIFTS", "ROUNDS", "PRICE_STEPS", "LinkWindows",
            "link_windows", "d2h_excess", "assignments", "block_choices", "solve_offload"]
 
 OFFLOAD_ENUM_LIMIT = 6  # enumerate all 3**n assignments of a block with at most this many ops
@@ -273,6 +274,23 @@ def block_choices(model: ChainModel, k: int, cand: Candidate, v0: np.ndarray, ba
             for q in _pareto3(tab.M, tab.D, T)]
 
 
+def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0, chain: Chain | None = None,
+          nested: bool = True) -> Solution:
+    """The chain solver with offload: ``solve_offload`` on ``chain`` (default: the profile's
+    first chain).
+
+    Raises:
+        NotAChain: the profile has no chain the DP can use.
+        Infeasible: no plan of the chain's plan space fits.
+    """
+    if chain is None:
+        if not ctx.chains:
+            raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
+                            "one after another) found in the profile; use solver='milp'")
+        chain = ctx.chains[0]
+    return solve_offload(ctx, budget_bytes, chain, nested=nested)
+
+
 def solve_offload(ctx: PlanningContext, budget_bytes: int, chain: Chain, *, nested: bool = True) -> Solution:
     """The chain DP with offload (NOTE [chain DP with offload]), each plan then given to the
     offload pass (NOTE [chain and offload]): the fastest by the exact model over the window
@@ -302,7 +320,7 @@ def _solve_at(ctx: PlanningContext, budget_bytes: int, chain: Chain, shift: floa
     fwd_hi = [a[k + 1] - 1 for k in range(len(a) - 1)] + [blocks[-1].b]  # type: ignore[union-attr]
     rp = [c.rp for c in blocks]  # type: ignore[union-attr]
     win = link_windows(ctx.arrays, a, fwd_hi, rp, shift=shift, using=using)
-    model = ChainModel(ctx, chain, nested=nested, windows=win, host_price=price)
+    model = ChainModel(ctx, chain, nested=nested, windows=win, host_price=price, offload_choices=block_choices)
     chosen, peak, _ = run_dp(model, budget_bytes)
     regions = regions_of(chosen)
     sim = simulate(ctx.profile, Plan(regions, 0, 0.0, None, "chain", ""), offload=ctx.offload, _arrays=ctx.arrays)

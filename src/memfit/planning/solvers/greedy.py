@@ -13,7 +13,7 @@ import numpy as np
 
 from memfit.planning.candidates import Candidate, PlanningContext
 from memfit.planning.effects import Effect
-from memfit.planning.solvers import Infeasible, Solution
+from memfit.planning.solvers import Infeasible, Solution, refuse_offload
 
 __all__ = ["solve"]
 
@@ -47,9 +47,7 @@ class _State:
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0) -> Solution:
     """A good (not optimal) plan whose linear-model peak fits the budget (no offload: NOTE
     [chain and offload] in ``memfit.planning.solvers.offload_pass``)."""
-    from memfit.planning.solvers.chain import _refuse_offload
-
-    _refuse_offload(ctx, "greedy")
+    refuse_offload(ctx, "greedy")
     cands = list(ctx.module_candidates)
     for ch in ctx.chains:
         cands.extend(ctx.segment_candidates(ch, cap=2))
