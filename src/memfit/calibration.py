@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from memfit.planning.plan import Plan
-from memfit.profiling.calibrate import Calibration, TimedPlan, fit_calibration
+from memfit.profiling.calibrate import SEPARATE_SPREAD, Calibration, TimedPlan, fit_calibration
 from memfit.profiling.inputs import LossFn
 from memfit.profiling.measure import time_step
 from memfit.profiling.profile import Profile
@@ -160,9 +160,13 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
     times = _time_plans(step, plans, rounds)
     skip = 1 if rounds > 1 else 0  # NOTE [calibration cost]: round 0 warms up
     plain = statistics.median(times.pop("plain") or [prof.step_time_s])
-    rows = [TimedPlan(name, terms[name], statistics.median(times[name][skip:]) - plain,
-                      statistics.median(times[name][skip:])) for name in plans]
-    return fit_calibration(rows, prior=prior), plain
+    counted = {name: times[name][skip:] for name in plans}
+    rows = [TimedPlan(name, terms[name], statistics.median(ts) - plain, statistics.median(ts))
+            for name, ts in counted.items()]
+    # NOTE [calibration]: two scales only from repeated steps that agree
+    separate = all(len(ts) >= 2 and (max(ts) - min(ts)) <= SEPARATE_SPREAD * statistics.median(ts)
+                   for ts in counted.values())
+    return fit_calibration(rows, prior=prior, separate_scales=separate), plain
 
 
 def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:

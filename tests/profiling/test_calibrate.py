@@ -231,3 +231,54 @@ def test_a_failing_calibration_keeps_the_constants_and_the_profile(monkeypatch) 
     assert prof.calibration is not None and prof.calibration.source is CalibrationSource.DEFAULT
     assert prof.calibration.reason == "calibration failed: ValueError: region 'a.b' is nested two levels deep"
     assert not any("_memfit_applied" in m.__dict__ for m in model.modules())
+
+
+def test_one_common_scale_when_asked() -> None:
+    """The two baselines determine both scales; ``separate_scales=False`` fits one, by least
+    squares over both plans (NOTE [calibration])."""
+    prior = Calibration(region_s=0.0, op_s=0.0, selective_op_s=0.0)
+    eb = TimedPlan("every_block", TimeTerms(matmul_s=0.2, other_s=0.1), extra_s=0.5)
+    sm = TimedPlan("save_matmuls", TimeTerms(other_s=0.1), extra_s=0.2)
+    two = fit_calibration([eb, sm], prior=prior)
+    assert (round(two.matmul_scale, 9), round(two.other_scale, 9)) == (1.5, 2.0)
+    one = fit_calibration([eb, sm], prior=prior, separate_scales=False)
+    # least squares of [0.3, 0.1] x = [0.5, 0.2]: x = (0.15 + 0.02) / (0.09 + 0.01) = 1.7
+    assert one.matmul_scale == one.other_scale
+    torch.testing.assert_close(one.matmul_scale, 1.7, rtol=1e-12, atol=0.0)
+
+
+def _scripted_times(monkeypatch, times: dict[str, list[float]]) -> None:
+    import memfit.calibration
+
+    monkeypatch.setattr(memfit.calibration, "_time_plans", lambda step, plans, rounds: {k: list(v) for k, v in times.items()})
+
+
+@pytest.mark.parametrize(("spread", "separate"), [(0.0, True), (0.05, False)], ids=["agree", "disagree"])
+def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, spread: float, separate: bool) -> None:
+    from memfit.dispatch_cost import measure_dispatch_charges
+
+    model = _blocks(4)
+    x = torch.randn(16, 32)
+    trace = trace_profile(model, x, repeats=1)
+    t_eb = time_terms(trace, plan(trace, budget=1.0, solver="every_block"))
+    t_sm = time_terms(trace, plan(trace, budget=1.0, solver="save_matmuls"))
+    c = measure_dispatch_charges("cpu")
+    truth = Calibration(matmul_scale=1.2, other_scale=0.8, region_s=c.region_s, op_s=c.op_s,
+                        selective_op_s=c.selective_op_s)
+    plain = 0.01
+    step_eb, step_sm = plain + truth.recompute_s(t_eb), plain + truth.recompute_s(t_sm)
+    # round 0 warms up (9 s, not counted); counted rounds 1 and 2 differ by ``spread``
+    import memfit.calibration
+
+    monkeypatch.setattr(memfit.calibration, "trace_profile", lambda *a, **k: trace)  # the same op times
+    _scripted_times(monkeypatch, {"plain": [plain, plain],
+                                  "every_block": [9.0, step_eb, step_eb * (1 + spread)],
+                                  "save_matmuls": [9.0, step_sm, step_sm * (1 + spread)]})
+    prof = calibrated_profile(model, x, rounds=3)
+    cal = prof.calibration
+    assert cal is not None and cal.source is CalibrationSource.FIT, cal.reason
+    assert prof.step_time_s == plain
+    if separate:  # exact steps: the truth, up to float rounding
+        torch.testing.assert_close((cal.matmul_scale, cal.other_scale), (1.2, 0.8), rtol=1e-9, atol=0.0)
+    else:
+        assert cal.matmul_scale == cal.other_scale

@@ -29,6 +29,14 @@ NOTE [calibration]
     (NOTE [measured dispatch charges] in ``memfit.dispatch_cost``; ``charges_measured``
     names them): on this project's 2-core CPU the selective charge is about 42 us per op, not
     the default 15.3 us.
+    Separating the two scales rests on the *difference* of two measured steps, so it is
+    only as good as their noise: with one counted step per plan, three benchmark runs of the
+    zoo GPT fitted (matmul, other) = (1.74, 0.65), (0.97, 0.97) and (0.89, 1.32) where 5
+    interleaved rounds measure about (0.80, 0.97), and plans changed from run to run.
+    ``fit_calibration(..., separate_scales=False)`` fits one common scale for all ops (its
+    error is that of a sum of both steps, about a fifth of the difference's here);
+    ``memfit.calibration`` separates them only when each plan was timed at least twice and
+    every plan's counted steps agree within ``SEPARATE_SPREAD`` of its step.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ __all__ = [
     "DEFAULT_SELECTIVE_OP_S",
     "FIT_ORDER",
     "SCALE_BOUNDS",
+    "SEPARATE_SPREAD",
     "CalibrationSource",
     "TimeTerms",
     "TimedPlan",
@@ -70,6 +79,8 @@ _TERM_OF = {"matmul_scale": "matmul_s", "other_scale": "other_s", "region_s": "r
             "op_s": "ops", "selective_op_s": "selective_ops"}
 # A fitted scale outside these is noise, not a measurement (NOTE [calibration]).
 SCALE_BOUNDS = (0.5, 4.0)
+# counted steps of each plan must agree within this share of its step to separate the scales
+SEPARATE_SPREAD = 0.02
 _RANK_TOL = 1e-9
 
 
@@ -171,13 +182,15 @@ class Calibration:
 
 
 def fit_calibration(measurements: Sequence[TimedPlan], *,
-                    prior: Calibration | None = None) -> Calibration:
+                    prior: Calibration | None = None, separate_scales: bool = True) -> Calibration:
     """Fit the time model to measured plans (NOTE [calibration]).
 
     Args:
         measurements: plans with what they rerun and the seconds they added to the plain step.
         prior: the values of the parameters the measurements do not determine (default: the
             uncalibrated model).
+        separate_scales: fit the matmul and other scales apart where the measurements
+            determine both (default); False: one common scale (NOTE [calibration]).
 
     Returns:
         A fitted :class:`Calibration` (``source`` ``"fit"``, ``fitted`` naming what was fitted),
@@ -197,7 +210,7 @@ def fit_calibration(measurements: Sequence[TimedPlan], *,
         return replace(base, reason="no timed plans")
     a = np.stack([m.terms.vector() for m in measurements]) * base.params()  # seconds under prior
     b = np.array([m.extra_s for m in measurements], dtype=np.float64)
-    groups = _free_groups(a)
+    groups = _free_groups(a, separate_scales)
     if not groups:
         return replace(base, reason="the timed plans rerun nothing: no parameter is determined")
     values, bad = _solve(a, b, base.params(), groups)
@@ -238,7 +251,7 @@ def _solve(a: np.ndarray, b: np.ndarray, prior: np.ndarray, groups: list[tuple[i
     return values, bad
 
 
-def _free_groups(a: np.ndarray) -> list[tuple[int, ...]]:
+def _free_groups(a: np.ndarray, separate_scales: bool = True) -> list[tuple[int, ...]]:
     """Parameter groups to fit, one multiplier each, in ``FIT_ORDER`` while each adds rank;
     the two scales as one group when their columns are not independent."""
     norm = np.linalg.norm(a, axis=0)
@@ -251,7 +264,7 @@ def _free_groups(a: np.ndarray) -> list[tuple[int, ...]]:
         return int(np.linalg.matrix_rank(m, tol=_RANK_TOL * max(1.0, float(np.abs(m).max()))))
 
     scales: list[tuple[int, ...]] = [(0,), (1,)]
-    if rank(scales) < 2:
+    if not separate_scales or rank(scales) < 2:
         scales = [(0, 1)]
     out: list[tuple[int, ...]] = []
     for g in [*scales, *((i,) for i in range(2, a.shape[1]))]:
