@@ -166,7 +166,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
     # NOTE [calibration]: two scales only from repeated steps that agree
     separate = all(len(ts) >= 2 and (max(ts) - min(ts)) <= SEPARATE_SPREAD * statistics.median(ts)
                    for ts in counted.values())
-    return fit_calibration(rows, prior=prior, separate_scales=separate), plain
+    return fit_calibration(rows, prior=prior, separate_scales=separate, hold=charges.measured), plain
 
 
 def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:

@@ -282,3 +282,14 @@ def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, s
         torch.testing.assert_close((cal.matmul_scale, cal.other_scale), (1.2, 0.8), rtol=1e-9, atol=0.0)
     else:
         assert cal.matmul_scale == cal.other_scale
+
+
+def test_held_parameters_keep_the_prior_where_the_plans_would_determine_them() -> None:
+    prior = Calibration(region_s=1e-4, op_s=1e-5, selective_op_s=4e-5)
+    truth = Calibration(matmul_scale=1.1, other_scale=0.9, region_s=1e-4, op_s=1e-5, selective_op_s=6e-5)
+    rows = [_timed(t, truth, f"p{k}") for k, t in enumerate(SYNTHETIC_TERMS[:3])]
+    free = fit_calibration(rows, prior=prior)
+    assert "selective_op_s" in free.fitted
+    torch.testing.assert_close(free.selective_op_s, 6e-5, rtol=1e-9, atol=0.0)
+    held = fit_calibration(rows, prior=prior, hold=("selective_op_s",))
+    assert "selective_op_s" not in held.fitted and held.selective_op_s == 4e-5

@@ -27,7 +27,8 @@ NOTE [calibration]
     recompute it measures) is rejected: the defaults stay, and ``reason`` says why.
     The fixed charges the fit holds are measured on the machine first where they can be
     (NOTE [measured dispatch charges] in ``memfit.dispatch_cost``; ``charges_measured``
-    names them): on this project's 2-core CPU the selective charge is about 42 us per op, not
+    names them, and a measured charge is never refitted from the plans' steps, whose noise
+    is larger than it): on this project's 2-core CPU the selective charge is about 42 us per op, not
     the default 15.3 us.
     Separating the two scales rests on the *difference* of two measured steps, so it is
     only as good as their noise: with one counted step per plan, three benchmark runs of the
@@ -182,7 +183,8 @@ class Calibration:
 
 
 def fit_calibration(measurements: Sequence[TimedPlan], *,
-                    prior: Calibration | None = None, separate_scales: bool = True) -> Calibration:
+                    prior: Calibration | None = None, separate_scales: bool = True,
+                    hold: Sequence[str] = ()) -> Calibration:
     """Fit the time model to measured plans (NOTE [calibration]).
 
     Args:
@@ -191,6 +193,9 @@ def fit_calibration(measurements: Sequence[TimedPlan], *,
             uncalibrated model).
         separate_scales: fit the matmul and other scales apart where the measurements
             determine both (default); False: one common scale (NOTE [calibration]).
+        hold: parameters kept at ``prior``'s values even where the measurements determine
+            them (the fixed charges measured on the machine: NOTE [measured dispatch
+            charges] in ``memfit.dispatch_cost``).
 
     Returns:
         A fitted :class:`Calibration` (``source`` ``"fit"``, ``fitted`` naming what was fitted),
@@ -210,7 +215,8 @@ def fit_calibration(measurements: Sequence[TimedPlan], *,
         return replace(base, reason="no timed plans")
     a = np.stack([m.terms.vector() for m in measurements]) * base.params()  # seconds under prior
     b = np.array([m.extra_s for m in measurements], dtype=np.float64)
-    groups = _free_groups(a, separate_scales)
+    held = tuple(FIT_ORDER.index(h) for h in hold)
+    groups = [g for g in _free_groups(a, separate_scales, held) if not set(g) & set(held)]
     if not groups:
         return replace(base, reason="the timed plans rerun nothing: no parameter is determined")
     values, bad = _solve(a, b, base.params(), groups)
@@ -251,7 +257,7 @@ def _solve(a: np.ndarray, b: np.ndarray, prior: np.ndarray, groups: list[tuple[i
     return values, bad
 
 
-def _free_groups(a: np.ndarray, separate_scales: bool = True) -> list[tuple[int, ...]]:
+def _free_groups(a: np.ndarray, separate_scales: bool = True, held: Sequence[int] = ()) -> list[tuple[int, ...]]:
     """Parameter groups to fit, one multiplier each, in ``FIT_ORDER`` while each adds rank;
     the two scales as one group when their columns are not independent."""
     norm = np.linalg.norm(a, axis=0)
@@ -267,7 +273,7 @@ def _free_groups(a: np.ndarray, separate_scales: bool = True) -> list[tuple[int,
     if not separate_scales or rank(scales) < 2:
         scales = [(0, 1)]
     out: list[tuple[int, ...]] = []
-    for g in [*scales, *((i,) for i in range(2, a.shape[1]))]:
+    for g in [*scales, *((i,) for i in range(2, a.shape[1]) if i not in held)]:
         if norm[list(g)].max() == 0:
             continue
         if rank([*out, g]) > len(out):
