@@ -12,7 +12,9 @@ NOTE [calibrated steady state]
     (measured: ops and values +35% on a GPT step). The calibration therefore times each plan
     applied with ``STEADY_CHECK`` (the default's sampler, no call checked): the code path of
     the default's unchecked calls, reached without the 4 warm-up steps per plan that the
-    default itself would need (NOTE [calibration cost]
+    default itself would need (NOTE [calibration cost]).
+
+NOTE [calibration cost]
     Profiling already costs about 4-5 plain steps (``memfit.profiling.tracer.profile``). The
     calibration times one step of every-block checkpointing (``every_block`` baseline) and
     one of every block saving its matmuls (``save_matmuls``; skipped when it is the same
@@ -22,9 +24,13 @@ NOTE [calibrated steady state]
     the zoo GPT: save-matmuls' first step 60 ms, 7% of the step, slower than its next ones),
     and a plain step timed between checkpointed ones is the step a training run's timings are
     compared with (the profile's own plain step, timed after the tracer's, ran 5% faster
-    there). ``rounds`` (default 2) counts the warm-up round: the default costs about 6 plain
-    steps on the zoo GPT, medians of the counted rounds decide, and the profile's
-    ``step_time_s`` becomes the median of the interleaved plain steps. The fixed charges come
+    there). ``rounds`` (default 4) counts the warm-up round; medians of the counted rounds
+    decide (three, so that one outlying step does not: with one counted step, three
+    benchmark runs of the zoo GPT fitted common scales 0.90, 0.98 and 1.13, and the plans
+    and their predicted step times, -8% to +1% of measured, moved with them), and the
+    profile's ``step_time_s`` becomes the median of the interleaved plain steps. The
+    default costs about 13 plain steps on the zoo GPT (2 suffices for a first look: one
+    counted step, about 6 plain steps). The fixed charges come
     from NOTE [measured dispatch charges] (``memfit.dispatch_cost``, about 1.3 s once per
     process).
 """
@@ -72,7 +78,7 @@ def profile(
     repeats: int = 2,
     target: str = "cpu",
     calibrate_time: bool = True,
-    rounds: int = 2,
+    rounds: int = 4,
 ) -> Profile:
     """Trace one forward + loss + backward of ``model`` into a Profile; in measure mode, also
     calibrate its recompute time model on a few timed steps (NOTE [calibration] in
@@ -83,7 +89,7 @@ def profile(
             :func:`memfit.profiling.tracer.profile`.
         calibrate_time: time baseline plans and fit the time model (measure mode only;
             default True). False, or fake mode: the default time model (today's constants).
-        rounds: timed steps per baseline plan, the first a warm-up (default 2, about 6 plain
+        rounds: timed steps per baseline plan, the first a warm-up (default 4, about 13 plain
             steps of extra time: NOTE [calibration cost]); 1 counts the cold first steps.
 
     Example:
@@ -100,7 +106,7 @@ def profile(
     return calibrate(prof, step, rounds=rounds)
 
 
-def calibrate(prof: Profile, step: Step, *, rounds: int = 2) -> Profile:
+def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
     """``prof`` with its time model fitted to timed steps of baseline plans of ``step``.
 
     The model is left as found (grads, buffers, RNG state; the plans are removed). Where the
