@@ -55,10 +55,12 @@ def _measured_peaks(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 
 def _without_workspaces(p):
-    """The profile as the live-storage meter sees it: no kernel workspaces."""
+    """The profile as the live-storage meter sees it: no kernel workspaces, and no RNG state
+    stashed by a checkpoint (torch reads it into a tensor outside the dispatcher: NOTE
+    [region state bytes])."""
     ops = tuple(dataclasses.replace(op, workspace_bytes=0) for op in p.ops)
     live = tuple(v - op.workspace_bytes for v, op in zip(p.live_bytes, p.ops, strict=True))
-    return dataclasses.replace(p, ops=ops, live_bytes=live, peak_bytes=max(live))
+    return dataclasses.replace(p, ops=ops, live_bytes=live, peak_bytes=max(live), region_state_bytes=0)
 
 
 def _smallest_peak(p) -> int:

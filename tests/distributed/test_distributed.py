@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -82,9 +83,13 @@ def test_fsdp2_one_plan_verified_and_weights_equal_plain_fsdp2(order: str, tmp_p
         assert report["peak_bytes"] >= report["tracked_peak_bytes"], res["verify_text"]
         if order == "shard-then-fit":
             # the tensors' peak, the meter the prediction is built on, is predicted to 0.1%
-            # (512 B of 7.6 MB seen; the 3% of NOTE [peak tolerance] would hide gloo's share)
-            err = abs(report["tracked_peak_bytes"] - report["predicted_peak_bytes"])
-            assert err <= 0.001 * report["predicted_peak_bytes"], res["verify_text"]
+            # (512 B of 7.6 MB seen; the 3% of NOTE [peak tolerance] would hide gloo's share),
+            # less the regions' RNG states the prediction counts and that meter does not see
+            # (NOTE [region state bytes]; 34,880 B over 7 regions seen)
+            pred = report["predicted_peak_bytes"]
+            states = res["regions"] * torch.get_rng_state().nbytes
+            err = pred - report["tracked_peak_bytes"]
+            assert -0.001 * pred <= err <= states + 0.001 * pred, res["verify_text"]
         assert res["n_weights"] > 0
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ from plain FSDP2"
         for how, error in res["refused"].items():  # NOTE [collectives in a region]
