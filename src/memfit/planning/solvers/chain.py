@@ -350,6 +350,20 @@ def regions_of(chosen: list[_Choice]) -> tuple:
     return tuple(out)
 
 
+def main_chain(ctx: PlanningContext, chain: Chain | None = None) -> Chain:
+    """``chain``, or the profile's first (longest-saving) chain.
+
+    Raises:
+        NotAChain: ``chain`` is None and the profile has no chain.
+    """
+    if chain is not None:
+        return chain
+    if not ctx.chains:
+        raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
+                        "one after another) found in the profile; use solver='milp'")
+    return ctx.chains[0]
+
+
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0,
           chain: Chain | None = None, nested: bool = True) -> Solution:
     """The least-recompute plan over the main chain whose predicted peak fits ``budget_bytes``.
@@ -361,11 +375,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
         NotAChain: the profile has no chain the DP can use (use ``milp``).
         Infeasible: no plan of the chain's plan space fits.
     """
-    if chain is None:
-        if not ctx.chains:
-            raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
-                            "one after another) found in the profile; use solver='milp'")
-        chain = ctx.chains[0]
+    chain = main_chain(ctx, chain)
     refuse_offload(ctx, "chain")  # memfit.planning.solvers.chain_offload.solve plans with it
     model = ChainModel(ctx, chain, nested=nested)
     chosen, peak, t = run_dp(model, budget_bytes)

@@ -61,10 +61,10 @@ from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Solution
 from memfit.planning.solvers.chain import (
     ChainModel,
-    NotAChain,
     _Choice,
     _knapsack_masks,
     _pareto3,
+    main_chain,
     regions_of,
     run_dp,
 )
@@ -283,12 +283,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
         NotAChain: the profile has no chain the DP can use.
         Infeasible: no plan of the chain's plan space fits.
     """
-    if chain is None:
-        if not ctx.chains:
-            raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
-                            "one after another) found in the profile; use solver='milp'")
-        chain = ctx.chains[0]
-    return solve_offload(ctx, budget_bytes, chain, nested=nested)
+    return solve_offload(ctx, budget_bytes, main_chain(ctx, chain), nested=nested)
 
 
 def solve_offload(ctx: PlanningContext, budget_bytes: int, chain: Chain, *, nested: bool = True) -> Solution:
