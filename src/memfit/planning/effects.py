@@ -25,11 +25,13 @@ NOTE [region memory model]
       use (NOTE [cached transients]; measured: saving a 6 MiB transient of a GPT block's
       attention was predicted 1 MiB high before, exact after).
     Storages read by region ops and created before ``a`` (the region's inputs) are held by the
-    checkpoint until ``rp`` at least: ``[c, max(freed_after, rp)]``. A region that drops
-    something also holds ``Profile.region_state_bytes`` (the generator state its call
-    stashes, NOTE [region state bytes] in ``memfit.profiling.profile``) from ``a`` until its
-    frame dies with the region's backward: to the last plain free of its dropped storages
-    (at least ``rp``).
+    checkpoint's frame, which dies with the region's backward: ``[c, max(freed_after, h)]``,
+    ``h`` the last plain free of the region's dropped storages (at least ``rp``). Not only
+    until ``rp``: a Llama's 2 MiB causal mask, read by every layer and freed by the plain step
+    after the forward, was measured live through layer 0's backward, 2 MiB over the
+    prediction. A region that drops something also holds ``Profile.region_state_bytes`` (the
+    generator state its call stashes, NOTE [region state bytes] in
+    ``memfit.profiling.profile``) over ``[a, h]``.
 
     The replay runs just before op ``rp``, one step per op ``a..L`` (saved ops return their
     cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
@@ -294,6 +296,10 @@ class RegionModel:
         self.rp: int | None = int(arrs.unpack[ids][self.dropped].min()) if self.dropped.any() else None
         if self.rp is not None and self.rp >= _NEVER:
             self.rp = None
+        # the checkpoint's frame (its inputs, its RNG state) lives until the region's backward
+        # ends: the last plain free of its dropped storages (NOTE [region memory model])
+        self.hold_end: int = (max(self.rp, int(f[self.dropped].max(initial=self.rp)))
+                              if self.rp is not None else 0)
         self.stop = int(c[any_saved].max()) if any_saved.any() else a
         member_last = np.array(span.member_last, dtype=np.int64)
         pos = np.searchsorted(member_last, c, side="left")
@@ -419,8 +425,7 @@ class RegionModel:
         if self.rp is None or self.state_bytes <= 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z
-        end = max(self.rp, int(self.f[self.dropped].max(initial=self.rp)))
-        return (np.array([self.a], dtype=np.int64), np.array([end], dtype=np.int64),
+        return (np.array([self.a], dtype=np.int64), np.array([self.hold_end], dtype=np.int64),
                 np.array([self.state_bytes], dtype=np.int64))
 
     def base_effect(self) -> Effect:
@@ -428,10 +433,11 @@ class RegionModel:
         rp = self.rp if self.rp is not None else 0
         allm = np.ones(self.c.shape, dtype=bool)
         ps, pe, pv = self._version_pieces(allm, saved=False)
-        ext = self.in_f < rp
+        hold = self.hold_end if self.rp is not None else 0
+        ext = self.in_f < hold
         ss, se, sv = self.state_pieces()
         ps = _cat(ps, self.in_c[ext], self.in_c[ext], ss)
-        pe = _cat(pe, np.full(int(ext.sum()), rp, dtype=np.int64), self.in_f[ext], se)
+        pe = _cat(pe, np.full(int(ext.sum()), hold, dtype=np.int64), self.in_f[ext], se)
         pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv)
         rs, re_, rv = self._recompute_replay(allm)
         ws_ops = self._workspace_ops()

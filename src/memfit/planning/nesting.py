@@ -105,13 +105,13 @@ class NestedModel:
         self.end2 = out.f.copy()
         self.ids = out.ids
         # inputs of each inner region: held by the outer frame until its replay
-        in_ext: dict[int, int] = {int(s): max(int(f), rp_o) for s, f in zip(out.inputs, out.in_f, strict=True)}
+        in_ext: dict[int, int] = {int(s): max(int(f), out.hold_end) for s, f in zip(out.inputs, out.in_f, strict=True)}
         held = np.zeros(out.ids.shape, dtype=bool)  # created in out, held by O's frame after rp_O
         for q in useful:
             for s in self.inners[q].inputs:
                 k = pos.get(int(s))
                 if k is None:
-                    in_ext[int(s)] = max(in_ext.get(int(s), int(arrs.freed[s])), rp_i[q])
+                    in_ext[int(s)] = max(in_ext.get(int(s), int(arrs.freed[s])), self.inners[q].hold_end)
                     continue
                 if self.start2[k] < 0 and out.f[k] < rp_o:  # plain transient: held from rp_O
                     self.start2[k] = rp_o
