@@ -430,7 +430,6 @@ class RegionModel:
 
     def base_effect(self) -> Effect:
         """Recompute-all: every region op reruns (up to the stop op)."""
-        rp = self.rp if self.rp is not None else 0
         allm = np.ones(self.c.shape, dtype=bool)
         ps, pe, pv = self._version_pieces(allm, saved=False)
         hold = self.hold_end if self.rp is not None else 0
