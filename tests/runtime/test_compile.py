@@ -62,6 +62,16 @@ def _train(model: torch.nn.Module, steps: int = 3) -> list[dict[str, torch.Tenso
         opt.step()
     return grads
 
+def _assert_bitwise(model: torch.nn.Module, grads: list[dict[str, torch.Tensor]], plain_run) -> None:
+    """Every step's gradients and the final weights equal the compiled plain run's (torch.equal)."""
+    plain_grads, plain_weights = plain_run
+    for step, (got, want) in enumerate(zip(grads, plain_grads, strict=True)):
+        for name in want:
+            assert torch.equal(got[name], want[name]), (step, name)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, plain_weights[name]), name
+
+
 
 @pytest.fixture(scope="module")
 def plain_run() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -89,13 +99,8 @@ def test_compiled_planned_gpt_trains_bitwise_like_compiled_plain(plain_run, budg
     said = [r for r in caplog.records if "divergence check" in r.getMessage()]
     assert len(said) == 1  # once, however many regions and traces
 
-    plain_grads, plain_weights = plain_run
     # aot_eager runs the traced aten ops eagerly: bitwise equal, measured on torch 2.13 CPU
-    for step, (got, want) in enumerate(zip(grads, plain_grads, strict=True)):
-        for name in want:
-            assert torch.equal(got[name], want[name]), (step, name)
-    for name, p in model.named_parameters():
-        assert torch.equal(p, plain_weights[name]), name
+    _assert_bitwise(model, grads, plain_run)
 
 
 # ---- segments (NOTE [segments under torch.compile] in memfit.runtime.segment_compiled) ----
@@ -122,12 +127,7 @@ def test_compiled_segment_plan_trains_bitwise_like_compiled_plain(plain_run, cap
     assert len(said) == 1, said  # once per segment, however many traces and steps
     assert "blocks.0..blocks.1" in said[0] and f"{BLOCK_INPUT_BYTES:,} bytes" in said[0]
 
-    plain_grads, plain_weights = plain_run
-    for step, (got, want) in enumerate(zip(grads, plain_grads, strict=True)):
-        for name in want:
-            assert torch.equal(got[name], want[name]), (step, name)
-    for name, p in model.named_parameters():
-        assert torch.equal(p, plain_weights[name]), name
+    _assert_bitwise(model, grads, plain_run)
 
 
 # ---- what the compiled graph saves --------------------------------------------------------
