@@ -75,7 +75,7 @@ def profile(
     loss_fn: LossFn | None = None,
     mode: ProfileMode | str = ProfileMode.MEASURE,
     device: str | torch.device | None = None,
-    repeats: int = 2,
+    repeats: int = 3,
     target: str = "cpu",
     calibrate_time: bool = True,
     rounds: int = 4,

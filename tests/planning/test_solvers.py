@@ -18,8 +18,10 @@ from profile_builders import (
     residual_block,
 )
 
+from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan
+from memfit.planning.planner import plan as make_plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp, milp_rows
 
@@ -101,10 +103,20 @@ def test_greedy_plans_fit(seed, kind, ws):
     lo = milp.min_peak(ctx)[0]
     for budget in _budgets(lo, prof.peak_bytes):
         _, sol = _result(greedy.solve, ctx, budget)
-        if sol is not None:
-            assert _sim_peak(prof, sol) <= budget
-            t_opt, _ = _result(milp.solve, ctx, budget)
-            assert sol.recompute_s >= t_opt
+        if sol is None:
+            continue
+        # the solver keeps its own linear memory model within the budget; the simulator can
+        # find more (seed 141, unet: 1216 > 1152 B), and the planner re-solves until it fits
+        assert sol.predicted_peak_bytes <= budget
+        t_opt, _ = _result(milp.solve, ctx, budget)
+        assert sol.recompute_s >= t_opt
+        try:
+            planned = make_plan(prof, budget=budget, solver="greedy")
+        except InfeasibleBudget as e:
+            assert e.min_feasible_bytes > budget
+            continue
+        assert _sim_peak(prof, planned) <= budget
+        assert planned.predicted_peak_bytes == _sim_peak(prof, planned)
 
 
 def test_late_blocks_kept_when_gradients_dominate():

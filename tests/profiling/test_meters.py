@@ -164,3 +164,33 @@ def test_cuda_profile_takes_op_times_from_the_timing_runs_only(monkeypatch):
     prof = tracer_mod.profile(model, torch.randn(4, 8), repeats=1)
     assert runs, "no timing run on CUDA with repeats=1"
     assert [op.time_s for op in prof.ops] == [1e-3] * len(prof.ops)
+
+
+def test_cpu_profile_takes_op_times_from_the_timing_runs_only(monkeypatch):
+    """NOTE [traced op times]: on a CPU too, the traced run's op times (storage tracking,
+    workspace meters, fresh heap pages) are left out when timing runs exist: two timing runs
+    scripted at 1 ms and 3 ms per op give every op exactly their median, 2 ms; with
+    ``repeats=1`` the traced run's own times are kept (never the scripted ones)."""
+    import memfit.profiling.tracer as tracer_mod
+    from memfit.profiling.tracker import OpTimer
+
+    runs: list[int] = []
+
+    class Scripted(OpTimer):
+        @property
+        def times(self) -> list[float]:
+            n = len(super().times)
+            if not hasattr(self, "_scripted"):
+                runs.append(1)
+                self._scripted = [(2 * len(runs) - 1) * 1e-3] * n  # 1 ms, then 3 ms
+            return self._scripted
+
+    monkeypatch.setattr(tracer_mod, "OpTimer", Scripted)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    prof = tracer_mod.profile(model, torch.randn(4, 8), repeats=3)
+    assert len(runs) == 2
+    assert [op.time_s for op in prof.ops] == [2e-3] * len(prof.ops)
+    runs.clear()
+    one = tracer_mod.profile(model, torch.randn(4, 8), repeats=1)
+    assert not runs
+    assert all(op.time_s > 0.0 and op.time_s not in (1e-3, 2e-3, 3e-3) for op in one.ops)

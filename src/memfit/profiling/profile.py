@@ -128,6 +128,11 @@ class OpRecord:
         flops: floating-point operations, where a formula is known (else 0).
         workspace_bytes: bytes the op's kernel allocates and frees inside itself, on top of its
             outputs (NOTE [kernel workspaces]); 0 where not measured.
+        packs: tensors autograd saved for backward between this forward op's dispatch and
+            the next one's: this op's saved outputs and the next op's saved inputs (autograd
+            saves an op's inputs before the op runs). Where a checkpoint's replay stops (NOTE
+            [region memory model] in ``memfit.planning.effects``). 0 in profiles written
+            before the field.
     """
 
     index: int
@@ -141,6 +146,7 @@ class OpRecord:
     random: bool = False
     flops: int = 0
     workspace_bytes: int = 0
+    packs: int = 0
 
 
 @dataclass(frozen=True)

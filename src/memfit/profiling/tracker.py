@@ -50,6 +50,7 @@ class TracedOp:
     bytes_moved: int
     forward_op: int | None = None  # for a backward op: the forward op whose node it runs
     workspace_bytes: int = 0       # NOTE [workspace measurement] in memfit.profiling.workspace
+    packs: int = 0                 # tensors autograd saved after this forward op's dispatch
 
 
 @dataclass
@@ -113,6 +114,10 @@ class StorageTracker(LiveStorages):
 
     # ---- saved tensors -------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
+        # every pack counts, tracked storage or not: torch's checkpoint counts them all to
+        # stop its replay (NOTE [region memory model] in memfit.planning.effects)
+        if self.record_ops and not self.backward and 0 <= self.pos < len(self.ops):
+            self.ops[self.pos].packs += 1
         sid = self.sid(t)
         if sid is None:
             return t
