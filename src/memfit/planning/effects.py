@@ -38,7 +38,9 @@ NOTE [region memory model]
     after the forward, was measured live through layer 0's backward, 2 MiB over the
     prediction. A region that drops something also holds ``Profile.region_state_bytes`` (the
     generator state its call stashes, NOTE [region state bytes] in
-    ``memfit.profiling.profile``) over ``[a, h]``.
+    ``memfit.profiling.profile``) over ``[a, h]``, and the copies the runtime makes of the
+    module buffers its forward writes (NOTE [buffer copies] in
+    ``memfit.planning.buffer_copies``).
 
     The replay runs just before op ``rp``, one step per op ``a..L`` (saved ops return their
     cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
@@ -67,6 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memfit.planning.buffer_copies import buffer_copies, buffer_writes
 from memfit.planning.hosttime import host_overhead
 from memfit.planning.rules import is_matmul, is_saveable
 from memfit.profiling.calibrate import (
@@ -162,6 +165,7 @@ class ProfileArrays:
         self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
         self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
         self.region_state = int(profile.region_state_bytes)  # NOTE [region state bytes]
+        self.buffer_writes = buffer_writes(profile)  # NOTE [buffer copies] in .buffer_copies
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
         ptr = [0]
@@ -310,6 +314,7 @@ class RegionModel:
         # ends: the last plain free of its dropped storages (NOTE [region memory model])
         self.hold_end: int = (max(self.rp, int(f[self.dropped].max(initial=self.rp)))
                               if self.rp is not None else 0)
+        self.copies = buffer_copies(arrs.buffer_writes, arrs.profile.ops, a, b)  # NOTE [buffer copies]: (ids, first ops, kept)
         self.stop = int(c[any_saved].max()) if any_saved.any() else a
         if self.dropped.any():  # the replay runs to the last op that saved something
             packs = arrs.pack_ops[(arrs.pack_ops >= a) & (arrs.pack_ops <= b)]
@@ -328,6 +333,7 @@ class RegionModel:
         self.calibration = arrs.calibration
         self.workspace = arrs.workspace
         self.state_bytes = arrs.region_state
+        self.all_nbytes = arrs.nbytes
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
         self.replayed = c <= self.stop
@@ -386,8 +392,9 @@ class RegionModel:
             ws_ops = ws_ops[~np.isin(ws_ops, np.fromiter(saved_ops, dtype=np.int64))]
         wv = self.workspace[ws_ops]
         cs, ce, cv = self._cached_in_replay(sv)
-        return (_cat(self.c[rep], ws_ops, cs), _cat(end[rep], ws_ops, ce),
-                _cat(self.nb[rep], wv, cv))
+        bs, be, bv = self.copy_replay_piece()
+        return (_cat(self.c[rep], ws_ops, cs, bs), _cat(end[rep], ws_ops, ce, be),
+                _cat(self.nb[rep], wv, cv, bv))
 
     def _saved_end(self, rp: int) -> np.ndarray:
         """End of a saved op's output's first lifetime: through the backward where autograd
@@ -433,13 +440,26 @@ class RegionModel:
 
     def state_pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The call's stashed generator state, from ``a`` to the end of the region's backward
-        (NOTE [region memory model]); nothing for a region that drops nothing (its frame dies
-        with its forward)."""
-        if self.rp is None or self.state_bytes <= 0:
+        (NOTE [region memory model]), and its forward's buffer copies (NOTE [buffer copies]);
+        nothing for a region that drops nothing (its frame dies with its forward)."""
+        z = np.zeros(0, dtype=np.int64)
+        if self.rp is None:
+            return z, z, z
+        ids, first, kept = self.copies  # NOTE [buffer copies]
+        st = np.array([self.a] if self.state_bytes > 0 else [], dtype=np.int64)
+        return (_cat(st, first), _cat(np.full(st.shape, self.hold_end, dtype=np.int64),
+                                      np.where(kept, self.hold_end, self.b)),
+                _cat(np.full(st.shape, self.state_bytes, dtype=np.int64), self.all_nbytes[ids]))
+
+    def copy_replay_piece(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The copies of the written buffers made when the replay starts, through the replay
+        (NOTE [buffer copies]), as a replay piece."""
+        ids = self.copies[0]
+        if self.rp is None or not ids.size:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z
-        return (np.array([self.a], dtype=np.int64), np.array([self.hold_end], dtype=np.int64),
-                np.array([self.state_bytes], dtype=np.int64))
+        return (np.array([self.a], dtype=np.int64), np.array([self.stop], dtype=np.int64),
+                np.array([int(self.all_nbytes[ids].sum())], dtype=np.int64))
 
     def base_effect(self) -> Effect:
         """Recompute-all: every region op reruns (up to the stop op)."""
@@ -453,7 +473,8 @@ class RegionModel:
         pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv)
         rs, re_, rv = self._recompute_replay(allm)
         ws_ops = self._workspace_ops()
-        rs, re_, rv = _cat(rs, ws_ops), _cat(re_, ws_ops), _cat(rv, self.workspace[ws_ops])
+        bs, be, bv = self.copy_replay_piece()
+        rs, re_, rv = _cat(rs, ws_ops, bs), _cat(re_, ws_ops, be), _cat(rv, self.workspace[ws_ops], bv)
         return Effect(ps, pe, pv, rs, re_, rv, time_s=self.time_s(set()))
 
     def op_effect(self, op: int) -> Effect:
@@ -469,3 +490,4 @@ class RegionModel:
         t = float(self.op_time[op]) if op <= self.stop else 0.0
         return Effect(_cat(s_ps, r_ps), _cat(s_pe, r_pe), _cat(s_pv, -r_pv),
                       _cat(rs, cs), _cat(re_, ce), _cat(-rv, cv), time_s=-t)
+

@@ -22,9 +22,9 @@ NOTE [nested regions]
       every ``rp_I``.
     - ``O``'s replay runs as far as ``O``'s alone (its stop op). Torch stops it early once
       ``O``'s frame is refilled, which with an inner region at the end of a block can be
-      sooner; which op saved a storage is not in the profile (a block's output is saved by
-      the block's last op and by the next block's first), so the model keeps the later,
-      conservative stop.
+      sooner; the profile records where autograd saved tensors (``OpRecord.packs``) but not
+      into which frame (an inner region's saves go to its own), so the model keeps the
+      later, conservative stop.
 
     The memory this saves: while a block's backward runs the part after ``I`` (in reverse
     order: before it in forward), ``I``'s activations are not held; a GPT block's attention
@@ -133,8 +133,9 @@ class NestedModel:
         end = np.minimum(end, self.stop)
         ops = np.arange(out.a, self.stop + 1, dtype=np.int64)
         ws = ops[out.workspace[ops] > 0]
-        replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws), _cat(end[rep], ws),
-                          _cat(out.nb[rep], out.workspace[ws]),
+        bs, be, bv = out.copy_replay_piece()  # NOTE [buffer copies]
+        replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws, bs), _cat(end[rep], ws, be),
+                          _cat(out.nb[rep], out.workspace[ws], bv),
                           int(out.nb[(self.start2 == rp_o) & (owner < 0)].sum()), 0)]
         for q in useful:
             inner = self.inners[q]

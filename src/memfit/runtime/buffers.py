@@ -55,8 +55,9 @@ NOTE [buffers written in forward]
     the region (``retain_graph``). Memory: one copy of each buffer the forward wrote and the
     recomputation may read (rule 2), held from the forward until the region's autograd graph
     is freed, plus one copy of every written buffer during its recomputation; buffers that
-    are only read cost nothing. The planner's prediction does not count these copies
-    (``spectral_norm``: two vectors per layer; a counter: 8 bytes).
+    are only read cost nothing. The planner's prediction counts these copies (NOTE [buffer
+    copies] in ``memfit.planning.effects``); a write it cannot see in the profile (one that
+    happens only on other steps, rule 6) it does not.
 
     The watcher sits below the region's own selective-checkpoint and recorder modes, so the
     copies are not ops of the region (op keys and the divergence check are unaffected); an
