@@ -40,7 +40,10 @@ NOTE [region memory model]
     generator state its call stashes, NOTE [region state bytes] in
     ``memfit.profiling.profile``) over ``[a, h]``, and the copies the runtime makes of the
     module buffers its forward writes (NOTE [buffer copies] in
-    ``memfit.planning.buffer_copies``).
+    ``memfit.planning.buffer_copies``). Its replay forks the generator: the state current
+    when the replay starts is saved while the stashed one replays, another
+    ``region_state_bytes`` through the replay (the benchmark UNet3D's smallest plan peaks in a
+    replay: its unchecked step measured exactly that, 5,056 B, over the prediction before).
 
     The replay runs just before op ``rp``, one step per op ``a..L`` (saved ops return their
     cached outputs). A replayed storage lives from its step to its plain ``freed_after`` when
@@ -392,7 +395,7 @@ class RegionModel:
             ws_ops = ws_ops[~np.isin(ws_ops, np.fromiter(saved_ops, dtype=np.int64))]
         wv = self.workspace[ws_ops]
         cs, ce, cv = self._cached_in_replay(sv)
-        bs, be, bv = self.copy_replay_piece()
+        bs, be, bv = self.replay_extras()
         return (_cat(self.c[rep], ws_ops, cs, bs), _cat(end[rep], ws_ops, ce, be),
                 _cat(self.nb[rep], wv, cv, bv))
 
@@ -451,15 +454,17 @@ class RegionModel:
                                       np.where(kept, self.hold_end, self.b)),
                 _cat(np.full(st.shape, self.state_bytes, dtype=np.int64), self.all_nbytes[ids]))
 
-    def copy_replay_piece(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The copies of the written buffers made when the replay starts, through the replay
-        (NOTE [buffer copies]), as a replay piece."""
-        ids = self.copies[0]
-        if self.rp is None or not ids.size:
+    def replay_extras(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What the checkpoint holds beside the replayed storages while its replay runs, as a
+        replay piece: the generator state it forks (the current one, saved while the stashed
+        one replays; NOTE [region memory model]) and the copies of the written buffers (NOTE
+        [buffer copies] in ``memfit.planning.buffer_copies``)."""
+        nbytes = int(self.all_nbytes[self.copies[0]].sum()) + self.state_bytes
+        if self.rp is None or nbytes <= 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z
         return (np.array([self.a], dtype=np.int64), np.array([self.stop], dtype=np.int64),
-                np.array([int(self.all_nbytes[ids].sum())], dtype=np.int64))
+                np.array([nbytes], dtype=np.int64))
 
     def base_effect(self) -> Effect:
         """Recompute-all: every region op reruns (up to the stop op)."""
@@ -473,7 +478,7 @@ class RegionModel:
         pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv)
         rs, re_, rv = self._recompute_replay(allm)
         ws_ops = self._workspace_ops()
-        bs, be, bv = self.copy_replay_piece()
+        bs, be, bv = self.replay_extras()
         rs, re_, rv = _cat(rs, ws_ops, bs), _cat(re_, ws_ops, be), _cat(rv, self.workspace[ws_ops], bv)
         return Effect(ps, pe, pv, rs, re_, rv, time_s=self.time_s(set()))
 

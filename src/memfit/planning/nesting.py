@@ -133,7 +133,7 @@ class NestedModel:
         end = np.minimum(end, self.stop)
         ops = np.arange(out.a, self.stop + 1, dtype=np.int64)
         ws = ops[out.workspace[ops] > 0]
-        bs, be, bv = out.copy_replay_piece()  # NOTE [buffer copies]
+        bs, be, bv = out.replay_extras()  # NOTE [region memory model]
         replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws, bs), _cat(end[rep], ws, be),
                           _cat(out.nb[rep], out.workspace[ws], bv),
                           int(out.nb[(self.start2 == rp_o) & (owner < 0)].sum()), 0)]
