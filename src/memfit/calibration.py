@@ -15,7 +15,7 @@ NOTE [calibrated steady state]
     default itself would need (NOTE [calibration cost]).
 
 NOTE [calibration cost]
-    Profiling already costs about 4-5 plain steps (``memfit.profiling.tracer.profile``). The
+    Profiling already costs about 4.5 plain steps (``memfit.profiling.tracer.profile``). The
     calibration times one step of every-block checkpointing (``every_block`` baseline) and
     one of every block saving its matmuls (``save_matmuls``; skipped when it is the same
     plan) per round, and from the second round on a plain step too, interleaved (NOTE

@@ -167,7 +167,7 @@ def profile(
         device: where the model runs in measure mode (default: its parameters' device).
         repeats: runs of the step in measure mode: one traced, the others time its ops
             (medians; NOTE [traced op times]); default 3, two timing runs (the profile costs
-            about 5x one plain step: 4.9x measured on the zoo GPT 8x512, 4.15x with 2).
+            about 4.5 plain steps: 4.4x in a benchmark run of the zoo GPT 8x512).
             1: the traced run's own op times, which run slow.
         target: device preset of the cost model in fake mode (``"cpu"``, ``"a100"``,
             ``"h100"``, ``"h200"``); ignored in measure mode.
