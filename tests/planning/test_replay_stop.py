@@ -47,8 +47,7 @@ class _Count(TorchDispatchMode):
         self.seen: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = str(func.overloadpacket.__name__) + "." + func._overloadname
-        self.seen[f"aten.{name}"] += 1
+        self.seen[f"aten.{func.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -12,10 +12,11 @@ starts, every written buffer is copied once more and that copy lives through the
 (``a..L``). BatchNorm's statistics thus cost their bytes during the region's forward and
 again in its replay, and 8 bytes per BatchNorm from forward to backward. Measured: a
 chain of BatchNorm1d(16384) blocks, three checkpointed, peaks to the byte as predicted
-(16 B, two held counters, under without the copies); the benchmark UNet3D's smallest plan
-measured 5,832 B over the prediction without them, 5,576 B with them (open: BatchNorm's
-own temporaries, which the profile does not see either, and perhaps a frame held longer
-than ``h``).
+(16 B, two held counters, under without the copies); the benchmark UNet3D's smallest plan,
+256 B of whose peak are these copies, is predicted to the byte of its unchecked step with
+them and the generator state its replay forks (NOTE [region memory model] in
+``memfit.planning.effects``). Checkpointing a single BatchNorm1d(16384) block peaks 131,072 B
+above the prediction with or without them: BatchNorm's own temporaries, not modelled.
 """
 
 from __future__ import annotations
@@ -24,30 +25,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from memfit.profiling.profile import OpRecord, Profile, StorageKind
+from memfit.profiling.profile import OpRecord
 
-__all__ = ["buffer_writes", "buffer_copies"]
-
-
-def buffer_writes(profile: Profile) -> list[tuple[int, int, bool]]:
-    """``(op, buffer storage, declared)`` for each forward op that writes a module buffer, by
-    the rule of NOTE [buffer writes] in ``memfit.planning.rules``: an in-place op reading it
-    (declared), a batch-norm op reading it (its statistics update: undeclared)."""
-    st = profile.storages
-    out = []
-    for op in profile.ops[: profile.n_forward]:
-        if not (op.inplace or "batch_norm" in op.name):
-            continue
-        for s in op.inputs:
-            if st[s].kind is StorageKind.BUFFER:
-                out.append((op.index, s, op.inplace))
-    return out
+__all__ = ["buffer_copies"]
 
 
 def buffer_copies(writes: Sequence[tuple[int, int, bool]], ops: Sequence[OpRecord], a: int, b: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The buffers the forward ``a..b`` writes (``writes``: :func:`buffer_writes` of the
-    profile whose ``ops`` these are), the op before which each is copied, and whether its copy
+    """The buffers the forward ``a..b`` writes (``writes``: ``memfit.planning.rules.buffer_writes``
+    of the profile whose ``ops`` these are), the op before which each is copied, and whether its copy
     is held past the forward (NOTE [buffer copies])."""
     first: dict[int, int] = {}
     declared: set[int] = set()

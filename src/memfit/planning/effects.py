@@ -72,9 +72,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.planning.buffer_copies import buffer_copies, buffer_writes
+from memfit.planning.buffer_copies import buffer_copies
 from memfit.planning.hosttime import host_overhead
-from memfit.planning.rules import is_matmul, is_saveable
+from memfit.planning.rules import buffer_writes, is_matmul, is_saveable
 from memfit.profiling.calibrate import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
@@ -168,7 +168,7 @@ class ProfileArrays:
         self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
         self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
         self.region_state = int(profile.region_state_bytes)  # NOTE [region state bytes]
-        self.buffer_writes = buffer_writes(profile)  # NOTE [buffer copies] in .buffer_copies
+        self.buffer_writes = buffer_writes(profile)  # NOTE [buffer writes] in .rules
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
         ptr = [0]
@@ -495,4 +495,3 @@ class RegionModel:
         t = float(self.op_time[op]) if op <= self.stop else 0.0
         return Effect(_cat(s_ps, r_ps), _cat(s_pe, r_pe), _cat(s_pv, -r_pv),
                       _cat(rs, cs), _cat(re_, ce), _cat(-rv, cv), time_s=-t)
-

@@ -73,7 +73,7 @@ from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
 __all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul",
-           "in_place_writes", "clobbered_inputs", "writes_buffers", "is_collective",
+           "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "collective_writes", "COLLECTIVE_NAMESPACES"]
 
 # Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
@@ -194,13 +194,17 @@ def writes_buffers(profile: Profile, modules: Sequence[str]) -> bool:
         return True  # nothing known: let the runtime watch
     first = min(int(m.first_op) for m in recs)  # type: ignore[arg-type]
     last = max(int(m.last_op) for m in recs)    # type: ignore[arg-type]
-    storages = profile.storages
-    for op in profile.ops[first: last + 1]:
-        if not (op.inplace or "batch_norm" in op.name):
-            continue
-        if any(storages[s].kind is StorageKind.BUFFER for s in op.inputs):
-            return True
-    return False
+    return any(first <= op <= last for op, _, _ in buffer_writes(profile))
+
+
+def buffer_writes(profile: Profile) -> list[tuple[int, int, bool]]:
+    """``(op, buffer storage, declared)`` for each forward op that writes a module buffer
+    (NOTE [buffer writes]): an in-place op reading it (declared), a batch-norm op reading it
+    (its statistics update: undeclared)."""
+    st = profile.storages
+    return [(op.index, s, op.inplace) for op in profile.ops[: profile.n_forward]
+            if op.inplace or "batch_norm" in op.name
+            for s in op.inputs if st[s].kind is StorageKind.BUFFER]
 
 
 def is_matmul(op: OpRecord) -> bool:
