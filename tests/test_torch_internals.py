@@ -116,6 +116,12 @@ def _storage_key() -> None:
     assert isinstance(T.storage_key(a.untyped_storage()), int)
 
 
+def _is_view_tensor() -> None:
+    a = torch.zeros(4)
+    assert T.is_view_tensor(a[1:]) and T.is_view_tensor(a.view(2, 2))
+    assert not T.is_view_tensor(a) and not T.is_view_tensor(a.clone())
+
+
 def _tensor_version() -> None:
     t = torch.zeros(2)
     before = T.tensor_version(t)
@@ -401,6 +407,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "written_tensors": _written_tensors,
     "storage_key": _storage_key,
     "tensor_version": _tensor_version,
+    "is_view_tensor": _is_view_tensor,
     "module_buffers": _module_buffers,
     "forward_pre_hooks": _forward_pre_hooks,
     "remove_forward_pre_hook": _remove_forward_pre_hook,

@@ -60,6 +60,7 @@ __all__ = [
     "op_packet",
     "op_namespace",
     "written_tensors",
+    "is_view_tensor",
     "storage_key",
     "tensor_version",
     "module_buffers",
@@ -186,6 +187,11 @@ def storage_key(st: torch.UntypedStorage) -> int:
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write)."""
     return t._version
+
+
+def is_view_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (shares its base's storage)."""
+    return bool(t._is_view())
 
 
 def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:

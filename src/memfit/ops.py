@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from memfit._torch import OpOverload, OpOverloadPacket, op_packet, op_schema
+from memfit._torch import OpOverload, OpOverloadPacket, is_view_tensor, op_packet, op_schema
 
 __all__ = [
     "RandomKind",
@@ -49,6 +49,7 @@ __all__ = [
     "is_random",
     "writes_input",
     "is_view",
+    "is_cached_cast",
     "MATMUL_PACKETS",
     "is_matmul",
     "IGNORED_OPS",
@@ -193,6 +194,29 @@ def is_view(op: Any) -> bool:
             r.alias_info is not None for r in schema.returns)
         _views[op] = hit
     return hit
+
+
+def is_cached_cast(op: Any, args: Any, out: Any, autocast_devices: frozenset[str]) -> bool:
+    """Whether autocast keeps this call's output in its weight-cast cache: a ``_to_copy`` of a
+    float32 leaf that requires grad (a parameter, not a view) to the autocast dtype of its
+    device, with autocast on there (``autocast_devices``: where the step runs it; inside
+    autocast's kernel the dispatcher reports it off) and its cache enabled. torch's own rule
+    for caching a cast (NOTE [autocast's cast cache] in ``memfit.planning.effects``).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> out = w.detach().to(torch.bfloat16)
+        >>> is_cached_cast("aten._to_copy.default", (w,), out, frozenset({"cpu"}))  # or the overload
+        True
+    """
+    if not args or not isinstance(out, torch.Tensor) or op_name(op) != "aten._to_copy.default":
+        return False
+    src = args[0]
+    if not isinstance(src, torch.Tensor) or src.device.type not in autocast_devices:
+        return False
+    return (torch.is_autocast_cache_enabled() and src.dtype == torch.float32
+            and src.requires_grad and src.is_leaf and not is_view_tensor(src)
+            and out.dtype == torch.get_autocast_dtype(src.device.type))
 
 
 def packet_name(name: str) -> str:

@@ -86,3 +86,42 @@ def test_the_replay_runs_dropouts_in_place_ops_up_to_the_op_that_saves_the_mask(
     # the replay's time counts them: the region's recompute is at least GELU's + the mask's
     bern = next(i for i in idx if prof.ops[i].name == "aten.bernoulli_.float")
     assert simulate(prof, p).recompute_s >= prof.ops[bern].time_s
+
+
+class _Gated(_Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h * self.mlp(h))  # the MLP's output is saved, by an op outside it
+
+
+def _backward_ops(model: nn.Module, x: torch.Tensor) -> collections.Counter[str]:
+    loss = model(x).sum()
+    with _Count() as c:
+        loss.backward()
+    return c.seen
+
+
+def test_a_save_of_the_regions_output_by_a_later_op_does_not_extend_the_replay() -> None:
+    """The gate ``h * mlp(h)`` saves the MLP's output (made by dropout's ``mul``), but in the
+    root module's frame, not the region's: torch's replay stops at the save of dropout's mask,
+    before that ``mul`` runs (the model had it rerun, and hold its output, to the region's
+    end). Profiled as ``next_packs``: saves made while another module ran."""
+    torch.manual_seed(0)
+    model, x = _Gated(), torch.randn(16, 32)
+    prof = profile(model, x, repeats=1)
+    p = dataclasses.replace(make_plan(prof, budget=1.0, solver="every_block"),
+                            regions=(Region(("mlp",)),))
+    (rm, _, _), = region_models(prof, ProfileArrays(prof), p.regions)[0]
+    last = prof.modules[[m.path for m in prof.modules].index("mlp")].last_op
+    assert prof.ops[last].name == "aten.mul.Tensor" and prof.ops[last].next_packs > 0
+    assert rm.stop == last - 1  # div_: the mask is saved before the mul runs
+    predicted = collections.Counter(prof.ops[i].name for i in range(rm.a, rm.stop + 1))
+    plain = _backward_ops(model, x)
+    apply(model, p, check=False)
+    try:
+        checkpointed = _backward_ops(model, x)
+    finally:
+        unapply(model)
+    reruns = checkpointed - plain
+    for name in ("aten.mul.Tensor", "aten.addmm.default", "aten.gelu.default", "aten.div_.Scalar"):
+        assert reruns[name] == predicted[name], (name, reruns, predicted)

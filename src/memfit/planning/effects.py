@@ -13,8 +13,11 @@ NOTE [region memory model]
     mask is created by ``empty_like`` and filled in place by ``bernoulli_`` and ``div_``
     before the ``mul`` that saves it; a GPT MLP region saving its two matmuls reran
     ``bernoulli_`` and ``div_`` too (seen under torch's profiler) where the model stopped it
-    at ``empty_like`` (predicted 1.8 ms per region, measured 4.6 ms). Profiles without
-    ``packs`` keep the creation rule.
+    at ``empty_like`` (predicted 1.8 ms per region, measured 4.6 ms). Nor the creator of a
+    region output that a later op saves (a block's output, saved by the next block's norm):
+    that save is not the frame's, and the replay stops before the dropout ``mul`` that made
+    it (the model ran it to the end of the block: 32 KiB over on a small GPT's replay).
+    Profiles without ``packs`` keep the creation rule.
 
     For a storage ``s`` created by region op ``i``:
     - *escaping* (read in forward after ``b``, or never freed): keeps its plain lifetime; its
@@ -72,16 +75,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memfit.planning.arrays import NEVER, ProfileArrays, dense
 from memfit.planning.buffer_copies import buffer_copies
-from memfit.planning.hosttime import host_overhead
-from memfit.planning.rules import buffer_writes, is_matmul, is_saveable
 from memfit.profiling.calibrate import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
     DEFAULT_SELECTIVE_OP_S,
-    Calibration,
 )
-from memfit.profiling.profile import Profile, StorageKind
+from memfit.profiling.profile import Profile
 
 # NOTE [region overhead] Each checkpointed call costs time beyond the ops it reruns: torch's
 # checkpoint frame, its saved-tensor hooks and memfit's policy and check modes. Measured on
@@ -108,111 +109,8 @@ REGION_OVERHEAD_S = DEFAULT_REGION_S
 OP_OVERHEAD_S = DEFAULT_OP_S
 SAC_OP_OVERHEAD_S = DEFAULT_SELECTIVE_OP_S
 
-__all__ = ["REGION_OVERHEAD_S", "OP_OVERHEAD_S", "SAC_OP_OVERHEAD_S", "ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span"]
-
-_COUNTED_KINDS = (StorageKind.ACTIVATION, StorageKind.GRADIENT)
-_NEVER = np.iinfo(np.int64).max // 4
-
-
-class ProfileArrays:
-    """A Profile's storages and ops as numpy arrays (built once per planning call)."""
-
-    def __init__(self, profile: Profile) -> None:
-        self.profile = profile
-        n = len(profile.ops)
-        self.n_ops = n
-        self.n_forward = profile.n_forward
-        st = profile.storages
-        m = len(st)
-        self.creator = np.full(m, -1, dtype=np.int64)
-        self.freed = np.full(m, n - 1, dtype=np.int64)
-        self.never_freed = np.zeros(m, dtype=bool)
-        self.lfu = np.full(m, -1, dtype=np.int64)
-        self.nbytes = np.zeros(m, dtype=np.int64)
-        self.saved = np.zeros(m, dtype=bool)
-        self.unpack = np.full(m, _NEVER, dtype=np.int64)
-        self.counted = np.zeros(m, dtype=bool)
-        # forward ops at which autograd saved something (NOTE [region memory model])
-        self.pack_ops = np.array([o.index for o in profile.ops[: self.n_forward] if o.packs > 0],
-                                 dtype=np.int64)
-        for k, s in enumerate(st):
-            if s.id != k:
-                raise ValueError(f"profile storage table is not dense: position {k} holds id {s.id}")
-            self.nbytes[k] = s.nbytes
-            self.saved[k] = s.saved
-            if s.created_by is not None:
-                self.creator[k] = s.created_by
-                self.counted[k] = s.kind in _COUNTED_KINDS
-            if s.freed_after is None:
-                self.never_freed[k] = True
-            else:
-                self.freed[k] = s.freed_after
-            if s.last_forward_use is not None:
-                self.lfu[k] = s.last_forward_use
-            if s.first_unpack is not None:
-                self.unpack[k] = s.first_unpack
-        # counted storages in creation order, for slicing by op range
-        ids = np.nonzero(self.counted)[0]
-        order = np.argsort(self.creator[ids], kind="stable")
-        self.by_creator = ids[order]
-        self.by_creator_op = self.creator[self.by_creator]
-        self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
-        # NOTE [calibration]: the seconds an op costs when a region reruns it; its fixed
-        # charges count 0 s where NOTE [host overhead on an async device] (in
-        # memfit.planning.hosttime) finds them hidden: the one place the rule applies
-        self.host = host_overhead(profile, profile.calibration if profile.calibration is not None
-                                  else Calibration(), self.op_time)
-        self.calibration = self.host.calibration
-        cal = self.calibration
-        self.op_matmul = np.array([is_matmul(op) for op in profile.ops], dtype=bool)
-        self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
-        self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
-        self.region_state = int(profile.region_state_bytes)  # NOTE [region state bytes]
-        self.buffer_writes = buffer_writes(profile)  # NOTE [buffer writes] in .rules
-        self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
-        self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
-        ptr = [0]
-        flat: list[int] = []
-        for op in profile.ops[: profile.n_forward]:
-            flat.extend(op.inputs)
-            ptr.append(len(flat))
-        self.in_ptr = np.array(ptr, dtype=np.int64)
-        self.in_ids = np.array(flat, dtype=np.int64)
-        # plain timelines: live at op p, and "just before op p" (live at both p-1 and p)
-        c = self.creator[ids]
-        f = self.freed[ids]
-        nb = self.nbytes[ids]
-        self.base_live = dense(c, f, nb, 0, n - 1) + self.workspace  # workspace at its op only
-        self.base_before = dense(c + 1, f, nb, 0, n - 1)
-
-    def created_in(self, a: int, b: int) -> np.ndarray:
-        """Ids of counted storages created by ops ``a..b``."""
-        lo = np.searchsorted(self.by_creator_op, a, side="left")
-        hi = np.searchsorted(self.by_creator_op, b, side="right")
-        return self.by_creator[lo:hi]
-
-    def inputs_of(self, a: int, b: int) -> np.ndarray:
-        """Ids of counted storages read by forward ops ``a..b`` and created before ``a``."""
-        ids = np.unique(self.in_ids[self.in_ptr[a]: self.in_ptr[b + 1]])
-        if ids.size == 0:
-            return ids
-        keep = self.counted[ids] & (self.creator[ids] >= 0) & (self.creator[ids] < a)
-        return ids[keep]
-
-
-def dense(start: np.ndarray, end: np.ndarray, val: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Sum of ``val`` over intervals ``[start, end]`` at each point ``lo..hi`` (int64)."""
-    out = np.zeros(hi - lo + 2, dtype=np.int64)
-    if hi < lo:
-        return out[:0]
-    s = np.maximum(start, lo)
-    e = np.minimum(end, hi)
-    ok = s <= e
-    if ok.any():
-        np.add.at(out, s[ok] - lo, val[ok])
-        np.add.at(out, e[ok] - lo + 1, -val[ok])
-    return np.cumsum(out[:-1])
-
+__all__ = ["REGION_OVERHEAD_S", "OP_OVERHEAD_S", "SAC_OP_OVERHEAD_S", "ProfileArrays", "RegionSpan",
+           "RegionModel", "Effect", "resolve_span", "dense"]
 
 @dataclass(frozen=True)
 class RegionSpan:
@@ -311,17 +209,19 @@ class RegionModel:
         self.dropped = ~esc & arrs.saved[ids]
         any_saved = arrs.saved[ids]
         self.rp: int | None = int(arrs.unpack[ids][self.dropped].min()) if self.dropped.any() else None
-        if self.rp is not None and self.rp >= _NEVER:
+        if self.rp is not None and self.rp >= NEVER:
             self.rp = None
         # the checkpoint's frame (its inputs, its RNG state) lives until the region's backward
         # ends: the last plain free of its dropped storages (NOTE [region memory model])
         self.hold_end: int = (max(self.rp, int(f[self.dropped].max(initial=self.rp)))
                               if self.rp is not None else 0)
         self.copies = buffer_copies(arrs.buffer_writes, arrs.profile.ops, a, b)  # NOTE [buffer copies]: (ids, first ops, kept)
-        self.stop = int(c[any_saved].max()) if any_saved.any() else a
-        if self.dropped.any():  # the replay runs to the last op that saved something
-            packs = arrs.pack_ops[(arrs.pack_ops >= a) & (arrs.pack_ops <= b)]
-            self.stop = max(self.stop, int(packs.max(initial=self.stop)))
+        self.tails = arrs.tails.pieces(arrs.tails.inside(a, b), -1)  # NOTE [autocast's cast cache]
+        if arrs.pack_at.size:  # the replay runs to the last op before a save by a..b
+            by = (arrs.pack_by >= a) & (arrs.pack_by <= b)
+            self.stop = int(arrs.pack_at[by].max(initial=a))
+        else:
+            self.stop = int(c[any_saved].max()) if any_saved.any() else a
         member_last = np.array(span.member_last, dtype=np.int64)
         pos = np.searchsorted(member_last, c, side="left")
         end = np.where(pos < len(member_last), member_last[np.minimum(pos, len(member_last) - 1)], b)
@@ -473,9 +373,10 @@ class RegionModel:
         hold = self.hold_end if self.rp is not None else 0
         ext = self.in_f < hold
         ss, se, sv = self.state_pieces()
-        ps = _cat(ps, self.in_c[ext], self.in_c[ext], ss)
-        pe = _cat(pe, np.full(int(ext.sum()), hold, dtype=np.int64), self.in_f[ext], se)
-        pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv)
+        ts, te, tv = self.tails
+        ps = _cat(ps, self.in_c[ext], self.in_c[ext], ss, ts)
+        pe = _cat(pe, np.full(int(ext.sum()), hold, dtype=np.int64), self.in_f[ext], se, te)
+        pv = _cat(pv, self.in_nb[ext], -self.in_nb[ext], sv, tv)
         rs, re_, rv = self._recompute_replay(allm)
         ws_ops = self._workspace_ops()
         bs, be, bv = self.replay_extras()

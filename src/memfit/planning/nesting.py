@@ -172,9 +172,10 @@ class NestedModel:
         f_in = self.arrs.freed[self.input_ids]
         ext = self.input_end > f_in
         ss, se, sv = self.state_pieces()
-        ps = _cat(ps, f_in[ext] + 1, ss)
-        pe = _cat(pe, self.input_end[ext], se)
-        pv = _cat(pv, self.arrs.nbytes[self.input_ids[ext]], sv)
+        ts, te, tv = out.tails  # NOTE [autocast's cast cache] in memfit.planning.cast_cache
+        ps = _cat(ps, f_in[ext] + 1, ss, ts)
+        pe = _cat(pe, self.input_end[ext], se, te)
+        pv = _cat(pv, self.arrs.nbytes[self.input_ids[ext]], sv, tv)
         empty = np.zeros(0, dtype=np.int64)
         return Effect(ps, pe, pv, empty, empty, empty, time_s=self.time_s), self.replays
 

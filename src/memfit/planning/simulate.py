@@ -214,6 +214,10 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
     s2 = second[ids]
     has2 = s2 >= 0
     f = end2[ids]
+    tails = arrs.tails  # NOTE [autocast's cast cache]: none for casts inside a region
+    outside = ~np.any([tails.inside(m[0].a, m[0].b) for m in models], axis=0) if models else \
+        np.ones(tails.ids.shape, dtype=bool)
+    states.append(tails.pieces(outside))
     starts = np.concatenate([c, s2[has2], *(x[0] for x in states)])
     ends = np.concatenate([e, f[has2], *(x[1] for x in states)])
     vals = np.concatenate([nb, nb[has2], *(x[2] for x in states)])

@@ -36,6 +36,13 @@ NOTE [region state bytes]
     the CPU state, and the CUDA generators' states torch reads into CPU tensors, are host
     memory: 0. Profiles written before the field load with 0.
 
+NOTE [autocast-cached storages]
+    ``autocast_cached = True`` marks the output of a cast autocast keeps in its weight-cast
+    cache (``memfit.ops.is_cached_cast``): the plain step holds it until the cache is cleared
+    with the forward (NOTE [a fresh autocast cache per run] in ``memfit.step``), a checkpointed
+    region, which runs without the cache, only while it is used (NOTE [autocast's cast cache]
+    in ``memfit.planning.effects``). Profiles written before the field load with False.
+
 NOTE [saved tensors]
     ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
     it). ``first_unpack`` is the backward op during which backward first read it; a region's
@@ -106,6 +113,7 @@ class StorageRecord:
     saved: bool = False
     first_unpack: int | None = None
     last_forward_use: int | None = None
+    autocast_cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,10 +137,14 @@ class OpRecord:
         workspace_bytes: bytes the op's kernel allocates and frees inside itself, on top of its
             outputs (NOTE [kernel workspaces]); 0 where not measured.
         packs: tensors autograd saved for backward between this forward op's dispatch and
-            the next one's: this op's saved outputs and the next op's saved inputs (autograd
-            saves an op's inputs before the op runs). Where a checkpoint's replay stops (NOTE
+            the next one's, while this op's module was current: its saved outputs, and the
+            next op's saved inputs (autograd saves an op's inputs before the op runs) when
+            the next op runs in the same module. Where a checkpoint's replay stops (NOTE
             [region memory model] in ``memfit.planning.effects``). 0 in profiles written
             before the field.
+        next_packs: the tensors saved in that interval while another module was current:
+            the saved inputs of the next op, which runs in another module (a block's output
+            saved by the next block's norm), so in no region this op's module ends.
     """
 
     index: int
@@ -147,6 +159,7 @@ class OpRecord:
     flops: int = 0
     workspace_bytes: int = 0
     packs: int = 0
+    next_packs: int = 0
 
 
 @dataclass(frozen=True)

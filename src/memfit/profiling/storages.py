@@ -89,6 +89,7 @@ class TracedStorage:
     saved: bool = False
     first_unpack: int | None = None
     last_forward_use: int | None = None
+    autocast_cached: bool = False
 
     def freeze(self, sid: int) -> StorageRecord:
         """The frozen record of this storage, numbered ``sid`` (same fields, plus ``id``)."""

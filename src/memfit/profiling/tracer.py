@@ -33,7 +33,7 @@ from memfit.profiling.profile import (
     op_signature,
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
-from memfit.step import ModelState, Step
+from memfit.step import Autocast, ModelState, Step
 
 __all__ = ["ProfileMode", "profile", "check_profile_matches", "region_state_bytes"]
 
@@ -89,7 +89,9 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
     named = dict(model.named_parameters()) if state is None else {n: state[n] for n in owners}
     tracker = StorageTracker(time_ops=time_ops, count_flops=count_flops,
                              param_owner={id(p): owners[n] for n, p in named.items()},
-                             measure_workspace=measure_workspace)
+                             measure_workspace=measure_workspace,
+                             autocast_devices=frozenset(
+                                 a.device_type for a in (*st.autocast, *Autocast.ambient())))
     rec = ModuleRecorder(model, tracker)
     tracker.module_of = rec.current
     for p in named.values():
@@ -249,7 +251,8 @@ def profile(
             phase=Phase.BACKWARD if i >= n_forward else Phase.FORWARD,
             inputs=op.inputs, outputs=tuple(TensorMeta(s, sh, dt) for s, sh, dt in op.outputs),
             time_s=t, inplace=op.inplace, random=op.random, flops=op.flops,
-            workspace_bytes=op.workspace_bytes, packs=op.packs))
+            workspace_bytes=op.workspace_bytes, packs=op.packs,
+            next_packs=op.next_packs))
     storages = tuple(
 s.freeze(sid) for sid, s in enumerate(tr.storages))
     live = tuple(live_timeline(storages, len(ops), [op.workspace_bytes for op in ops]))

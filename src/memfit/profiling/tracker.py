@@ -51,6 +51,7 @@ class TracedOp:
     forward_op: int | None = None  # for a backward op: the forward op whose node it runs
     workspace_bytes: int = 0       # NOTE [workspace measurement] in memfit.profiling.workspace
     packs: int = 0                 # tensors autograd saved after this forward op's dispatch
+    next_packs: int = 0            # ... while another module ran (the next op's inputs)
 
 
 @dataclass
@@ -74,13 +75,17 @@ class StorageTracker(LiveStorages):
         param_owner: ``id(parameter) -> module path``, to attribute gradient accumulation.
         measure_workspace: measure kernel workspaces of convolutions on CPU (NOTE [workspace
             measurement]); needs ``record_ops``.
+        autocast_devices: device types the step runs autocast on, to mark the casts its
+            cache keeps (NOTE [autocast-cached storages] in ``memfit.profiling.profile``).
     """
 
     def __init__(self, *, record_ops: bool = True, time_ops: bool = False, count_flops: bool = True,
                  module_of: Callable[[], str] | None = None,
                  param_owner: dict[int, str] | None = None,
-                 measure_workspace: bool = False) -> None:
+                 measure_workspace: bool = False,
+                 autocast_devices: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.autocast_devices = autocast_devices
         self._probe = WorkspaceProbe() if measure_workspace else None
         self.record_ops = record_ops
         self.time_ops = time_ops
@@ -117,7 +122,11 @@ class StorageTracker(LiveStorages):
         # every pack counts, tracked storage or not: torch's checkpoint counts them all to
         # stop its replay (NOTE [region memory model] in memfit.planning.effects)
         if self.record_ops and not self.backward and 0 <= self.pos < len(self.ops):
-            self.ops[self.pos].packs += 1
+            op = self.ops[self.pos]
+            if self.module_of() == op.module:
+                op.packs += 1
+            else:  # the next op's inputs, saved in its own module
+                op.next_packs += 1
         sid = self.sid(t)
         if sid is None:
             return t
@@ -203,6 +212,9 @@ class StorageTracker(LiveStorages):
                 self.storages[sid].last_forward_use = i
             for sid, _, _ in metas:
                 self.storages[sid].last_forward_use = i
+            if (self.autocast_devices and not aliased and metas
+                    and ops.is_cached_cast(func, args, out, self.autocast_devices)):
+                self.storages[metas[0][0]].autocast_cached = True
         inplace, random = op_flags(func, args, kwargs)
         flops = 0
         if self.count_flops:

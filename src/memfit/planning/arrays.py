@@ -1,0 +1,124 @@
+"""A Profile as numpy arrays: the plain step's storages, ops and timelines, built once per
+planning call and shared by the region memory model (``memfit.planning.effects``), the
+simulator and the solvers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memfit.planning.cast_cache import CacheTails
+from memfit.planning.hosttime import host_overhead
+from memfit.planning.rules import buffer_writes, is_matmul, is_saveable
+from memfit.profiling.calibrate import Calibration
+from memfit.profiling.profile import Profile, StorageKind
+
+__all__ = ["ProfileArrays", "dense", "NEVER"]
+
+_COUNTED_KINDS = (StorageKind.ACTIVATION, StorageKind.GRADIENT)
+NEVER = np.iinfo(np.int64).max // 4
+
+
+class ProfileArrays:
+    """A Profile's storages and ops as numpy arrays (built once per planning call)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        n = len(profile.ops)
+        self.n_ops = n
+        self.n_forward = profile.n_forward
+        st = profile.storages
+        m = len(st)
+        self.creator = np.full(m, -1, dtype=np.int64)
+        self.freed = np.full(m, n - 1, dtype=np.int64)
+        self.never_freed = np.zeros(m, dtype=bool)
+        self.lfu = np.full(m, -1, dtype=np.int64)
+        self.nbytes = np.zeros(m, dtype=np.int64)
+        self.saved = np.zeros(m, dtype=bool)
+        self.unpack = np.full(m, NEVER, dtype=np.int64)
+        self.counted = np.zeros(m, dtype=bool)
+        # forward ops at which autograd saved something (NOTE [region memory model])
+        # (op before the save, op that saved): the next op's, for a save in another module
+        packs = [(o.index, o.index + (o.packs == 0)) for o in profile.ops[: self.n_forward]
+                 if o.packs > 0 or o.next_packs > 0]
+        self.pack_at, self.pack_by = np.array(packs, dtype=np.int64).reshape(-1, 2).T
+        for k, s in enumerate(st):
+            if s.id != k:
+                raise ValueError(f"profile storage table is not dense: position {k} holds id {s.id}")
+            self.nbytes[k] = s.nbytes
+            self.saved[k] = s.saved
+            if s.created_by is not None:
+                self.creator[k] = s.created_by
+                self.counted[k] = s.kind in _COUNTED_KINDS
+            if s.freed_after is None:
+                self.never_freed[k] = True
+            else:
+                self.freed[k] = s.freed_after
+            if s.last_forward_use is not None:
+                self.lfu[k] = s.last_forward_use
+            if s.first_unpack is not None:
+                self.unpack[k] = s.first_unpack
+        self.tails = CacheTails.of(profile, self.counted)  # NOTE [autocast's cast cache]
+        self.freed[self.tails.ids] = self.tails.start - 1
+        # counted storages in creation order, for slicing by op range
+        ids = np.nonzero(self.counted)[0]
+        order = np.argsort(self.creator[ids], kind="stable")
+        self.by_creator = ids[order]
+        self.by_creator_op = self.creator[self.by_creator]
+        self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
+        # NOTE [calibration]: the seconds an op costs when a region reruns it; its fixed
+        # charges count 0 s where NOTE [host overhead on an async device] (in
+        # memfit.planning.hosttime) finds them hidden: the one place the rule applies
+        self.host = host_overhead(profile, profile.calibration if profile.calibration is not None
+                                  else Calibration(), self.op_time)
+        self.calibration = self.host.calibration
+        cal = self.calibration
+        self.op_matmul = np.array([is_matmul(op) for op in profile.ops], dtype=bool)
+        self.rerun_time = self.op_time * np.where(self.op_matmul, cal.matmul_scale, cal.other_scale)
+        self.workspace = np.array([op.workspace_bytes for op in profile.ops], dtype=np.int64)
+        self.region_state = int(profile.region_state_bytes)  # NOTE [region state bytes]
+        self.buffer_writes = buffer_writes(profile)  # NOTE [buffer writes] in .rules
+        self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
+        self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
+        ptr = [0]
+        flat: list[int] = []
+        for op in profile.ops[: profile.n_forward]:
+            flat.extend(op.inputs)
+            ptr.append(len(flat))
+        self.in_ptr = np.array(ptr, dtype=np.int64)
+        self.in_ids = np.array(flat, dtype=np.int64)
+        # plain timelines: live at op p, and "just before op p" (live at both p-1 and p)
+        c = self.creator[ids]
+        f = self.freed[ids]
+        nb = self.nbytes[ids]
+        ts, te, tv = self.tails.pieces(np.ones(self.tails.ids.shape, dtype=bool))
+        c, f, nb = np.concatenate([c, ts]), np.concatenate([f, te]), np.concatenate([nb, tv])
+        self.base_live = dense(c, f, nb, 0, n - 1) + self.workspace  # workspace at its op only
+        self.base_before = dense(c + 1, f, nb, 0, n - 1)
+
+    def created_in(self, a: int, b: int) -> np.ndarray:
+        """Ids of counted storages created by ops ``a..b``."""
+        lo = np.searchsorted(self.by_creator_op, a, side="left")
+        hi = np.searchsorted(self.by_creator_op, b, side="right")
+        return self.by_creator[lo:hi]
+
+    def inputs_of(self, a: int, b: int) -> np.ndarray:
+        """Ids of counted storages read by forward ops ``a..b`` and created before ``a``."""
+        ids = np.unique(self.in_ids[self.in_ptr[a]: self.in_ptr[b + 1]])
+        if ids.size == 0:
+            return ids
+        keep = self.counted[ids] & (self.creator[ids] >= 0) & (self.creator[ids] < a)
+        return ids[keep]
+
+
+def dense(start: np.ndarray, end: np.ndarray, val: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Sum of ``val`` over intervals ``[start, end]`` at each point ``lo..hi`` (int64)."""
+    out = np.zeros(hi - lo + 2, dtype=np.int64)
+    if hi < lo:
+        return out[:0]
+    s = np.maximum(start, lo)
+    e = np.minimum(end, hi)
+    ok = s <= e
+    if ok.any():
+        np.add.at(out, s[ok] - lo, val[ok])
+        np.add.at(out, e[ok] - lo + 1, -val[ok])
+    return np.cumsum(out[:-1])
