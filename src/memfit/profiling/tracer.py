@@ -126,12 +126,13 @@ def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None) -> 
         if step.call is not None:
             raise ValueError("fake mode profiles model(*example_inputs); a step given as a "
                              "callable runs real tensors: profile it in measure mode")
-        from memfit.profiling.fake import meta_inputs, meta_state, new_fake_mode
+        from memfit.profiling.fake import fake_device, meta_inputs, meta_state, new_fake_mode
 
         fake_mode = new_fake_mode()
-        with fake_mode:
-            state = meta_state(model)
-            args, kwargs = meta_inputs((args, kwargs))
+        on = fake_device(a.device_type for a in (*step.autocast, *Autocast.ambient()))
+        with fake_mode:  # NOTE [fake mode under autocast]
+            state = meta_state(model, on)
+            args, kwargs = meta_inputs((args, kwargs), on)
 
         def forward(*a: Any, **k: Any) -> Any:
             return torch.func.functional_call(model, state, a, k, tie_weights=True, strict=False)
