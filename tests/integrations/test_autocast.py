@@ -111,10 +111,10 @@ def test_fit_in_autocast_meets_its_budget_bitwise(bf16, name):
     assert plan.regions and plan.predicted_peak_bytes <= budget
     got = memfit.measure(Step.of(model, x).run, model=model).peak_bytes
     assert got <= 1.03 * budget, (got, budget)
-    # 0.9% off measured; 4.8% (too low) when a timing run reused the cast weights of the run
-    # before, so 2% tells the two apart
-    assert abs(got - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (
-        got, plan.predicted_peak_bytes)
+    # -120 to +144 B off measured at budgets of 45-70% (allocator rounding); 2.2% over when the
+    # cache held the cast weights through backward (NOTE [autocast's cast cache]), 4.8% under
+    # when a timing run reused the cast weights of the run before
+    assert abs(got - plan.predicted_peak_bytes) <= 512, (got, plan.predicted_peak_bytes)
     for m in (model, twin):
         torch.manual_seed(0)
         Step.of(m, x).run()
