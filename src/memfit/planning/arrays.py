@@ -85,6 +85,7 @@ class ProfileArrays:
             flat.extend(op.inputs)
             ptr.append(len(flat))
         self.in_ptr = np.array(ptr, dtype=np.int64)
+        self.module_index = {m.path: k for k, m in enumerate(profile.modules)}
         self.in_ids = np.array(flat, dtype=np.int64)
         # plain timelines: live at op p, and "just before op p" (live at both p-1 and p)
         c = self.creator[ids]
@@ -101,9 +102,16 @@ class ProfileArrays:
         hi = np.searchsorted(self.by_creator_op, b, side="right")
         return self.by_creator[lo:hi]
 
-    def inputs_of(self, a: int, b: int) -> np.ndarray:
-        """Ids of counted storages read by forward ops ``a..b`` and created before ``a``."""
-        ids = np.unique(self.in_ids[self.in_ptr[a]: self.in_ptr[b + 1]])
+    def inputs_of(self, a: int, b: int, modules: tuple[str, ...] = ()) -> np.ndarray:
+        """Ids of counted storages created before ``a`` and read by forward ops ``a..b`` or
+        passed to the (first) call of one of ``modules``: a checkpoint's frame holds every
+        tensor its call was given, read or not (a Hugging Face Llama layer is passed
+        ``cache_position``/``position_ids``, one 2 KiB storage its ops never read, held
+        through the layer's backward: every benchmark Llama plan peaked 2,048 B over its
+        prediction before it was counted)."""
+        passed = [s for m in modules for s in self.profile.modules[self.module_index[m]].inputs]
+        ids = np.unique(np.concatenate([self.in_ids[self.in_ptr[a]: self.in_ptr[b + 1]],
+                                        np.array(passed, dtype=np.int64)]))
         if ids.size == 0:
             return ids
         keep = self.counted[ids] & (self.creator[ids] >= 0) & (self.creator[ids] < a)

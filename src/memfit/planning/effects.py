@@ -34,7 +34,8 @@ NOTE [region memory model]
       (or the replay's end): the replay takes it out of the cache and drops it after its last
       use (NOTE [cached transients]; measured: saving a 6 MiB transient of a GPT block's
       attention was predicted 1 MiB high before, exact after).
-    Storages read by region ops and created before ``a`` (the region's inputs) are held by the
+    Storages created before ``a`` and read by region ops or passed to its modules' calls (the
+    region's inputs; ``ProfileArrays.inputs_of``) are held by the
     checkpoint's frame, which dies with the region's backward: ``[c, max(freed_after, h)]``,
     ``h`` the last plain free of the region's dropped storages (at least ``rp``). Not only
     until ``rp``: a Llama's 2 MiB causal mask, read by every layer and freed by the plain step
@@ -226,7 +227,7 @@ class RegionModel:
         pos = np.searchsorted(member_last, c, side="left")
         end = np.where(pos < len(member_last), member_last[np.minimum(pos, len(member_last) - 1)], b)
         self.d = np.minimum(f, np.maximum(arrs.lfu[ids], end))
-        self.inputs = arrs.inputs_of(a, b)
+        self.inputs = arrs.inputs_of(a, b, span.modules)
         self.in_c = arrs.creator[self.inputs]
         self.in_f = arrs.freed[self.inputs]
         self.in_nb = arrs.nbytes[self.inputs]
