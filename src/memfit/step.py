@@ -150,6 +150,10 @@ class Step:
                             "on a copy of it; give the model's example_inputs (and loss_fn) instead")
         return Step(model, self.args, self.kwargs, self.loss_fn, None, self.autocast)
 
+    def autocast_devices(self) -> frozenset[str]:
+        """Device types the step runs autocast on: its own state and any around the call."""
+        return frozenset(a.device_type for a in (*self.autocast, *Autocast.ambient()))
+
     @property
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return self.args, self.kwargs
@@ -186,7 +190,7 @@ class Step:
         """Forward, loss, backward. The output and loss stay referenced through backward, as in
         a usual training loop, and are released when this returns; ``keep(output, loss)`` is
         called after backward."""
-        fresh_cache = bool(self.autocast) or bool(Autocast.ambient())
+        fresh_cache = bool(self.autocast_devices())
         if fresh_cache:  # NOTE [a fresh autocast cache per run]
             torch.clear_autocast_cache()
         out, loss = self.output_and_loss(forward)

@@ -36,11 +36,11 @@ class ProfileArrays:
         self.saved = np.zeros(m, dtype=bool)
         self.unpack = np.full(m, NEVER, dtype=np.int64)
         self.counted = np.zeros(m, dtype=bool)
-        # forward ops at which autograd saved something (NOTE [region memory model])
-        # (op before the save, op that saved): the next op's, for a save in another module
-        packs = [(o.index, o.index + (o.packs == 0)) for o in profile.ops[: self.n_forward]
-                 if o.packs > 0 or o.next_packs > 0]
-        self.pack_at, self.pack_by = np.array(packs, dtype=np.int64).reshape(-1, 2).T
+        # forward ops after which autograd saved something (NOTE [region memory model]): for
+        # the op's own module, and for the next op, which runs in another one
+        fwd = profile.ops[: self.n_forward]
+        self.pack_ops = np.array([o.index for o in fwd if o.packs > 0], dtype=np.int64)
+        self.next_pack_ops = np.array([o.index for o in fwd if o.next_packs > 0], dtype=np.int64)
         for k, s in enumerate(st):
             if s.id != k:
                 raise ValueError(f"profile storage table is not dense: position {k} holds id {s.id}")

@@ -124,7 +124,7 @@ class PlanningContext:
         self.profile = profile
         self.offload = offload  # None: plans never offload
         self.arrays = ProfileArrays(profile)
-        self._index = {m.path: k for k, m in enumerate(profile.modules)}
+        self._index = self.arrays.module_index
         self._cands: dict[tuple[str, ...], Candidate | None] = {}
         self._inner: dict[str, list[RegionModel]] = {}
         self.memo: dict[str, dict] = {}  # solvers' per-context caches, by solver

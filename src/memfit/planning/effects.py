@@ -218,9 +218,10 @@ class RegionModel:
                               if self.rp is not None else 0)
         self.copies = buffer_copies(arrs.buffer_writes, arrs.profile.ops, a, b)  # NOTE [buffer copies]: (ids, first ops, kept)
         self.tails = arrs.tails.pieces(arrs.tails.inside(a, b), -1)  # NOTE [autocast's cast cache]
-        if arrs.pack_at.size:  # the replay runs to the last op before a save by a..b
-            by = (arrs.pack_by >= a) & (arrs.pack_by <= b)
-            self.stop = int(arrs.pack_at[by].max(initial=a))
+        if arrs.pack_ops.size:  # the replay runs to the last op before a save by a..b
+            own = arrs.pack_ops[(arrs.pack_ops >= a) & (arrs.pack_ops <= b)]
+            nxt = arrs.next_pack_ops[(arrs.next_pack_ops >= a) & (arrs.next_pack_ops < b)]
+            self.stop = max(int(own.max(initial=a)), int(nxt.max(initial=a)))
         else:
             self.stop = int(c[any_saved].max()) if any_saved.any() else a
         member_last = np.array(span.member_last, dtype=np.int64)

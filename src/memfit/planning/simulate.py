@@ -77,10 +77,9 @@ def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, 
     """Resolve regions to models, saved and offloaded op indices (in plan order), and each one's outer
     region (``nesting``); reject overlapping ones and nesting other than NOTE [nested
     regions] allows."""
-    index = {m.path: k for k, m in enumerate(profile.modules)}
     out = []
     for r in regions:
-        span = resolve_span(profile, r.modules, index)
+        span = resolve_span(profile, r.modules, arrs.module_index)
         rm = RegionModel(arrs, span)
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         offloaded = keys_to_ops(profile, span.first_op, span.last_op, r.keys_with(OpPolicy.OFFLOAD), r.name)

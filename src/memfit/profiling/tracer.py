@@ -33,7 +33,7 @@ from memfit.profiling.profile import (
     op_signature,
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
-from memfit.step import Autocast, ModelState, Step
+from memfit.step import ModelState, Step
 
 __all__ = ["ProfileMode", "profile", "check_profile_matches", "region_state_bytes"]
 
@@ -90,8 +90,7 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
     tracker = StorageTracker(time_ops=time_ops, count_flops=count_flops,
                              param_owner={id(p): owners[n] for n, p in named.items()},
                              measure_workspace=measure_workspace,
-                             autocast_devices=frozenset(
-                                 a.device_type for a in (*st.autocast, *Autocast.ambient())))
+                             autocast_devices=st.autocast_devices())
     rec = ModuleRecorder(model, tracker)
     tracker.module_of = rec.current
     for p in named.values():
@@ -129,7 +128,7 @@ def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None) -> 
         from memfit.profiling.fake import fake_device, meta_inputs, meta_state, new_fake_mode
 
         fake_mode = new_fake_mode()
-        on = fake_device(a.device_type for a in (*step.autocast, *Autocast.ambient()))
+        on = fake_device(step.autocast_devices())
         with fake_mode:  # NOTE [fake mode under autocast]
             state = meta_state(model, on)
             args, kwargs = meta_inputs((args, kwargs), on)
