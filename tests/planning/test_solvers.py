@@ -109,7 +109,9 @@ def test_greedy_plans_fit(seed, kind, ws):
         # find more (seed 141, unet: 1216 > 1152 B), and the planner re-solves until it fits
         assert sol.predicted_peak_bytes <= budget
         t_opt, _ = _result(milp.solve, ctx, budget)
-        assert sol.recompute_s >= t_opt
+        if _sim_peak(prof, sol) <= budget:  # a plan that fits costs at least the optimum; one
+            assert sol.recompute_s >= t_opt  # over it may cost less (seed 7782, unet: 1472 B
+            # simulated at budget 1408, 0.0124 s against the optimum's 0.0143 s)
         try:
             planned = make_plan(prof, budget=budget, solver="greedy")
         except InfeasibleBudget as e:
