@@ -96,6 +96,8 @@ IGNORED_OP_NAMES: frozenset[str] = frozenset(str(op) for op in IGNORED_OPS)
 
 _random_kinds: dict[Any, RandomKind] = {}
 _writes: dict[Any, bool] = {}
+_written_returns: dict[Any, tuple[int, ...] | None] = {}
+_updates: dict[str, bool] = {}
 _views: dict[Any, bool] = {}
 
 
@@ -176,6 +178,61 @@ def writes_input(op: Any) -> bool:
         hit = schema is not None and any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         _writes[op] = hit
+    return hit
+
+
+def written_returns(op: Any) -> tuple[int, ...] | None:
+    """For an op whose every result is one of its written arguments (``add_`` returns its
+    ``self``; ``out=`` variants their ``out``), the argument position of each result; None for
+    any other op (one that writes nothing, or returns a tensor it computed).
+
+    Example:
+        >>> written_returns(torch.ops.aten.add_.Tensor), written_returns(torch.ops.aten.add.Tensor)
+        ((0,), None)
+    """
+    if op in _written_returns:
+        return _written_returns[op]
+    schema = op_schema(op)
+    found: tuple[int, ...] | None = None
+    if schema is not None and writes_input(op):
+        written = {frozenset(a.alias_info.before_set): i for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write}
+        picks = [written.get(frozenset(r.alias_info.before_set)) if r.alias_info is not None
+                 and r.alias_info.is_write else None for r in schema.returns]
+        if all(i is not None for i in picks):
+            found = tuple(i for i in picks if i is not None)
+    _written_returns[op] = found
+    return found
+
+
+def update_results(op: Any) -> tuple[int, ...] | None:
+    """For an op that only updates the tensors it writes (an aten op whose every result is a
+    written argument, drawing no random numbers: ``add_``, ``copy_``, ``mul.out``), the
+    argument position of each result; None for any other op. NOTE [buffers written in
+    forward], rule 2, in ``memfit.runtime.buffers``.
+
+    Example:
+        >>> update_results(torch.ops.aten.add_.Tensor), update_results(torch.ops.aten.bernoulli_.float)
+        ((0,), None)
+    """
+    picks = written_returns(op)
+    if picks is None or not op_name(op).startswith("aten.") or is_random(op):
+        return None
+    return picks
+
+
+def is_update(name: str) -> bool:
+    """:func:`update_results` by overload name (``"aten.add_.Tensor"``), for profiles; False
+    for a name torch does not know."""
+    hit = _updates.get(name)
+    if hit is None:
+        try:
+            kind, _ = resolve_op_name(name)
+            ns, packet, overload = name.split(".") if kind == "overload" else ("", "", "")
+            op = getattr(getattr(getattr(torch.ops, ns), packet), overload) if ns else None
+        except ValueError:
+            op = None
+        hit = _updates[name] = op is not None and update_results(op) is not None
     return hit
 
 

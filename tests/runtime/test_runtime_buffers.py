@@ -14,6 +14,7 @@ from torch import nn
 import memfit
 from memfit.planning.plan import Plan, Region
 from memfit.runtime.apply import apply
+from memfit.runtime.buffers import _storage_key
 
 D = 16
 
@@ -29,10 +30,11 @@ class Block(nn.Module):
         elif kind == "spectral_norm_legacy":
             lin = nn.utils.spectral_norm(lin)
         self.lin = lin
-        self.bn = nn.BatchNorm1d(D)
+        self.bn = nn.BatchNorm1d(D, momentum=None if kind == "cumulative" else 0.1)
         self.kind = kind
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(D))
+        self.register_buffer("noise", torch.zeros(D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.bn(self.lin(x))                                    # (batch, D)
@@ -45,6 +47,10 @@ class Block(nn.Module):
             h = h - self.ema
         elif self.kind == "reads_stats":
             h = h * self.bn.running_var                              # read after its update
+        elif self.kind == "noise":
+            with torch.no_grad():
+                self.noise.uniform_()                                # drawn, never read
+            h = F.dropout(h, 0.5)                                    # the next draw
         return torch.tanh(h)
 
 
@@ -63,7 +69,10 @@ class Net(nn.Module):
         return self.head(h)
 
 
-KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema", "reads_stats"]
+# "cumulative": BatchNorm with momentum=None reads num_batches_tracked after its increment;
+# "noise": a random write to a buffer nothing reads must still draw in the replay
+KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema", "reads_stats", "cumulative",
+         "noise"]
 
 PLANS = {
     "wrap": (Region(("blocks.0",)), Region(("blocks.1",))),
@@ -169,6 +178,7 @@ class Replaces(nn.Module):
         super().__init__()
         self.lin = nn.Linear(D, D)
         self.register_buffer("ema", torch.zeros(D))
+        self.register_buffer("noise", torch.zeros(D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
@@ -208,11 +218,13 @@ def test_only_written_buffers_are_copied():
         block(torch.randn(4, D))
     finally:
         guard.forward_exit()
-    written = {id(buf): copy is not None for buf, copy in guard._pre.values()}
-    names = {n: written[id(b)] for n, b in block.named_buffers() if id(b) in written}
-    # BatchNorm's statistics are only updated: restored after recomputation, no copy kept
-    assert names == {"calls": True, "bn.num_batches_tracked": True,
-                     "bn.running_mean": False, "bn.running_var": False}
+    kept = {n for n, b in block.named_buffers() if id(b) in guard._pre}
+    unread = {n for n, b in block.named_buffers() if _storage_key(b) in guard._unread}
+    # the counter is read after its increment: its pre-forward value is kept for the replay;
+    # BatchNorm's buffers are only updated (rule 2): no copy kept, their replay skips them
+    assert kept == {"calls"}
+    assert unread == {"bn.num_batches_tracked", "bn.running_mean", "bn.running_var"}
+    assert int(guard._pre[id(block.calls)][1]) == 0 and int(block.calls) == 1
 
 
 def test_functional_batch_norm_writes_are_seen():
@@ -243,8 +255,11 @@ def test_statistics_read_after_their_update_keep_their_copy():
     finally:
         guard.forward_exit()
     copies = {id(buf): copy for buf, copy in guard._pre.values()}
-    assert copies[id(block.bn.running_mean)] is None
+    # running_var is read after its update; batch norm updates both statistics in one op, so
+    # its replay must update both: both keep their pre-forward values
+    assert torch.equal(copies[id(block.bn.running_mean)], torch.zeros(D))
     assert torch.equal(copies[id(block.bn.running_var)], torch.ones(D))
+    assert guard._unread == {_storage_key(block.bn.num_batches_tracked)}
 
 
 class SharedNormBlock(nn.Module):

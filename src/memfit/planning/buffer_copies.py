@@ -4,19 +4,19 @@ NOTE [buffer copies]
 A region whose forward writes a module buffer (NOTE [buffer writes] in
 ``memfit.planning.rules``) runs under the runtime's buffer watcher (NOTE [buffers written
 in forward] in ``memfit.runtime.buffers``), which copies each written buffer just before
-the first region op that writes it. A copy of a buffer written only by a batch-norm op's
-undeclared statistics update, and read by no later op of the region, is dropped when the
-region's forward ends (op ``b``); any other copy (``num_batches_tracked``'s ``add_``, a
-counter, spectral norm's vectors) is held with the frame, to ``h``. When the replay
-starts, every written buffer is copied once more and that copy lives through the replay
-(``a..L``). BatchNorm's statistics thus cost their bytes during the region's forward and
-again in its replay, and 8 bytes per BatchNorm from forward to backward. Measured: a
-chain of BatchNorm1d(16384) blocks, three checkpointed, peaks to the byte as predicted
-(16 B, two held counters, under without the copies); the benchmark UNet3D's smallest plan,
-256 B of whose peak are these copies, is predicted to the byte of its unchecked step with
-them and the generator state its replay forks (NOTE [region memory model] in
-``memfit.planning.effects``). Checkpointing a single BatchNorm1d(16384) block peaks 131,072 B
-above the prediction with or without them: BatchNorm's own temporaries, not modelled.
+the first region op that writes it. A buffer the region's ops touch only by updating it
+(batch norm's statistics update; an aten op whose results are only the tensors it writes,
+drawing no random numbers, as ``num_batches_tracked.add_(1)``) and read by no other op of
+the region is *unread*: its copy is dropped when the region's forward ends (op ``b``) and its
+replay skips the updates, copying nothing. Any other written buffer (a counter read after
+its increment, spectral norm's vectors) keeps its copy with the frame, to ``h``, and is
+copied once more when the replay starts, a copy that lives through the replay (``a..L``).
+BatchNorm's three buffers thus cost their bytes only while the region's forward runs.
+Measured: a chain of BatchNorm1d(16384) blocks, three checkpointed, peaks to the byte as
+predicted; the benchmark UNet3D's smallest plan is predicted to the byte of its unchecked
+step with the generator state its replay forks (NOTE [region memory model] in
+``memfit.planning.effects``). Checkpointing a single BatchNorm1d(16384) block peaks
+131,072 B above the prediction: BatchNorm's own temporaries, not modelled.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from memfit.ops import is_update
 from memfit.profiling.profile import OpRecord
 
 __all__ = ["buffer_copies"]
@@ -34,16 +35,29 @@ def buffer_copies(writes: Sequence[tuple[int, int, bool]], ops: Sequence[OpRecor
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The buffers the forward ``a..b`` writes (``writes``: ``memfit.planning.rules.buffer_writes``
     of the profile whose ``ops`` these are), the op before which each is copied, and whether its copy
-    is held past the forward (NOTE [buffer copies])."""
+    is held past the forward (read buffers) rather than dropped (unread ones; NOTE [buffer copies])."""
     first: dict[int, int] = {}
-    declared: set[int] = set()
-    for op, s, decl in writes:
-        if a <= op <= b:
-            first.setdefault(s, op)
-            if decl:
-                declared.add(s)
+    for i, s, _ in writes:
+        if a <= i <= b:
+            first.setdefault(s, i)
+    read: set[int] = set()
+    together: list[list[int]] = []  # the buffers one op updates: skipped all together or none
+    for i in range(a, b + 1):
+        op = ops[i]
+        touched = [s for s in op.inputs if s in first]
+        if not touched:
+            continue
+        written = {t.storage for t in op.outputs}
+        if "batch_norm" in op.name:  # its statistics update: undeclared, unread by its outputs
+            together.append(touched)
+        elif op.inplace and written and written <= set(touched) and is_update(op.name):
+            together.append(sorted(written))
+            read.update(s for s in touched if s not in written)
+        else:
+            read.update(touched)
+    for group in together:
+        if read.intersection(group):
+            read.update(group)
     ids = np.array(sorted(first), dtype=np.int64)
-    kept = np.array([s in declared or any(s in ops[i].inputs and "batch_norm" not in ops[i].name
-                                           for i in range(first[s] + 1, b + 1))
-                     for s in ids.tolist()], dtype=bool)
+    kept = np.array([s in read for s in ids.tolist()], dtype=bool)
     return ids, np.array([first[s] for s in ids.tolist()], dtype=np.int64), kept

@@ -363,9 +363,10 @@ class RegionModel:
     def replay_extras(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What the checkpoint holds beside the replayed storages while its replay runs, as a
         replay piece: the generator state it forks (the current one, saved while the stashed
-        one replays; NOTE [region memory model]) and the copies of the written buffers (NOTE
-        [buffer copies] in ``memfit.planning.buffer_copies``)."""
-        nbytes = int(self.all_nbytes[self.copies[0]].sum()) + self.state_bytes
+        one replays; NOTE [region memory model]) and the copies of the written buffers it
+        reads (NOTE [buffer copies] in ``memfit.planning.buffer_copies``)."""
+        ids, _, kept = self.copies
+        nbytes = int(self.all_nbytes[ids[kept]].sum()) + self.state_bytes
         if self.rp is None or nbytes <= 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, z

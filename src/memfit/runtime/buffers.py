@@ -13,29 +13,35 @@ NOTE [buffers written in forward]
 
     1. While the forward runs, a dispatch mode (``_Watch``) sees every op the region
        dispatches. Just before the first op that writes to the storage of a buffer, it
-       copies that buffer (copy-on-write): the copy holds the buffer's value from before the
-       forward. "Writes" is what the op's schema marks ``Tensor(a!)`` (``add_``, ``copy_``,
-       ``out=`` variants as ``F.normalize(..., out=u)``), plus the writes ``native_batch_norm``
-       (and its cuDNN/MIOpen variants) make to the running statistics in training without
-       declaring them (``_UNDECLARED_WRITES``).
-    2. Those batch-norm writes only *update* the statistics: the op's outputs do not depend
-       on them. A buffer written only that way, and read by no later op of the forward, does
-       not need its pre-forward value in the recomputation (whatever it computes there is
-       overwritten by rule 5), so its copy is dropped when the forward ends. BatchNorm's
-       running statistics thus cost memory only while the region's forward runs (as before
-       memfit generalised this, they cost nothing from forward to backward);
-       ``num_batches_tracked`` (``add_``, 8 bytes) keeps its copy.
+       copies that buffer (copy-on-write, with dispatch modes off, so that the copy is no op
+       of this region or of an enclosing one): the copy holds the buffer's value from before
+       the forward. "Writes" is what the op's schema marks ``Tensor(a!)`` (``add_``,
+       ``copy_``, ``out=`` variants as ``F.normalize(..., out=u)``), plus the writes
+       ``native_batch_norm`` (and its cuDNN/MIOpen variants) make to the running statistics
+       in training without declaring them (``_UNDECLARED_WRITES``).
+    2. Some writes only *update* a buffer: batch norm's statistics update (the op's outputs
+       do not depend on the statistics), and an aten op that returns nothing but the tensors
+       it writes and draws no random numbers (``num_batches_tracked.add_(1)``). A buffer
+       that the forward touches only through such updates (no op reads it otherwise, before
+       or after; batch norm's two statistics count as one) is *unread*: nothing the region
+       computes depends on its value. Its copy is dropped when the forward ends, and its
+       recomputation does not update it again: a dispatch mode (``_SkipUpdates``) passes
+       batch norm no statistics (its outputs are bitwise the same: checked on CPU for
+       float32, bfloat16 and channels-last inputs) and returns an update's written tensors
+       without running it. The forward's update is the only one, at no memory cost from
+       forward to backward. BatchNorm's three buffers are unread.
     3. Buffers are matched by storage: those of the modules the region is known to run (all
        their submodules included, parametrizations too) and of every module called inside
        the region while its forward runs (a global forward pre-hook, installed only then).
     4. A buffer replaced during the forward (``self.ema = self.ema * 0.9 + ...``, not in
        place) is found by identity at the end of the forward; the old tensor is kept.
-    5. When the recomputation starts, the written buffers are copied once more (their value
-       *now*, after the forward and whatever ran since), given their pre-forward values
-       (replaced ones: the old tensor is put back), and recomputed; when it ends, early stop
-       included (torch stops a recomputation by raising through the context, so this sits in
-       ``__exit__``), they get the values they had when it started.
-
+    5. Any other written buffer (a counter read after its increment, spectral norm's
+       vectors, statistics a later op reads) keeps its copy. When the recomputation starts,
+       those buffers are copied once more (their value *now*, after the forward and whatever
+       ran since), given their pre-forward values (replaced ones: the old tensor is put
+       back), and recomputed; when it ends, early stop included (torch stops a
+       recomputation by raising through the context, so this sits in ``__exit__``), they
+       get the values they had when it started.
     6. The watcher costs a Python dispatch per op (+6% CPU time on an every-block GPT 4x128
        step, measured here), so it runs only where a write is possible. A region of a plan
        knows from the profile (``Region.writes_buffers``, NOTE [buffer writes] in
@@ -52,23 +58,23 @@ NOTE [buffers written in forward]
 
     Consequence: the recomputation reads exactly what the forward read, and after backward
     every buffer is what the plain step leaves (bitwise), however often backward recomputes
-    the region (``retain_graph``). Memory: one copy of each buffer the forward wrote and the
-    recomputation may read (rule 2), held from the forward until the region's autograd graph
-    is freed, plus one copy of every written buffer during its recomputation; buffers that
-    are only read cost nothing. The planner's prediction counts these copies (NOTE [buffer
-    copies] in ``memfit.planning.effects``); a write it cannot see in the profile (one that
+    the region (``retain_graph``). Memory: one copy of each written buffer while the region's
+    forward runs; from the forward until the region's autograd graph is freed, one copy of
+    each written buffer that is read (rule 5), and one more of each during its
+    recomputation; unread buffers (rule 2) and buffers that are only read cost nothing. The
+    planner's prediction counts these copies (NOTE [buffer copies] in
+    ``memfit.planning.buffer_copies``); a write it cannot see in the profile (one that
     happens only on other steps, rule 6) it does not.
 
-    The watcher sits below the region's own selective-checkpoint and recorder modes, so the
-    copies are not ops of the region (op keys and the divergence check are unaffected); an
-    *enclosing* region (nested plans) does see a nested region's copies, in its forward and
-    in its recomputation alike. Writes to tensors that are not registered buffers (a plain
+    The watcher and the update skipper sit below the region's own selective-checkpoint and
+    recorder modes, so that those see the region's ops as the profile did (op keys and the
+    divergence check are unaffected). Writes to tensors that are not registered buffers (a plain
     tensor attribute, a global) are not seen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -78,10 +84,11 @@ from memfit._torch import (
     TorchDispatchMode,
     module_buffers,
     no_python_dispatch,
+    op_schema,
     tensor_version,
     written_tensors,
 )
-from memfit.ops import writes_input
+from memfit.ops import update_results, writes_input
 
 __all__ = ["BufferGuard"]
 
@@ -96,17 +103,22 @@ _UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
 _TRAINING_ARG = 5
 
 
+def _training(args: tuple, kwargs: dict) -> bool:
+    return bool(args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training"))
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
     """The tensors ``func`` writes in place (declared or not), and whether the op only
-    updates them (its outputs do not depend on their values: rule 2 of the NOTE)."""
+    updates them (rule 2 of the NOTE)."""
     positions = _UNDECLARED_WRITES.get(func)
     if positions is not None:
-        training = args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training")
-        if not training:
+        if not _training(args, kwargs):
             return [], True
         return [args[i] for i in positions
                 if i < len(args) and isinstance(args[i], torch.Tensor)], True
-    return (written_tensors(func, args, kwargs) if writes_input(func) else []), False
+    if not writes_input(func):
+        return [], False
+    return written_tensors(func, args, kwargs), update_results(func) is not None
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -131,7 +143,8 @@ def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
 
 
 class _Watch(TorchDispatchMode):
-    """Forward side: snapshots a buffer just before the first op that writes to it."""
+    """Forward side: snapshots a buffer just before the first op that writes to it, and
+    tells updates from reads (rules 1 and 2)."""
 
     def __init__(self, guard: BufferGuard) -> None:
         super().__init__()
@@ -139,19 +152,43 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        guard = self.guard
-        if guard._by_storage:
-            written, update_only = _written(func, args, kwargs)
-            if guard._update_only:
-                guard._before_read(args, kwargs, written if update_only else ())
-            for t in written:
-                guard._before_write(t, update_only)
+        if self.guard._by_storage:
+            self.guard._see_op(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _SkipUpdates(TorchDispatchMode):
+    """Recompute side: the updates of the region's unread buffers are not made again
+    (rule 2)."""
+
+    def __init__(self, unread: set[tuple[torch.device, int]]) -> None:
+        super().__init__()
+        self.unread = unread
+
+    def _is_unread(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and _storage_key(t) in self.unread
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        positions = _UNDECLARED_WRITES.get(func)
+        if positions is not None:
+            if _training(args, kwargs) and any(self._is_unread(args[i]) for i in positions
+                                               if i < len(args)):
+                args = tuple(None if i in positions else a for i, a in enumerate(args))
+        elif writes_input(func):
+            picks = update_results(func)
+            written = written_tensors(func, args, kwargs) if picks is not None else []
+            if picks is not None and written and all(self._is_unread(t) for t in written):
+                names = [a.name for a in op_schema(func).arguments]
+                results = [args[i] if i < len(args) else kwargs[names[i]] for i in picks]
+                return None if not results else results[0] if len(results) == 1 else tuple(results)
         return func(*args, **kwargs)
 
 
 class BufferGuard:
     """Per checkpointed call: snapshots the buffers its forward writes, gives the
-    recomputation their pre-forward values (NOTE [buffers written in forward])."""
+    recomputation their pre-forward values or skips their updates (NOTE [buffers written in
+    forward])."""
 
     def __init__(self, modules: Iterable[nn.Module] = (), *, watch: bool | None = None) -> None:
         self._known = tuple(modules)
@@ -159,11 +196,14 @@ class BufferGuard:
         self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
         self._seen: set[int] = set()
-        # id(buf) -> (buf, its pre-forward copy; None: restored after recomputation only)
-        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._update_only: set[int] = set()  # written by update-only ops alone, not read since
+        # id(buf) -> (buf, its pre-forward copy): the written buffers the recomputation reads
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._read: set[int] = set()  # buffers an op touched other than by an update (rule 2)
+        self._together: list[list[int]] = []  # buffers one batch-norm op updates
+        self._unread: set[tuple[torch.device, int]] = set()  # rule 2: storages not updated again
         self._replaced: list[tuple[nn.Module, str, torch.Tensor]] = []  # (module, name, old)
         self._now: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = []
+        self._skips: list[_SkipUpdates] = []
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._watch: _Watch | None = None
         # rule 6: buffers copied on call in an unwatched forward: (buffer, copy, version)
@@ -189,25 +229,28 @@ class BufferGuard:
                         self._on_call.append((buf, buf.clone(), tensor_version(buf)))
         self._see(module)
 
-    def _before_write(self, t: torch.Tensor, update_only: bool) -> None:
+    def _buffers_of(self, t: torch.Tensor) -> list[torch.Tensor]:
         key = _storage_key(t)
-        if key is None:
-            return
-        for buf in self._by_storage.get(key, ()):
-            if id(buf) not in self._pre:
-                self._pre[id(buf)] = (buf, buf.detach().clone())
-                if update_only:
-                    self._update_only.add(id(buf))
-            elif not update_only:  # a read-modify-write: the recomputation reads the value
-                self._update_only.discard(id(buf))
+        return self._by_storage.get(key, []) if key is not None else []
 
-    def _before_read(self, args: tuple, kwargs: dict, skip: Sequence[torch.Tensor]) -> None:
+    def _see_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        written, update = _written(func, args, kwargs)
+        updated: list[int] = []
+        for t in written:
+            bufs = self._buffers_of(t)
+            update = update and bool(bufs)  # an op that also writes a non-buffer is replayed
+            for buf in bufs:
+                if id(buf) not in self._pre:  # rule 1: copy on first write
+                    with no_python_dispatch(), torch.no_grad():
+                        self._pre[id(buf)] = (buf, buf.detach().clone())
+                updated.append(id(buf))
+        if update and len(updated) > 1:
+            self._together.append(updated)  # skipped in the replay only all together
+        elif not update:
+            self._read.update(updated)
         for t in _tensors(args, kwargs):
-            if any(t is s for s in skip):
-                continue
-            key = _storage_key(t)
-            for buf in self._by_storage.get(key, ()) if key is not None else ():
-                self._update_only.discard(id(buf))
+            if not any(t is w for w in written):
+                self._read.update(id(buf) for buf in self._buffers_of(t))
 
     def forward_enter(self) -> None:
         for root in self._known:
@@ -232,15 +275,22 @@ class BufferGuard:
             current = module_buffers(module).get(name, old)  # a deleted buffer is left alone
             if current is not old and current is not None:  # replaced, not written in place
                 self._replaced.append((module, name, old))
-        for i in self._update_only:  # rule 2: the recomputation needs no pre-forward value
-            self._pre[i] = (self._pre[i][0], None)
+        for group in self._together:  # batch norm's statistics: both or neither are read
+            if any(i in self._read for i in group):
+                self._read.update(group)
+        for i, (buf, _) in list(self._pre.items()):  # rule 2: unread, no copy kept
+            key = _storage_key(buf)
+            if i not in self._read and key is not None:
+                del self._pre[i]
+                self._unread.add(key)
         with no_python_dispatch():
             for buf, before, version in self._on_call:  # rule 6: keep what was written
                 if id(buf) not in self._pre and (tensor_version(buf) != version
                                                  or not torch.equal(buf, before)):
                     self._pre[id(buf)] = (buf, before)
         self._on_call = []
-        self._named, self._by_storage, self._seen, self._update_only = [], {}, set(), set()
+        self._named, self._by_storage, self._seen = [], {}, set()
+        self._read, self._together = set(), []
 
     # ---- recompute side --------------------------------------------------------------
     def recompute_enter(self) -> None:
@@ -249,12 +299,17 @@ class BufferGuard:
         with torch.no_grad():
             self._now.append(([b.detach().clone() for b in written], replaced))
             for buf, before in self._pre.values():
-                if before is not None:
-                    buf.copy_(before)
+                buf.copy_(before)
         for module, name, old in self._replaced:
             module_buffers(module)[name] = old
+        if self._unread:
+            skip = _SkipUpdates(self._unread)
+            skip.__enter__()
+            self._skips.append(skip)
 
     def recompute_exit(self) -> None:
+        if self._unread:
+            self._skips.pop().__exit__(None, None, None)
         now, replaced = self._now.pop()
         with torch.no_grad():
             for (buf, _), value in zip(self._pre.values(), now, strict=True):

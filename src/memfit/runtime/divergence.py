@@ -47,10 +47,10 @@ NOTE [value check]
     6. Only outputs on the differentiable path are fingerprinted: ops run with grad mode on
        and a tensor input that requires grad. Other values reach a gradient only through
        such an op, whose output then differs too. This leaves out the buffer updates that
-       the recomputation legitimately does differently and memfit undoes (BatchNorm's
-       ``num_batches_tracked.add_(1)`` sees the forward's increment; NOTE [BatchNorm once]
-       in ``memfit.runtime.buffers``), and the masks, indices and counters a region
-       computes without grad.
+       the recomputation skips or memfit undoes (BatchNorm's ``num_batches_tracked.add_(1)``
+       returns the forward's increment unchanged; NOTE [buffers written in forward] in
+       ``memfit.runtime.buffers``), and the masks, indices and counters a region computes
+       without grad.
 
 NOTE [check sampling]
     A divergence is nearly always there from the first step (a hook counter, Python's RNG,
