@@ -197,3 +197,20 @@ def test_bad_check_values_are_refused_before_anything_changes(check, error, mess
         wrap(model[1], check=check)
     with pytest.raises(ValueError, match="every must be an int >= 0, got -1"):
         DivergenceCheck(every=-1)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(512, 256),                                 # contiguous, sampled
+    torch.randn(4, 8, 64, 64).transpose(1, 2),             # strided, sampled per dimension
+    torch.randn(7).to(torch.bfloat16),                     # under the sample size
+    torch.tensor(3.0),                                     # 0-dim
+], ids=["contiguous", "strided", "small", "0-dim"])
+def test_a_cpu_fingerprint_allocates_no_tensor_memory(tensor):
+    """A checked step peaks where an unchecked one does (NOTE [value check], rule 4): the old
+    int64 sum cast the sample first, 520 B above the op's output."""
+    from memfit.profiling.meters import allocator_peak
+    from memfit.runtime.divergence import _sample, fingerprint
+
+    assert allocator_peak(lambda: fingerprint(tensor)) == 0
+    as_int = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    assert fingerprint(tensor) == int(_sample(tensor).view(as_int).sum(dtype=torch.int64))

@@ -37,7 +37,10 @@ NOTE [value check]
        ``torch.use_deterministic_algorithms(True)``.
     4. Fingerprints are computed below every dispatch mode (memfit's own, torch's
        selective-checkpoint cache, a user's), so they change no op count and no cache index,
-       and on CPU they are Python ints: no tensor memory is held. On other devices they stay
+       and on CPU they are Python ints summed from the sample's ``tolist()``: no tensor
+       memory is allocated, not even for a moment (a tensor sum cast the 64-element sample
+       to int64 first: 520 B on top of the op's output, which made a checked step peak
+       above an unchecked one and above the plan's prediction). On other devices they stay
        0-dim device tensors, compared with one synchronisation per recomputation.
     5. Only plain tensors with a strided layout and 1, 2, 4 or 8-byte elements are
        fingerprinted; other outputs (subclasses, sparse, meta, complex128) are compared by
@@ -213,8 +216,18 @@ def fingerprint(t: Any) -> int | torch.Tensor | None:
     as_int = _INT_OF_SIZE.get(t.element_size())
     if as_int is None or t.numel() == 0:
         return None
-    s = _sample(t).view(as_int).sum(dtype=torch.int64)
-    return int(s) if s.device.type == "cpu" else s
+    sample = _sample(t).view(as_int)
+    if sample.device.type == "cpu":
+        return _total(sample.tolist())  # allocates no tensor (NOTE [value check], rule 4)
+    return sample.sum(dtype=torch.int64)
+
+
+def _total(values: Any) -> int:
+    """The sum of a nested list of ints (``Tensor.tolist()`` of any rank)."""
+    if isinstance(values, list):
+        return sum(_total(v) for v in values) if values and isinstance(values[0], list) \
+            else sum(values)
+    return int(values)
 
 
 _UNWRITTEN: dict[Any, bool] = {}
