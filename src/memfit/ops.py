@@ -55,6 +55,10 @@ __all__ = [
     "IGNORED_OPS",
     "IGNORED_OP_NAMES",
     "WORKSPACE_PATTERNS",
+    "STATISTICS_UPDATES",
+    "STATISTICS_TRAINING_ARG",
+    "updates_statistics",
+    "without_statistics",
     "uses_workspace",
     "packet_name",
     "aten_overloads",
@@ -84,7 +88,17 @@ MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.con
 # memfit.profiling.profile); the profiler measures these. CPU flash attention's backward keeps
 # per-thread scratch buffers (16,640 B on a 4-layer ViT's attention, which verify read as
 # +8.6% before they were measured).
-WORKSPACE_PATTERNS = ("conv", "scaled_dot_product")
+WORKSPACE_PATTERNS = ("conv", "scaled_dot_product", "batch_norm")
+
+# Ops that update batch norm's running statistics (these argument positions) when
+# ``training`` (argument STATISTICS_TRAINING_ARG) is true, without marking them written
+# (``(a!)``) in their schema; their outputs do not depend on the statistics.
+STATISTICS_UPDATES: dict[Any, tuple[int, ...]] = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+STATISTICS_TRAINING_ARG = 5
 
 # NOTE [ignored ops]
 IGNORED_OPS: frozenset[Any] = frozenset({
@@ -292,8 +306,29 @@ def is_matmul(name: str) -> bool:
     return packet_name(name) in MATMUL_PACKETS
 
 
+def updates_statistics(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call updates batch norm's running statistics (:data:`STATISTICS_UPDATES`
+    in training mode, with statistics given)."""
+    positions = STATISTICS_UPDATES.get(op)
+    if positions is None:
+        return False
+    i = STATISTICS_TRAINING_ARG
+    training = args[i] if len(args) > i else kwargs.get("training")
+    return bool(training) and any(i < len(args) and args[i] is not None for i in positions)
+
+
+def without_statistics(op: Any, args: tuple, kwargs: dict) -> tuple:
+    """``args`` with the running statistics left out (None) where this call would update them:
+    the same outputs, bitwise, and no write."""
+    if not updates_statistics(op, args, kwargs):
+        return args
+    positions = STATISTICS_UPDATES[op]
+    return tuple(None if i in positions else a for i, a in enumerate(args))
+
+
 def uses_workspace(op: Any) -> bool:
-    """Whether ``op``'s CPU kernel may allocate internal buffers (a convolution).
+    """Whether ``op``'s CPU kernel may allocate internal buffers (a convolution, attention,
+    batch norm).
 
     Example:
         >>> uses_workspace(torch.ops.aten.convolution.default)

@@ -75,26 +75,28 @@ def test_a_buffer_read_after_its_update_keeps_its_copy_to_backward() -> None:
     assert int(rm.replay_extras()[2].sum()) == 4 * C + prof.region_state_bytes
 
 
+@pytest.mark.parametrize("blocks", [("0", "1", "2"), ("1", "2", "3"), ("3",)])
 @pytest.mark.parametrize("ema", [False, True], ids=["batchnorm", "ema"])
-def test_a_plan_over_written_buffers_peaks_as_predicted(ema: bool, monkeypatch) -> None:
-    """Blocks 0-2 checkpointed: the peak falls in a backward where the copies of the
-    regions not yet replayed are held. With BatchNorm alone nothing is held (its buffers are
-    only updated); with an EMA buffer read after its update, one copy per region (4*C
-    bytes), predicted to the byte with it and under by whole copies without. (Not
-    modelled: checkpointing block 0 alone peaks 131,072 B above the prediction, BatchNorm's
-    own temporaries of two C-float vectors; with the EMA, blocks 1-3 peak one generator
-    state, 5,056 B, above it, as before memfit skipped BatchNorm's updates.)"""
+def test_a_plan_over_written_buffers_peaks_as_predicted(ema: bool, blocks, monkeypatch) -> None:
+    """The peak falls in a backward where the copies of the regions not yet replayed are
+    held. With BatchNorm alone nothing is held (its buffers are only updated); with an EMA
+    buffer read after its update, one copy per region (4*C bytes), predicted to the byte
+    with it and under by whole copies without. A replay's batch norm runs its kernel's
+    workspace at the peak: the single block 3 and blocks 1-3 peaked 131,072 B and 5,056 B
+    over their predictions before it was measured."""
     model, x = _case(ema=ema)
     prof = profile(model, x, repeats=1)
-    p = _plan(prof, tuple(Region((m,)) for m in ("0", "1", "2")))
+    p = _plan(prof, tuple(Region((m,)) for m in blocks))
     report = verify(model, x, plan=p)
     assert report.bitwise
     assert report.peak_bytes == p.predicted_peak_bytes
     monkeypatch.setattr(effects, "buffer_copies",
                         lambda *_: (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool)))
     without = simulate(prof, p).peak_bytes
-    if ema:
+    if ema and blocks == ("0", "1", "2"):  # the peak where the held copies are all there is
         held = report.peak_bytes - without
         assert held > 0 and held % (4 * C) == 0  # whole copies: under-predicted without them
-    else:
+    elif not ema:
         assert without == report.peak_bytes
+    else:
+        assert without < report.peak_bytes

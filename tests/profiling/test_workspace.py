@@ -115,3 +115,28 @@ def test_attention_kernels_have_workspaces() -> None:
     ws = {op.name: op.workspace_bytes for op in p.ops if "scaled_dot_product" in op.name}
     assert any("backward" in n for n in ws), ws
     assert all(b > 0 for n, b in ws.items() if "backward" in n), ws
+
+
+def test_batch_norm_kernels_have_workspaces_and_statistics_update_once() -> None:
+    """CPU batch norm allocates per-channel scratch vectors in forward and backward;
+    unmodelled, a replayed BatchNorm1d(16384) put a plan's peak 131,072 B over its
+    prediction. The probe reruns the forward without the running statistics, so that they
+    are updated once, by the step's own forward."""
+    from memfit.profiling.workspace import WorkspaceProbe
+
+    torch.manual_seed(0)
+    c = 4096
+    bn = nn.BatchNorm1d(c)
+    x = torch.randn(8, c, requires_grad=True)
+    with _one_thread():
+        p = profile(bn, x, repeats=1)
+        ws = {op.name: op.workspace_bytes for op in p.ops if "batch_norm" in op.name}
+        assert ws["aten.native_batch_norm.default"] >= 2 * c * 4, ws  # at least mean and var
+        assert ws["aten.native_batch_norm_backward.default"] > 0, ws
+        before = [b.clone() for b in (bn.running_mean, bn.running_var)]
+        args = (x.detach(), bn.weight.detach(), bn.bias.detach(), bn.running_mean,
+                bn.running_var, True, 0.1, 1e-5)
+        assert WorkspaceProbe()(torch.ops.aten.native_batch_norm.default, args, {}) == \
+            ws["aten.native_batch_norm.default"]
+    assert torch.equal(bn.running_mean, before[0])  # the probe's rerun updated nothing
+    assert torch.equal(bn.running_var, before[1])

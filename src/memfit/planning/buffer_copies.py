@@ -12,11 +12,12 @@ replay skips the updates, copying nothing. Any other written buffer (a counter r
 its increment, spectral norm's vectors) keeps its copy with the frame, to ``h``, and is
 copied once more when the replay starts, a copy that lives through the replay (``a..L``).
 BatchNorm's three buffers thus cost their bytes only while the region's forward runs.
-Measured: a chain of BatchNorm1d(16384) blocks, three checkpointed, peaks to the byte as
-predicted; the benchmark UNet3D's smallest plan is predicted to the byte of its unchecked
-step with the generator state its replay forks (NOTE [region memory model] in
-``memfit.planning.effects``). Checkpointing a single BatchNorm1d(16384) block peaks
-131,072 B above the prediction: BatchNorm's own temporaries, not modelled.
+Measured: a chain of BatchNorm1d(16384) blocks, with or without an EMA buffer read after
+its update, peaks to the byte as predicted whichever blocks are checkpointed (batch norm's
+kernel workspace, four C-float vectors in forward, measured since: NOTE [workspace
+measurement] in ``memfit.profiling.workspace``); the benchmark UNet3D's smallest plan is
+predicted to the byte of its step with the generator state its replay forks (NOTE [region
+memory model] in ``memfit.planning.effects``).
 """
 
 from __future__ import annotations

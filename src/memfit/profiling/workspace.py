@@ -3,8 +3,10 @@
 NOTE [workspace measurement]
     A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
     invisible to a dispatch mode, so with ``measure_workspace=True`` the tracker runs an op
-    that may have one (``memfit.ops.uses_workspace``: a convolution or an attention kernel) and that writes no input
-    once more right after its real call, inside its dispatch handler (where the mode is
+    that may have one (``memfit.ops.uses_workspace``: a convolution, an attention kernel, a
+    batch norm) and that writes no input once more right after its real call (a batch norm
+    in training without its running statistics, which it would update a second time;
+    same outputs and, on CPU, the same workspace), inside its dispatch handler (where the mode is
     already off, so the rerun is not recorded), under ``torch.no_grad`` and the CPU allocator
     meter (``memfit.profiling.meters.AllocatorMeter``); its outputs are dropped.
     ``workspace = max(0, allocator peak - bytes of its new output storages)`` is the excess
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memfit.ops import uses_workspace
+from memfit.ops import uses_workspace, without_statistics
 from memfit.profiling.meters import allocator_peak
 from memfit.profiling.storages import iter_arg_tensors, out_tensors, storage_key, storage_of
 
@@ -101,6 +103,9 @@ class WorkspaceProbe:
         """
         if not self.enabled or not uses_workspace(func):
             return 0
+        # batch norm in training: rerun without its statistics (same outputs, no second
+        # update of the model's buffers; its workspace measured the same on CPU)
+        args = without_statistics(func, args, kwargs)
         if any(t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter)
                for t in iter_arg_tensors(args, kwargs)):
             return 0

@@ -18,7 +18,7 @@ NOTE [buffers written in forward]
        the forward. "Writes" is what the op's schema marks ``Tensor(a!)`` (``add_``,
        ``copy_``, ``out=`` variants as ``F.normalize(..., out=u)``), plus the writes
        ``native_batch_norm`` (and its cuDNN/MIOpen variants) make to the running statistics
-       in training without declaring them (``_UNDECLARED_WRITES``).
+       in training without declaring them (``memfit.ops.STATISTICS_UPDATES``).
     2. Some writes only *update* a buffer: batch norm's statistics update (the op's outputs
        do not depend on the statistics), and an aten op that returns nothing but the tensors
        it writes and draws no random numbers (``num_batches_tracked.add_(1)``). A buffer
@@ -88,31 +88,22 @@ from memfit._torch import (
     tensor_version,
     written_tensors,
 )
-from memfit.ops import update_results, writes_input
+from memfit.ops import (
+    STATISTICS_UPDATES,
+    update_results,
+    updates_statistics,
+    without_statistics,
+    writes_input,
+)
 
 __all__ = ["BufferGuard"]
-
-_aten = torch.ops.aten
-# Ops that write the running statistics (argument positions) when ``training`` (argument 5)
-# is true without marking them ``(a!)`` in their schema.
-_UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
-    _aten.native_batch_norm.default: (3, 4),
-    _aten.cudnn_batch_norm.default: (3, 4),
-    _aten.miopen_batch_norm.default: (3, 4),
-}
-_TRAINING_ARG = 5
-
-
-def _training(args: tuple, kwargs: dict) -> bool:
-    return bool(args[_TRAINING_ARG] if len(args) > _TRAINING_ARG else kwargs.get("training"))
-
 
 def _written(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
     """The tensors ``func`` writes in place (declared or not), and whether the op only
     updates them (rule 2 of the NOTE)."""
-    positions = _UNDECLARED_WRITES.get(func)
+    positions = STATISTICS_UPDATES.get(func)
     if positions is not None:
-        if not _training(args, kwargs):
+        if not updates_statistics(func, args, kwargs):
             return [], True
         return [args[i] for i in positions
                 if i < len(args) and isinstance(args[i], torch.Tensor)], True
@@ -170,11 +161,11 @@ class _SkipUpdates(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        positions = _UNDECLARED_WRITES.get(func)
+        positions = STATISTICS_UPDATES.get(func)
         if positions is not None:
-            if _training(args, kwargs) and any(self._is_unread(args[i]) for i in positions
-                                               if i < len(args)):
-                args = tuple(None if i in positions else a for i, a in enumerate(args))
+            if updates_statistics(func, args, kwargs) and any(
+                    self._is_unread(args[i]) for i in positions if i < len(args)):
+                args = without_statistics(func, args, kwargs)
         elif writes_input(func):
             picks = update_results(func)
             written = written_tensors(func, args, kwargs) if picks is not None else []
