@@ -240,14 +240,20 @@ def is_update(name: str) -> bool:
     for a name torch does not know."""
     hit = _updates.get(name)
     if hit is None:
-        try:
-            kind, _ = resolve_op_name(name)
-            ns, packet, overload = name.split(".") if kind == "overload" else ("", "", "")
-            op = getattr(getattr(getattr(torch.ops, ns), packet), overload) if ns else None
-        except ValueError:
-            op = None
+        op = _overload_named(name)
         hit = _updates[name] = op is not None and update_results(op) is not None
     return hit
+
+
+def _overload_named(name: str) -> Any | None:
+    """The overload named ``name`` (``"aten.add_.Tensor"``); None where torch has none."""
+    parts = name.split(".")
+    if len(parts) != 3 or not all(parts):
+        return None
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def is_view(op: Any) -> bool:

@@ -161,10 +161,9 @@ class _SkipUpdates(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        positions = STATISTICS_UPDATES.get(func)
-        if positions is not None:
+        if func in STATISTICS_UPDATES:
             if updates_statistics(func, args, kwargs) and any(
-                    self._is_unread(args[i]) for i in positions if i < len(args)):
+                    self._is_unread(args[i]) for i in STATISTICS_UPDATES[func] if i < len(args)):
                 args = without_statistics(func, args, kwargs)
         elif writes_input(func):
             picks = update_results(func)
