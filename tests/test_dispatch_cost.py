@@ -14,8 +14,8 @@ from memfit.profiling.calibrate import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_S
 
 def test_measured_charges_are_positive_and_all_measured_on_cpu() -> None:
     c = measure_dispatch_charges("cpu")
-    assert c.measured == ("region_s", "op_s", "selective_op_s"), c.reason
-    assert c.region_s > 0 and c.op_s > 0 and c.selective_op_s > 0
+    assert c.measured == ("region_s", "op_s", "selective_op_s", "keep_s_per_element"), c.reason
+    assert c.region_s > 0 and c.op_s > 0 and c.selective_op_s > 0 and c.keep_s_per_element > 0
     assert measure_dispatch_charges("cpu") is c  # once per process and device
 
 
@@ -28,6 +28,8 @@ def test_no_measurement_off_the_cpu() -> None:
 def test_implausible_charges_keep_their_defaults_and_say_so() -> None:
     c = _checked(region=-1e-4, op=2e-5, sel=1.0)
     assert c.measured == ("op_s",)
+    assert _checked(region=1e-4, op=2e-5, sel=3e-5, keep=1e-9).keep_s_per_element == 1e-9
+    assert _checked(region=1e-4, op=2e-5, sel=3e-5, keep=1.0).measured == ("region_s", "op_s", "selective_op_s")
     assert (c.region_s, c.op_s, c.selective_op_s) == (DEFAULT_REGION_S, 2e-5, DEFAULT_SELECTIVE_OP_S)
     assert c.reason == ("implausible (timing noise?), defaults kept: region_s -100.0 us, "
                         "selective_op_s 1000000.0 us")
@@ -41,7 +43,8 @@ def test_calibration_holds_the_measured_charges_and_the_interleaved_plain_step()
     cal = prof.calibration
     charges = measure_dispatch_charges("cpu")
     assert cal is not None and cal.charges_measured == charges.measured
-    held = {"region_s": charges.region_s, "op_s": charges.op_s, "selective_op_s": charges.selective_op_s}
+    held = {"region_s": charges.region_s, "op_s": charges.op_s, "selective_op_s": charges.selective_op_s,
+            "keep_s_per_element": charges.keep_s_per_element}
     for name, value in held.items():
         if name not in cal.fitted:  # the fit holds what it does not determine
             assert getattr(cal, name) == value, name

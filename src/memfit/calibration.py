@@ -162,6 +162,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
     charges = measure_dispatch_charges(model_device(model))
     prior = dataclasses.replace(prof.calibration or Calibration(), region_s=charges.region_s,
                                 op_s=charges.op_s, selective_op_s=charges.selective_op_s,
+                                keep_s_per_element=charges.keep_s_per_element,
                                 charges_measured=charges.measured)
     times = _time_plans(step, plans, rounds)
     skip = 1 if rounds > 1 else 0  # NOTE [calibration cost]: round 0 warms up

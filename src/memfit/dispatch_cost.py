@@ -28,6 +28,9 @@ NOTE [measured dispatch charges]
     (timing noise larger than what it measures) keeps the default, and the result says so.
     On a CUDA device the host work overlaps the kernels (NOTE [host overhead on an async
     device] in ``memfit.planning``): nothing is measured there and the defaults stay.
+    The same call times what keeping a draw costs per element (``keep_s_per_element``, NOTE
+    [kept draws] in ``memfit.runtime.draws``): the copy ``x != 0`` and the write back
+    ``x.copy_(kept)`` of a 1M-element float tensor, medians of the same rounds.
 """
 
 from __future__ import annotations
@@ -42,13 +45,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfit.profiling.calibrate import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.profiling.calibrate import (
+    DEFAULT_KEEP_S_PER_ELEMENT,
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
+)
 
 __all__ = ["DispatchCharges", "measure_dispatch_charges", "SHAPES", "ROUNDS"]
 
 log = logging.getLogger(__name__)
 
 SHAPES = ((16, 8), (2, 64))  # (blocks, ops per block): same op count, 8x the calls
+_KEEP_ELEMENTS = 1 << 20  # a dropout mask's size (NOTE [kept draws] in memfit.runtime.draws)
 ROUNDS = 7
 _PLAUSIBLE = 16.0  # a measured charge above this many times its default is noise
 
@@ -58,14 +67,15 @@ class DispatchCharges:
     """The fixed charges of NOTE [measured dispatch charges], seconds.
 
     Attributes:
-        region_s, op_s, selective_op_s: as ``Calibration`` names them.
-        measured: which of the three were measured (the others are the defaults).
+        region_s, op_s, selective_op_s, keep_s_per_element: as ``Calibration`` names them.
+        measured: which were measured (the others are the defaults).
         reason: why any was not (empty when all were).
     """
 
     region_s: float = DEFAULT_REGION_S
     op_s: float = DEFAULT_OP_S
     selective_op_s: float = DEFAULT_SELECTIVE_OP_S
+    keep_s_per_element: float = DEFAULT_KEEP_S_PER_ELEMENT
     measured: tuple[str, ...] = ()
     reason: str = ""
 
@@ -137,6 +147,8 @@ def _measured(device_type: str, rounds: int) -> DispatchCharges:
         setups.append((k, n, blocks, x))
     times: dict[tuple[int, str], list[float]] = {(i, m): [] for i in range(len(setups)) for m in modes}
     fwd: list[float] = []
+    drawn = torch.ones(_KEEP_ELEMENTS, device=dev)
+    keep: list[float] = []
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -149,6 +161,10 @@ def _measured(device_type: str, rounds: int) -> DispatchCharges:
                         times[(i, mode)].append(t)
                 if r:
                     fwd.append(forward_per_op(blocks, x) / (k * n))
+            t0 = time.perf_counter()
+            drawn.copy_(torch.ne(drawn, 0))  # NOTE [kept draws]: the copy and its write back
+            if r:
+                keep.append((time.perf_counter() - t0) / _KEEP_ELEMENTS)
     finally:
         if was_enabled:
             gc.enable()
@@ -161,15 +177,19 @@ def _measured(device_type: str, rounds: int) -> DispatchCharges:
     op = (d1 - k1 * region) / (k1 * n1) - f
     sel = statistics.mean([(med[(i, "selective")] - med[(i, "checkpoint")]) / (k * n)
                            for i, (k, n, *_) in enumerate(setups)])
-    return _checked(region, op, sel)
+    return _checked(region, op, sel, statistics.median(keep))
 
 
-def _checked(region: float, op: float, sel: float) -> DispatchCharges:
-    """Keep each measured charge that is plausible; the default otherwise, saying why."""
+def _checked(region: float, op: float, sel: float, keep: float | None = None) -> DispatchCharges:
+    """Keep each measured charge that is plausible; the default otherwise, saying why
+    (``keep``: None when not measured)."""
     got: dict[str, float] = {}
     bad = []
-    for name, value, default in (("region_s", region, DEFAULT_REGION_S), ("op_s", op, DEFAULT_OP_S),
-                                 ("selective_op_s", sel, DEFAULT_SELECTIVE_OP_S)):
+    charges = [("region_s", region, DEFAULT_REGION_S), ("op_s", op, DEFAULT_OP_S),
+               ("selective_op_s", sel, DEFAULT_SELECTIVE_OP_S)]
+    if keep is not None:
+        charges.append(("keep_s_per_element", keep, DEFAULT_KEEP_S_PER_ELEMENT))
+    for name, value, default in charges:
         if 0.0 <= value <= _PLAUSIBLE * default:
             got[name] = value
         else:

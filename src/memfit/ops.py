@@ -52,6 +52,7 @@ __all__ = [
     "is_cached_cast",
     "MATMUL_PACKETS",
     "is_matmul",
+    "KEPT_DRAW_OPS",
     "IGNORED_OPS",
     "IGNORED_OP_NAMES",
     "WORKSPACE_PATTERNS",
@@ -99,6 +100,11 @@ STATISTICS_UPDATES: dict[Any, tuple[int, ...]] = {
     torch.ops.aten.miopen_batch_norm.default: (3, 4),
 }
 STATISTICS_TRAINING_ARG = 5
+
+# Random ops whose draws a plan may keep instead of drawing again in the replay (NOTE [kept
+# draws] in memfit.runtime.draws): in place, their results are 0 or 1 (one byte per element
+# kept). CPU dropout draws its mask with the first.
+KEPT_DRAW_OPS: frozenset[str] = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
 
 # NOTE [ignored ops]
 IGNORED_OPS: frozenset[Any] = frozenset({

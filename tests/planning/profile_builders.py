@@ -326,22 +326,37 @@ def residual_block(sizes: Sequence[int], *, saves: Sequence[str] | None = None,
     return specs
 
 
+def dropout_ops(nbytes: int, *, time_s: float = TICK) -> list[OpSpec]:
+    """Dropout as CPU eager runs it on the previous value ``h`` (``nbytes``): ``empty_like``,
+    ``bernoulli_`` and ``div_`` into the mask (in place), then ``mask * h``, saving the mask."""
+    return [
+        OpSpec("aten.empty_like.default", nbytes, inputs=(-1,)),
+        OpSpec("aten.bernoulli_.float", time_s=time_s, inputs=(-1,), inplace=True, random=True),
+        OpSpec("aten.div_.Scalar", inputs=(-1,), inplace=True),
+        OpSpec("aten.mul.Tensor", nbytes, inputs=(-1, -4), save="in"),
+    ]
+
+
 def random_chain(rng: _random.Random, *, max_blocks: int = 4, max_ops: int = 3,
-                 workspace: bool = False) -> Profile:
+                 workspace: bool = False, dropout: bool = False) -> Profile:
     """A random small chain: block sizes, saves, times, parameter sizes (and with
-    ``workspace``, kernel workspaces) all drawn from rng."""
+    ``workspace``, kernel workspaces; with ``dropout``, a dropout after some blocks' path:
+    :func:`dropout_ops`) all drawn from rng."""
     n = rng.randint(1, max_blocks)
     act = rng.choice([32, 64, 128])
     blocks = []
     for _ in range(n):
         k = rng.randint(1, max_ops)
-        blocks.append(residual_block(
+        block = residual_block(
             [rng.choice([16, 64, 128, 256]) for _ in range(k)],
             saves=[rng.choice(["in", "in", "out", "both", ""]) for _ in range(k)],
             times=[rng.randint(1, 8) * TICK for _ in range(k)],
             param_bytes=rng.choice([0, 64, 512, 2048]), act_bytes=act,
             workspaces=[rng.choice(_WORKSPACES) for _ in range(k)] if workspace else None,
-        ))
+        )
+        if dropout and rng.random() < 0.7:  # before the residual add, on the path's output
+            block[-1:-1] = dropout_ops(block[-2].out_bytes, time_s=rng.randint(1, 8) * TICK)
+        blocks.append(block)
     return chain_profile(blocks, act_bytes=act, head_bytes=rng.choice([64, 512]),
                          head_param_bytes=rng.choice([0, 256]))
 

@@ -25,11 +25,13 @@ def _random_plan(rng: random.Random, cands):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "unet"]), ws=st.booleans())
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["chain", "dropout", "unet"]), ws=st.booleans())
 def test_linear_model_equals_simulate(seed, kind, ws):
-    # ws: random kernel workspaces per op (counted at their op and at replayed, unsaved ops)
+    # ws: random kernel workspaces per op (counted at their op and at replayed, unsaved ops);
+    # dropout: chains with dropout, whose draws plans may keep (NOTE [kept draws])
     rng = random.Random(seed)
-    prof = random_chain(rng, workspace=ws) if kind == "chain" else random_unet(rng, workspace=ws)
+    prof = (random_unet(rng, workspace=ws) if kind == "unet"
+            else random_chain(rng, workspace=ws, dropout=kind == "dropout"))
     ctx = PlanningContext(prof)
     cands = ctx.region_candidates()
     lm = LinearModel(ctx, cands)

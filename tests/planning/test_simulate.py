@@ -17,8 +17,9 @@ from profile_builders import (
 
 from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
 from memfit.planning.plan import OpPolicy, Plan, Region
-from memfit.planning.rules import is_saveable, op_keys
+from memfit.planning.rules import is_kept_draw, is_saveable, op_keys
 from memfit.planning.simulate import simulate
+from memfit.profiling.calibrate import Calibration
 
 
 def _plan(*regions: Region) -> Plan:
@@ -111,7 +112,7 @@ def _dropout_profile():
     x = b.input(64)
     with b.module("blk", "Block"):
         (h,) = b.op("aten.mm.default", [x], 64, saves=[x])
-        (m,) = b.op("aten.bernoulli_.float", [h], inplace=True)
+        (m,) = b.op("aten.relu_.default", [h], inplace=True)
         (d,) = b.op("aten.native_dropout.default", [h], 64, random=True, saves=[])
         (v,) = b.op("aten.view.default", [d], view=True)
         (y,) = b.op("aten.detach.default", [v], 64)
@@ -122,7 +123,7 @@ def _dropout_profile():
 
 
 @pytest.mark.parametrize("key,why", [
-    ("aten.bernoulli_.float#0", "writes to an input"),
+    ("aten.relu_.default#0", "writes to an input"),
     ("aten.native_dropout.default#0", "consumes the RNG"),
     ("aten.view.default#0", "view or alias"),
 ], ids=["inplace", "random", "view"])
@@ -132,10 +133,48 @@ def test_unsaveable_ops_rejected(key, why):
         simulate(prof, _plan(Region.saving(("blk",), (key,))))
 
 
+def _draw_profile():
+    """A block whose ``drop`` draws into a tensor it made (``empty_like``) and into the mm's
+    output, made before ``drop`` started."""
+    b = StepBuilder()
+    x = b.input(64)
+    with b.module("blk", "Block"):
+        (h,) = b.op("aten.mm.default", [x], 64, saves=[x])
+        with b.module("blk.drop", "Dropout", parent="blk"):
+            (m,) = b.op("aten.empty_like.default", [h], 64)
+            b.op("aten.bernoulli_.float", [m], inplace=True, random=True, time_s=8 * TICK)
+            b.op("aten.bernoulli_.float", [h], inplace=True, random=True, time_s=8 * TICK)
+            (z,) = b.op("aten.mul.Tensor", [m, h], 64, saves=[m, h])
+            (y,) = b.op("aten.relu.default", [z], 64, saves=[z])  # the replay runs to the mul
+    b.op("aten.sum.default", [y], 4, keep_until_backward=True)
+    return b.build()
+
+
+def test_a_kept_draw_holds_its_copy_and_skips_its_rerun():
+    """NOTE [kept draws]: keeping the first draw (16 float elements) holds 16 B from the
+    draw to its replay step and saves its rerun, less what keeping costs per element."""
+    prof = _draw_profile()
+    assert [is_kept_draw(prof, op) for op in prof.ops[:5]] == [False, False, True, True, False]
+    plain = simulate(prof, _plan(Region(("blk",))))
+    kept = simulate(prof, _plan(Region.saving(("blk",), ("aten.bernoulli_.float#0",))))
+    keep_s = 16 * Calibration().keep_s_per_element
+    assert kept.recompute_s == plain.recompute_s - 8 * TICK + keep_s + SAC_OP_OVERHEAD_S * 6
+    assert [v - w for v, w in zip(kept.live_bytes[:prof.n_forward], plain.live_bytes, strict=False)
+            ] == [0, 0, 16, 16, 16, 16, 16]  # from the draw to the end of forward
+    assert kept.peak_bytes >= plain.peak_bytes
+
+
+def test_a_draw_into_a_tensor_made_before_its_region_is_not_kept():
+    prof = _draw_profile()
+    simulate(prof, _plan(Region.saving(("blk",), ("aten.bernoulli_.float#1",))))  # made in blk
+    with pytest.raises(ValueError, match="made before the region"):
+        simulate(prof, _plan(Region.saving(("blk.drop",), ("aten.bernoulli_.float#1",))))
+
+
 def test_rules_and_keys():
     prof = _dropout_profile()
     keys = op_keys(prof, 0, 5)
-    assert keys == {0: "aten.mm.default#0", 1: "aten.bernoulli_.float#0",
+    assert keys == {0: "aten.mm.default#0", 1: "aten.relu_.default#0",
                     2: "aten.native_dropout.default#0", 3: "aten.view.default#0",
                     5: "aten.relu.default#0"}  # detach gets no key (torch never asks about it)
     assert [is_saveable(prof, op) for op in prof.ops[:6]] == [True, False, False, False, False, True]

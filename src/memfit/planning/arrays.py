@@ -8,7 +8,7 @@ import numpy as np
 
 from memfit.planning.cast_cache import CacheTails
 from memfit.planning.hosttime import host_overhead
-from memfit.planning.rules import buffer_writes, is_matmul, is_saveable
+from memfit.planning.rules import buffer_writes, draw_bytes, is_kept_draw, is_matmul, is_saveable
 from memfit.profiling.calibrate import Calibration
 from memfit.profiling.profile import Profile, StorageKind
 
@@ -79,6 +79,12 @@ class ProfileArrays:
         self.buffer_writes = buffer_writes(profile)  # NOTE [buffer writes] in .rules
         self.op_cumtime = np.concatenate([[0.0], np.cumsum(self.op_time)])
         self.op_saveable = np.array([is_saveable(profile, op) for op in profile.ops], dtype=bool)
+        # NOTE [kept draws] in memfit.runtime.draws: bytes a kept draw holds, 0 for other ops
+        self.draw_bytes = np.array([draw_bytes(profile, op) if is_kept_draw(profile, op) else 0
+                                    for op in profile.ops], dtype=np.int64)
+        # ... and the seconds keeping it costs: its copy in forward, its write back in the replay
+        self.keep_time = np.where(self.draw_bytes > 0, self.draw_bytes - self.region_state, 0
+                                  ) * cal.keep_s_per_element
         ptr = [0]
         flat: list[int] = []
         for op in profile.ops[: profile.n_forward]:

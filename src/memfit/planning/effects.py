@@ -27,6 +27,10 @@ NOTE [region memory model]
       of the member module that created it (Python locals live until that forward returns),
       and again ``[rp, freed_after]`` once recomputed.
     - other (not escaping, not autograd-saved): plain lifetime; the replay makes a transient.
+    - a kept draw (NOTE [kept draws] in ``memfit.runtime.draws``; op ``i`` of
+      ``memfit.ops.KEPT_DRAW_OPS`` saved) adds ``memfit.planning.rules.draw_bytes`` over
+      ``[i, rp - 1]`` and from the replay's first step to step ``i``, where op ``i`` does not
+      run again; the tensor it wrote is replayed as any other.
     - if op ``i`` is saved (``Region.save``), torch caches all its outputs and the replay does
       not make them again. One that autograd needs in backward anyway (``freed_after >= rp``)
       keeps its plain lifetime; one the plain step frees in forward (a transient) lives
@@ -238,6 +242,8 @@ class RegionModel:
         self.calibration = arrs.calibration
         self.workspace = arrs.workspace
         self.state_bytes = arrs.region_state
+        self.draw_bytes = arrs.draw_bytes  # NOTE [kept draws] in memfit.runtime.draws
+        self.keep_time = arrs.keep_time
         self.all_nbytes = arrs.nbytes
         # replay transient end for non-dropped storages: plain free if within a..stop
         self.rend = np.where(f <= self.stop, f, self.stop)
@@ -266,8 +272,11 @@ class RegionModel:
         return np.isin(self.c, ops) if ops.size else np.zeros(self.c.shape, dtype=bool)
 
     def time_s(self, saved_ops: set[int]) -> float:
-        """Recompute seconds: non-saved ops ``a..stop``, calibrated (NOTE [calibration])."""
-        return float(self.op_time[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
+        """Recompute seconds: non-saved ops ``a..stop``, calibrated (NOTE [calibration]), and
+        what keeping the saved ones' draws costs (NOTE [kept draws])."""
+        rerun = float(self.op_time[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
+        draws = self.draws(saved_ops) if saved_ops else ()
+        return rerun + sum(float(self.keep_time[i]) for i in draws)
 
     def rerun(self, saved_ops: set[int] | list[int]) -> np.ndarray | slice:
         """Which of ops ``a..stop`` rerun (a slice when all do: one float sum in op order, as
@@ -298,8 +307,24 @@ class RegionModel:
         wv = self.workspace[ws_ops]
         cs, ce, cv = self._cached_in_replay(sv)
         bs, be, bv = self.replay_extras()
-        return (_cat(self.c[rep], ws_ops, cs, bs), _cat(end[rep], ws_ops, ce, be),
-                _cat(self.nb[rep], wv, cv, bv))
+        ds = self.draws(saved_ops)
+        dv = self.draw_bytes[ds]
+        return (_cat(self.c[rep], ws_ops, cs, bs, np.full(ds.shape, self.a, dtype=np.int64)),
+                _cat(end[rep], ws_ops, ce, be, ds), _cat(self.nb[rep], wv, cv, bv, dv))
+
+    def draws(self, saved_ops: set[int] | list[int] | tuple[int, ...] | np.ndarray) -> np.ndarray:
+        """The kept draws among ``saved_ops`` that the replay reaches (NOTE [kept draws])."""
+        ops = np.fromiter(saved_ops, dtype=np.int64) if not isinstance(saved_ops, np.ndarray) else saved_ops
+        ops = ops[(ops >= self.a) & (ops <= self.stop)]
+        return ops[self.draw_bytes[ops] > 0]
+
+    def draw_pieces(self, saved_ops: set[int] | list[int] | tuple[int, ...]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What kept draws hold from their op in forward to just before the replay (NOTE [kept
+        draws]); the replay pieces (:meth:`replay_pieces`) carry them to their replay step."""
+        ds = self.draws(saved_ops)
+        rp = self.rp if self.rp is not None else 0
+        return ds, np.full(ds.shape, rp - 1, dtype=np.int64), self.draw_bytes[ds]
 
     def _saved_end(self, rp: int) -> np.ndarray:
         """End of a saved op's output's first lifetime: through the backward where autograd
@@ -390,8 +415,24 @@ class RegionModel:
         rs, re_, rv = _cat(rs, ws_ops, bs), _cat(re_, ws_ops, be), _cat(rv, self.workspace[ws_ops], bv)
         return Effect(ps, pe, pv, rs, re_, rv, time_s=self.time_s(set()))
 
+    def draw_effect(self, op: int) -> Effect:
+        """The change from recompute-all when the draw of op ``op`` is kept (NOTE [kept
+        draws]): the copy and the generator state held from the op to its replay step, the
+        op not rerun."""
+        v = np.array([self.draw_bytes[op]], dtype=np.int64)
+        at = np.array([op], dtype=np.int64)
+        rp = self.rp if self.rp is not None else 0
+        rs, re_, rv = np.array([self.a], dtype=np.int64), at, v
+        if self.workspace[op] > 0:
+            rs, re_, rv = _cat(rs, at), _cat(re_, at), _cat(rv, -self.workspace[at])
+        return Effect(at, np.array([rp - 1], dtype=np.int64), v, rs, re_, rv,
+                      time_s=float(self.keep_time[op]) - float(self.op_time[op]))
+
     def op_effect(self, op: int) -> Effect:
-        """The change from recompute-all when op ``op`` is saved (its outputs cached)."""
+        """The change from recompute-all when op ``op`` is saved (its outputs cached), or its
+        draw kept (:meth:`draw_effect`)."""
+        if self.draw_bytes[op] > 0:
+            return self.draw_effect(op)
         m = self.c == op
         s_ps, s_pe, s_pv = self._version_pieces(m, saved=True)
         r_ps, r_pe, r_pv = self._version_pieces(m, saved=False)

@@ -9,7 +9,9 @@ NOTE [saveable ops]
       recomputation, so the in-place write would never happen (dropout's ``div_`` then gives
       wrong gradients, see DESIGN.md);
     - it does not consume the random-number generator (``OpRecord.random``): skipping it during
-      recomputation would shift every later random draw of the region.
+      recomputation would shift every later random draw of the region. The exception is a
+      kept draw (:func:`is_kept_draw`, NOTE [kept draws] in ``memfit.runtime.draws``): the
+      runtime keeps what it wrote and the generator's state after it, not its output.
     The planner also never saves an op whose output escapes its region (is read after the
     region's last op, e.g. a block's final residual add), NOTE [escaping outputs]: the
     selective-checkpoint cache then holds that tensor until the region is recomputed, past the
@@ -68,11 +70,11 @@ import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 
-from memfit.ops import IGNORED_OP_NAMES, MATMUL_PACKETS
+from memfit.ops import IGNORED_OP_NAMES, KEPT_DRAW_OPS, MATMUL_PACKETS
 from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
-__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "op_keys", "keys_to_ops", "is_matmul",
+__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "collective_writes", "COLLECTIVE_NAMESPACES"]
 
@@ -93,6 +95,32 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
     if not op.outputs:
         return False
     return all(profile.storages[t.storage].created_by == op.index for t in op.outputs)
+
+
+def is_kept_draw(profile: Profile, op: OpRecord) -> bool:
+    """Whether a plan may keep ``op``'s draw (NOTE [kept draws] in ``memfit.runtime.draws``): a
+    forward op of :data:`memfit.ops.KEPT_DRAW_OPS` writing one tensor that an earlier forward
+    op created (dropout's mask, made by ``empty_like``). The planner offers it only where that
+    creator is in the same region (``memfit.planning.candidates``), so the replay makes the
+    tensor again.
+
+    Example:
+        >>> is_kept_draw(profile, profile.ops[227])   # doctest: +SKIP
+        True
+    """
+    if op.index >= profile.n_forward or op.name not in KEPT_DRAW_OPS or len(op.outputs) != 1:
+        return False
+    created = profile.storages[op.outputs[0].storage].created_by
+    return created is not None and 0 <= created < op.index
+
+
+def draw_bytes(profile: Profile, op: OpRecord) -> int:
+    """Bytes keeping ``op``'s draw holds: one per element written, and the generator's state
+    (``Profile.region_state_bytes``: 0 where it is host memory). NOTE [kept draws]."""
+    numel = 1
+    for n in op.outputs[0].shape:
+        numel *= int(n)
+    return numel + int(profile.region_state_bytes)
 
 
 def in_place_writes(profile: Profile) -> dict[int, int]:
@@ -253,6 +281,16 @@ def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[st
                 "make the plan again from a profile of this model"
             )
         op = profile.ops[i]
+        if is_kept_draw(profile, op):
+            if profile.storages[op.outputs[0].storage].created_by < first_op:  # type: ignore[operator]
+                raise ValueError(
+                    f"region {region_name!r} keeps the draw {key!r}, but the tensor it draws "
+                    "into was made before the region started, so the replay cannot make it "
+                    "again (NOTE [kept draws] in memfit.runtime.draws); drop it from Region.ops "
+                    "or start the region before that tensor is made"
+                )
+            out.append(i)
+            continue
         if not is_saveable(profile, op):
             why = ("writes to an input" if op.inplace else "consumes the RNG" if op.random
                    else "returns a view or alias of an earlier storage")

@@ -204,8 +204,9 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
             copies.extend(offload_copies(rm, i) for i in offloaded)
         replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
         states.append(rm.state_pieces())
+        states.append(rm.draw_pieces(saved))  # NOTE [kept draws] in memfit.runtime.draws
         rec_s[q] = rm.time_s(set(saved) | set(offloaded)) + rm.fixed_s(selective=bool(len(saved) + len(offloaded)))
-        saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum())
+        saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum() + rm.draw_bytes[rm.draws(saved)].sum())
         rps[q] = rp
     c = arrs.creator[ids]
     e = end1[ids]

@@ -5,9 +5,11 @@ A checkpointed call runs under two context managers that torch's ``context_fn`` 
 the forward context (entered while the region runs the first time) and the recompute context
 (entered each time backward recomputes it). memfit composes into them, bottom to top:
 
-- forward:   buffer watcher, selective-checkpoint caching mode (if a policy; its policy
-             function also feeds the op recorder), op recorder (if no policy)
-- recompute: buffer restore, selective-checkpoint cached mode (if a policy), op checker
+- forward:   buffer watcher, draw keeper (if the policy keeps draws: NOTE [kept draws] in
+             ``memfit.runtime.draws``), selective-checkpoint caching mode (if a policy; its
+             policy function also feeds the op recorder), op recorder (if no policy)
+- recompute: buffer restore, draw replayer, selective-checkpoint cached mode (if a
+             policy), op checker
 
 The checker sits above the cached mode so that it sees every op, also those whose saved
 outputs the cached mode returns without running them; torch consults the policy for every
@@ -33,6 +35,7 @@ from memfit.planning.plan import OpPolicy
 from memfit.runtime import policies as _policies
 from memfit.runtime.buffers import BufferGuard
 from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
+from memfit.runtime.draws import DrawKeeper
 from memfit.runtime.offload import pool_of, selective_contexts
 
 __all__ = ["checkpoint", "RegionContexts", "compiled_contexts"]
@@ -138,6 +141,11 @@ class RegionContexts:
         recompute: list[Any] = [
             _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
         ]
+        draws = self.policy.kept_draws() if self.policy is not None else frozenset()
+        if draws:  # NOTE [kept draws]: below the selective-checkpoint modes
+            keeper = DrawKeeper(draws)
+            forward.append(keeper.forward_mode())
+            recompute.append(keeper.recompute_mode())
         if self.policy is not None:
             # The policy feeds the recorder: one dispatch mode less per forward op.
             region_policy = _policies.RegionPolicy(self.policy, self.recorder)

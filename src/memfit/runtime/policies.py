@@ -51,6 +51,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from memfit._torch import OpOverload, OpOverloadPacket, sac_forget, written_tensors
 from memfit.ops import (
+    KEPT_DRAW_OPS,
     MATMUL_PACKETS,
     is_view,
     must_recompute,
@@ -109,6 +110,11 @@ class Policy:
         not read the key override it to skip building the key string."""
         return self.decision(op, f"{name}#{k}", args, kwargs)
 
+    def kept_draws(self) -> frozenset[tuple[str, int]]:
+        """The random-op occurrences whose draws this policy keeps, as ``(overload, k)``
+        (NOTE [kept draws] in ``memfit.runtime.draws``); only ``by_key`` keeps any."""
+        return frozenset()
+
     def __or__(self, other: Policy) -> Policy:
         if not isinstance(other, Policy):
             return NotImplemented
@@ -160,6 +166,14 @@ class _ByKey(Policy):
         found = index.get(name)
         return _RECOMPUTE if found is None else found.get(k, _RECOMPUTE)
 
+    def kept_draws(self) -> frozenset[tuple[str, int]]:
+        out = set()
+        for key, policy in self.decisions:
+            overload, _, occurrence = key.rpartition("#")
+            if policy is _SAVE and overload in KEPT_DRAW_OPS:
+                out.add((overload, int(occurrence)))
+        return frozenset(out)
+
     def __repr__(self) -> str:
         return f"by_key(<{len(self.decisions)} decisions>)"
 
@@ -176,6 +190,9 @@ class _Either(Policy):
     def decide(self, op, name, k, args, kwargs) -> OpPolicy:
         first = self.first.decide(op, name, k, args, kwargs)
         return first if first is not _RECOMPUTE else self.second.decide(op, name, k, args, kwargs)
+
+    def kept_draws(self) -> frozenset[tuple[str, int]]:
+        return self.first.kept_draws() | self.second.kept_draws()
 
     def __repr__(self) -> str:
         return f"{self.first!r} | {self.second!r}"
