@@ -40,6 +40,15 @@ def test_plan_str_is_a_table():
     assert "120.56 KiB of 195.31 KiB (62%)" in text
 
 
+def test_plan_str_says_which_kept_ops_are_draws():
+    """A SAVE on a dropout draw keeps the mask (NOTE [kept draws]); the table says so."""
+    assert "dropout draw" not in str(_plan())
+    region = Region.saving(("blocks.0",), ("aten.bernoulli_.float#0", "aten.bernoulli_.float#2",
+                                           "aten.addmm.default#0"))
+    plan = Plan((region,), 100, 0.01, None, "milp", "")
+    assert "kept ops include 2 dropout draw(s)" in str(plan)
+
+
 def test_plan_overhead_and_fraction():
     plan = _plan()
     assert plan.overhead == pytest.approx(0.1, rel=1e-12)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
+from memfit.ops import KEPT_DRAW_OPS
 
 __all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan", "TunedCandidate", "Tuning"]
 
@@ -45,7 +46,8 @@ class OpPolicy(str, enum.Enum):
     Maps onto ``torch.utils.checkpoint.CheckpointPolicy`` (``memfit.runtime.policies``).
     """
 
-    SAVE = "save"            # keep in memory (MUST_SAVE)
+    SAVE = "save"            # keep in memory (MUST_SAVE); for a random op of
+                             # memfit.ops.KEPT_DRAW_OPS, keep its draw (NOTE [kept draws])
     RECOMPUTE = "recompute"  # drop, rerun in backward (PREFER_RECOMPUTE); the default
     OFFLOAD = "offload"      # keep in host memory: copied out in forward, back for the replay
 
@@ -278,6 +280,10 @@ class Plan:
                 )
         if any(r.keys_with(OpPolicy.OFFLOAD) for r in self.regions):
             lines.append("  kept ops a+b: a saved on the device, b offloaded to host memory")
+        draws = sum(1 for r in self.regions for k in r.save if k.rpartition("#")[0] in KEPT_DRAW_OPS)
+        if draws:
+            lines.append(f"  kept ops include {draws} dropout draw(s): the mask is kept, 1 byte per "
+                         "element, and not drawn again in the replay")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.tuning is not None:
             lines.extend(self.tuning.lines())
