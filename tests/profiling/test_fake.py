@@ -57,7 +57,10 @@ def test_fake_mode_under_autocast_matches_measure_mode_byte_for_byte() -> None:
                      s.first_unpack, s.last_forward_use, s.autocast_cached)
     assert [key(s) for s in fake.storages] == [key(s) for s in real.storages]
     assert any(s.autocast_cached for s in fake.storages)
-    assert fake.live_bytes == real.live_bytes and fake.peak_bytes == real.peak_bytes
+    # the real profile adds the kernel workspaces it measures (bfloat16 matrix products pack
+    # their operands on a CPU with AMX); fake mode models none (NOTE [workspace measurement])
+    tensors = [b - op.workspace_bytes for b, op in zip(real.live_bytes, real.ops, strict=True)]
+    assert list(fake.live_bytes) == tensors and fake.peak_bytes == max(tensors)
     plain = profile(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
     assert plain.peak_bytes > fake.peak_bytes  # float32 activations, as before the fix
 

@@ -92,6 +92,7 @@ class ProfileArrays:
             ptr.append(len(flat))
         self.in_ptr = np.array(ptr, dtype=np.int64)
         self.module_index = {m.path: k for k, m in enumerate(profile.modules)}
+        self.node_ends = _node_ends(profile, self.saved)
         self.in_ids = np.array(flat, dtype=np.int64)
         # plain timelines: live at op p, and "just before op p" (live at both p-1 and p)
         c = self.creator[ids]
@@ -108,6 +109,13 @@ class ProfileArrays:
         hi = np.searchsorted(self.by_creator_op, b, side="right")
         return self.by_creator[lo:hi]
 
+    def frame_end(self, a: int, b: int) -> int:
+        """The last backward op of the autograd nodes of forward ops ``a..b`` that read a
+        saved tensor, -1 if none: a checkpoint of ``a..b`` keeps its frame (its inputs, its
+        generator state) until the last such node is done (NOTE [region memory model] in
+        ``memfit.planning.effects``)."""
+        return int(self.node_ends[a: b + 1].max(initial=-1))
+
     def inputs_of(self, a: int, b: int, modules: tuple[str, ...] = ()) -> np.ndarray:
         """Ids of counted storages created before ``a`` and read by forward ops ``a..b`` or
         passed to the (first) call of one of ``modules``: a checkpoint's frame holds every
@@ -122,6 +130,22 @@ class ProfileArrays:
             return ids
         keep = self.counted[ids] & (self.creator[ids] >= 0) & (self.creator[ids] < a)
         return ids[keep]
+
+
+def _node_ends(profile: Profile, saved: np.ndarray) -> np.ndarray:
+    """Per forward op: the last backward op of its autograd node if one of the node's ops
+    reads a saved storage (the node holds saved tensors), else -1."""
+    n_fwd = profile.n_forward
+    last = np.full(n_fwd, -1, dtype=np.int64)
+    holds = np.zeros(n_fwd, dtype=bool)
+    for op in profile.ops[n_fwd:]:
+        j = op.forward_op
+        if j is None or not 0 <= j < n_fwd:
+            continue
+        last[j] = op.index
+        if not holds[j] and any(0 <= s < saved.size and saved[s] for s in op.inputs):
+            holds[j] = True
+    return np.where(holds, last, -1)
 
 
 def dense(start: np.ndarray, end: np.ndarray, val: np.ndarray, lo: int, hi: int) -> np.ndarray:

@@ -41,8 +41,12 @@ NOTE [region memory model]
     Storages created before ``a`` and read by region ops or passed to its modules' calls (the
     region's inputs; ``ProfileArrays.inputs_of``) are held by the
     checkpoint's frame, which dies with the region's backward: ``[c, max(freed_after, h)]``,
-    ``h`` the last plain free of the region's dropped storages (at least ``rp``). Not only
-    until ``rp``: a Llama's 2 MiB causal mask, read by every layer and freed by the plain step
+    ``h`` the last plain free of the region's dropped storages (at least ``rp``), or the last
+    backward op of an autograd node of the region's ops that holds saved tensors, if later
+    (``ProfileArrays.frame_end``: each such node holds the frame until it is done; a UNet
+    block whose first op, a convolution, saves only the block's input and its weight held
+    its state through that convolution's backward, 5,056 B over the prediction before, where
+    a 45 MB kernel workspace made it the step's peak). Not only until ``rp``: a Llama's 2 MiB causal mask, read by every layer and freed by the plain step
     after the forward, was measured live through layer 0's backward, 2 MiB over the
     prediction. A region that drops something also holds ``Profile.region_state_bytes`` (the
     generator state its call stashes, NOTE [region state bytes] in
@@ -217,8 +221,10 @@ class RegionModel:
         if self.rp is not None and self.rp >= NEVER:
             self.rp = None
         # the checkpoint's frame (its inputs, its RNG state) lives until the region's backward
-        # ends: the last plain free of its dropped storages (NOTE [region memory model])
-        self.hold_end: int = (max(self.rp, int(f[self.dropped].max(initial=self.rp)))
+        # ends: the last plain free of its dropped storages, or the end of the last autograd
+        # node of its ops holding saved tensors if later (NOTE [region memory model])
+        self.hold_end: int = (max(self.rp, int(f[self.dropped].max(initial=self.rp)),
+                                  arrs.frame_end(a, b))
                               if self.rp is not None else 0)
         self.copies = buffer_copies(arrs.buffer_writes, arrs.profile.ops, a, b)  # NOTE [buffer copies]: (ids, first ops, kept)
         self.tails = arrs.tails.pieces(arrs.tails.inside(a, b), -1)  # NOTE [autocast's cast cache]

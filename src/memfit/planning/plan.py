@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
-from memfit.ops import KEPT_DRAW_OPS
 
 __all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan", "TunedCandidate", "Tuning"]
 
@@ -280,6 +279,8 @@ class Plan:
                 )
         if any(r.keys_with(OpPolicy.OFFLOAD) for r in self.regions):
             lines.append("  kept ops a+b: a saved on the device, b offloaded to host memory")
+        from memfit.ops import KEPT_DRAW_OPS  # here: importing memfit needs no torch internals
+
         draws = sum(1 for r in self.regions for k in r.save if k.rpartition("#")[0] in KEPT_DRAW_OPS)
         if draws:
             lines.append(f"  kept ops include {draws} dropout draw(s): the mask is kept, 1 byte per "

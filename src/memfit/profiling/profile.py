@@ -145,6 +145,9 @@ class OpRecord:
         next_packs: the tensors saved in that interval while another module was current:
             the saved inputs of the next op, which runs in another module (a block's output
             saved by the next block's norm), so in no region this op's module ends.
+        forward_op: for a backward op, the forward op whose autograd node runs it (NOTE
+            [module paths of backward ops]); ``None`` for forward ops, gradient accumulation,
+            and profiles written before the field.
     """
 
     index: int
@@ -160,6 +163,7 @@ class OpRecord:
     workspace_bytes: int = 0
     packs: int = 0
     next_packs: int = 0
+    forward_op: int | None = None
 
 
 @dataclass(frozen=True)

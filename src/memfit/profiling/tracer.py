@@ -252,7 +252,7 @@ def profile(
             inputs=op.inputs, outputs=tuple(TensorMeta(s, sh, dt) for s, sh, dt in op.outputs),
             time_s=t, inplace=op.inplace, random=op.random, flops=op.flops,
             workspace_bytes=op.workspace_bytes, packs=op.packs,
-            next_packs=op.next_packs))
+            next_packs=op.next_packs, forward_op=op.forward_op))
     storages = tuple(
 s.freeze(sid) for sid, s in enumerate(tr.storages))
     live = tuple(live_timeline(storages, len(ops), [op.workspace_bytes for op in ops]))
