@@ -4,7 +4,7 @@ NOTE [workspace measurement]
     A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
     invisible to a dispatch mode, so with ``measure_workspace=True`` the tracker runs an op
     that may have one (``memfit.ops.uses_workspace``: a convolution, an attention kernel, a
-    batch norm) and that writes no input once more right after its real call (a batch norm
+    batch norm, a matrix product) and that writes no input once more right after its real call (a batch norm
     in training without its running statistics, which it would update a second time;
     same outputs and, on CPU, the same workspace), inside its dispatch handler (where the mode is
     already off, so the rerun is not recorded), under ``torch.no_grad`` and the CPU allocator
