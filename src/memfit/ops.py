@@ -67,6 +67,7 @@ __all__ = [
     "op_name",
     "op_packet_name",
     "resolve_op_name",
+    "overload_named",
     "must_recompute",
 ]
 
@@ -251,12 +252,12 @@ def is_update(name: str) -> bool:
     for a name torch does not know."""
     hit = _updates.get(name)
     if hit is None:
-        op = _overload_named(name)
+        op = overload_named(name)
         hit = _updates[name] = op is not None and update_results(op) is not None
     return hit
 
 
-def _overload_named(name: str) -> Any | None:
+def overload_named(name: str) -> Any | None:
     """The overload named ``name`` (``"aten.add_.Tensor"``); None where torch has none."""
     parts = name.split(".")
     if len(parts) != 3 or not all(parts):

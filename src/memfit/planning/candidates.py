@@ -27,7 +27,13 @@ from memfit.planning.effects import (
 )
 from memfit.planning.offload import Copy, OffloadSpec, offload_copies, offload_effect
 from memfit.planning.plan import OpPolicy, Region
-from memfit.planning.rules import UNKEYED_OPS, clobbered_inputs, in_place_writes, op_keys
+from memfit.planning.rules import (
+    UNKEYED_OPS,
+    clobbered_inputs,
+    draws_into_region,
+    in_place_writes,
+    op_keys,
+)
 from memfit.profiling.profile import ModuleRecord, Profile
 
 __all__ = ["Candidate", "OpChoice", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
@@ -166,19 +172,13 @@ class PlanningContext:
         if with_ops:  # NOTE [kept draws] in memfit.runtime.draws
             draws = tuple(i for i in range(rm.a, rm.stop + 1)
                           if arrs.draw_bytes[i] > 0 and arrs.op_time[i] > 0 and i in keys
-                          and self._drawn_into_own(i, rm.a))
+                          and draws_into_region(self.profile, self.profile.ops[i], rm.a))
         choices = tuple(OpChoice(i, OpPolicy.SAVE, rm.op_effect(i)) for i in sorted(saveable + draws))
         if self.offload is not None:  # an op that may be saved may be offloaded
             offl = (OpChoice(i, OpPolicy.OFFLOAD, offload_effect(rm, i, self.offload), offload_copies(rm, i))
                     for i in saveable)
             choices += tuple(c for c in offl if c.copy is not None and c.copy.nbytes > 0)
         return Candidate(index=-1, model=rm, base=rm.base_effect(), choices=choices, keys=keys)
-
-    def _drawn_into_own(self, op: int, first_op: int) -> bool:
-        """Whether the tensor draw ``op`` writes was made in the region (its replay makes it
-        again: NOTE [kept draws] in ``memfit.runtime.draws``)."""
-        created = self.profile.storages[self.profile.ops[op].outputs[0].storage].created_by
-        return created is not None and created >= first_op
 
     def _parent_ops_between(self, prev_last: int, next_first: int) -> bool:
         """Whether an op other than torch's ignored ones ran between two sibling blocks."""

@@ -66,6 +66,7 @@ NOTE [buffer writes]
 
 from __future__ import annotations
 
+import math
 import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
@@ -74,7 +75,7 @@ from memfit.ops import IGNORED_OP_NAMES, KEPT_DRAW_OPS, MATMUL_PACKETS
 from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
-__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
+__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "collective_writes", "COLLECTIVE_NAMESPACES"]
 
@@ -114,13 +115,17 @@ def is_kept_draw(profile: Profile, op: OpRecord) -> bool:
     return created is not None and 0 <= created < op.index
 
 
+def draws_into_region(profile: Profile, op: OpRecord, first_op: int) -> bool:
+    """Whether the tensor kept draw ``op`` writes was made by the region starting at
+    ``first_op``, so that its replay makes it again (NOTE [kept draws])."""
+    created = profile.storages[op.outputs[0].storage].created_by
+    return created is not None and created >= first_op
+
+
 def draw_bytes(profile: Profile, op: OpRecord) -> int:
     """Bytes keeping ``op``'s draw holds: one per element written, and the generator's state
     (``Profile.region_state_bytes``: 0 where it is host memory). NOTE [kept draws]."""
-    numel = 1
-    for n in op.outputs[0].shape:
-        numel *= int(n)
-    return numel + int(profile.region_state_bytes)
+    return math.prod(op.outputs[0].shape) + int(profile.region_state_bytes)
 
 
 def in_place_writes(profile: Profile) -> dict[int, int]:
@@ -282,7 +287,7 @@ def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[st
             )
         op = profile.ops[i]
         if is_kept_draw(profile, op):
-            if profile.storages[op.outputs[0].storage].created_by < first_op:  # type: ignore[operator]
+            if not draws_into_region(profile, op, first_op):
                 raise ValueError(
                     f"region {region_name!r} keeps the draw {key!r}, but the tensor it draws "
                     "into was made before the region started, so the replay cannot make it "

@@ -45,20 +45,14 @@ from typing import Any
 import torch
 
 from memfit._torch import TorchDispatchMode, no_python_dispatch
-from memfit.ops import KEPT_DRAW_OPS
+from memfit.ops import KEPT_DRAW_OPS, overload_named
 
 __all__ = ["DrawKeeper", "draw_overloads"]
 
 
 def draw_overloads() -> dict[Any, str]:
     """The overloads of :data:`memfit.ops.KEPT_DRAW_OPS` this torch has, by overload."""
-    out: dict[Any, str] = {}
-    for name in KEPT_DRAW_OPS:
-        _, packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            out[op] = name
-    return out
+    return {op: name for name in KEPT_DRAW_OPS if (op := overload_named(name)) is not None}
 
 
 _OVERLOADS = draw_overloads()
