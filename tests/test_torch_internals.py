@@ -140,6 +140,15 @@ def _module_buffers() -> None:
     assert "running_mean" in bn.state_dict()
 
 
+def _module_parameters() -> None:
+    lin = nn.Linear(2, 3)
+    slots = T.module_parameters(lin)
+    assert set(slots) == {"weight", "bias"}
+    new = torch.zeros(3, 2, requires_grad=True)
+    slots["weight"] = new  # the live dict, as functional_call replaces it
+    assert lin.weight is new
+
+
 def _hooked() -> tuple[nn.Module, list[str], object, object]:
     lin, calls = nn.Linear(2, 2), []
 
@@ -408,6 +417,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "storage_key": _storage_key,
     "tensor_version": _tensor_version,
     "is_view_tensor": _is_view_tensor,
+    "module_parameters": _module_parameters,
     "module_buffers": _module_buffers,
     "forward_pre_hooks": _forward_pre_hooks,
     "remove_forward_pre_hook": _remove_forward_pre_hook,

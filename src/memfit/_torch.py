@@ -63,6 +63,7 @@ __all__ = [
     "is_view_tensor",
     "storage_key",
     "tensor_version",
+    "module_parameters",
     "module_buffers",
     "forward_pre_hooks",
     "remove_forward_pre_hook",
@@ -192,6 +193,12 @@ def tensor_version(t: torch.Tensor) -> int:
 def is_view_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor (shares its base's storage)."""
     return bool(t._is_view())
+
+
+def module_parameters(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own parameter slots, by name: the live dict (``functional_call`` puts
+    its tensors there for the call)."""
+    return module._parameters  # type: ignore[return-value]
 
 
 def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:

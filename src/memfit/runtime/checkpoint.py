@@ -28,17 +28,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit._torch import traced_source_fn
-from memfit.planning.plan import OpPolicy
+from memfit.errors import MemfitError
 from memfit.runtime import policies as _policies
+from memfit.runtime.bindings import ForwardTensors
 from memfit.runtime.buffers import BufferGuard
+from memfit.runtime.checkpoint_compiled import compiled_region
 from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
 from memfit.runtime.draws import DrawKeeper
+from memfit.runtime.generators import GeneratorReplay
 from memfit.runtime.offload import pool_of, selective_contexts
 
-__all__ = ["checkpoint", "RegionContexts", "compiled_contexts"]
+__all__ = ["checkpoint", "RegionContexts", "run_region", "debug_mode_error"]
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +126,19 @@ class RegionContexts:
         modules: Sequence[nn.Module] = (),
         count_ops: bool = False,
         watch_buffers: bool | None = None,
+        user_contexts: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
         self.policy = policy
-        self.check = check.next_call() if isinstance(check, CheckSampler) else resolve_check(check)
+        self.user_contexts = user_contexts  # the caller's own context_fn (torch's argument)
+        sampler = check if isinstance(check, CheckSampler) else None
+        self.check = sampler.next_call() if sampler is not None else resolve_check(check)
         self.name = name
+        # NOTE [explicit generators] in memfit.runtime.generators, rule 2: which calls watch.
+        self.watch_generators = sampler is None or sampler.watches_generators(self.check)
+        self.generators = GeneratorReplay(
+            name, on_seen=None if sampler is None else sampler.saw_generator)
         self.guard = BufferGuard(modules, watch=watch_buffers)
+        self.tensors = ForwardTensors(modules) if modules else None
         self.recorder: OpRecorder | None = None
         if self.check is not None or count_ops:
             self.recorder = OpRecorder(record=self.check is not None,
@@ -139,8 +149,15 @@ class RegionContexts:
             _NoAutocastCache(), _Hooks(self.guard.forward_enter, self.guard.forward_exit)
         ]
         recompute: list[Any] = [
+            _Hooks(self.generators.replay_enter, self.generators.replay_exit),
             _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
         ]
+        if self.tensors is not None:  # NOTE [the forward's tensors]: outside the guard
+            forward.insert(0, _Hooks(self.tensors.forward_enter, self.tensors.forward_exit))
+            recompute.insert(0, _Hooks(self.tensors.replay_enter, self.tensors.replay_exit))
+        if self.watch_generators:  # NOTE [explicit generators]: below the selective modes
+            forward.append(self.generators.forward_mode())
+            recompute.append(self.generators.recompute_mode())
         draws = self.policy.kept_draws() if self.policy is not None else frozenset()
         if draws:  # NOTE [kept draws]: below the selective-checkpoint modes
             keeper = DrawKeeper(draws)
@@ -148,7 +165,9 @@ class RegionContexts:
             recompute.append(keeper.recompute_mode())
         if self.policy is not None:
             # The policy feeds the recorder: one dispatch mode less per forward op.
-            region_policy = _policies.RegionPolicy(self.policy, self.recorder)
+            region_policy = _policies.RegionPolicy(
+                self.policy, self.recorder,
+                generators=None if self.watch_generators else self.generators)
             pool = pool_of(self.policy)
             if pool is None:
                 caching, cached = create_selective_checkpoint_contexts(region_policy)
@@ -158,7 +177,11 @@ class RegionContexts:
             region_policy.caching_mode = caching
             forward.append(caching)
             recompute.append(cached)
-        elif self.recorder is not None:
+        if self.user_contexts is not None:  # below the recorder and checker: they see all ops
+            user_forward, user_recompute = self.user_contexts()
+            forward.append(user_forward)
+            recompute.append(user_recompute)
+        if self.policy is None and self.recorder is not None:
             forward.append(self.recorder)
         if self.recorder is not None and self.check is not None:
             recompute.append(OpChecker(self.recorder, self.name))
@@ -236,9 +259,28 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: An
             "memfit.checkpoint is built on the non-reentrant checkpoint; use_reentrant=True "
             "is not supported (drop the argument)"
         )
+    if kwargs.get("debug"):
+        raise ValueError(
+            "memfit.checkpoint does not take debug=True: torch's checkpoint debug mode "
+            "cannot run with the context_fn memfit's regions need. memfit's divergence check "
+            "names the first op that differs (check=\"always\"); for torch's debug traces "
+            "call torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, debug=True)"
+        )
+    user_contexts = kwargs.pop("context_fn", None)
     resolved = _policies.resolve(policy)
+    if user_contexts is not None:
+        if not callable(user_contexts):
+            raise TypeError(f"context_fn must be a function returning two context managers, "
+                            f"got {type(user_contexts).__name__}")
+        if resolved is not None:
+            raise ValueError(
+                "memfit.checkpoint takes a policy= or a context_fn=, not both: a "
+                "selective-checkpoint context_fn and memfit's policy would both decide what "
+                "the region saves. Pass the policy alone (memfit.policies.from_callable "
+                "takes a torch-style policy function)"
+            )
     return run_region(fn, args, kwargs, policy=resolved, check=resolve_check(check), name=describe(fn),
-                      modules=_modules_of(fn))
+                      modules=_modules_of(fn), user_contexts=user_contexts)
 
 
 _TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
@@ -254,148 +296,35 @@ def run_region(
     name: str,
     modules: Sequence[nn.Module] = (),
     watch_buffers: bool | None = None,
+    user_contexts: Callable[[], tuple[Any, Any]] | None = None,
 ) -> Any:
     """Checkpoint one call; the policy is already resolved (used by ``wrap``)."""
     if not torch.is_grad_enabled():
         kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
-        return _compiled_region(fn, args, kwargs, policy)
+        if user_contexts is not None:
+            raise ValueError("memfit.checkpoint does not take context_fn= under torch.compile; "
+                             "pass a policy= instead")
+        return compiled_region(fn, args, kwargs, policy)
     contexts = RegionContexts(policy, check=check, name=name, modules=modules,
-                              watch_buffers=watch_buffers)
-    return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
-    )
-
-
-# ---- under torch.compile ------------------------------------------------------------------
-# NOTE [policies under torch.compile]
-#     Dynamo captures ``torch.utils.checkpoint.checkpoint`` as a higher-order op and hands its
-#     ``context_fn`` on to AOTAutograd, which calls it while it traces the region and tags
-#     every traced node with what the selective-checkpoint policy said; the partitioner then
-#     saves the MUST_SAVE nodes and recomputes the others in the compiled backward. Dynamo
-#     passes on only a plain function or a ``functools.partial`` of constants (a policy object
-#     raises "checkpoint not implemented for UserDefinedObjectVariable context_fn"), so:
-#
-#     1. Under compilation (``torch.compiler.is_compiling()``) ``run_region`` calls torch's
-#        checkpoint with ``functools.partial(compiled_contexts, policy.itself)``: ``itself``
-#        is a plain function returning the policy, made with every ``Policy``.
-#     2. ``compiled_contexts`` builds a ``CompiledRegionPolicy`` per traced call, so op keys
-#        count from 0 in each call, as in eager mode (NOTE [op keys under torch.compile]).
-#     3. No memfit context manager runs: the divergence check, the buffer guard and the
-#        autocast-cache switch are Python-side dispatch modes around eager recomputation,
-#        which a compiled backward does not have (it recomputes inside its graph). That is
-#        said once per process, as a warning. Functionalization already applies buffer
-#        writes once per step under compilation.
-#
-# NOTE [op keys under torch.compile]
-#     AOTAutograd traces the region's ops through torch's Python decompositions, so the op
-#     stream the policy sees is not always the eager one whose keys the plan names (measured
-#     on torch 2.13, zoo GPT): dropout (train, 0 < p < 1) traces as one
-#     ``aten.native_dropout`` where eager CPU runs ``empty_like, bernoulli_, div_, mul``;
-#     dropout with p = 0 (or in eval mode) traces as ``aten.clone`` where eager runs nothing;
-#     matmul's result reshape traces as ``aten.view`` where eager runs ``aten._unsafe_view``.
-#     Counting the traced ops as they come would shift later keys (a plan saving the
-#     attention's ``aten.mul.Tensor#4`` would save another mul). ``CompiledRegionPolicy``
-#     therefore counts each traced op as the eager ops it stands for: ``native_dropout`` as
-#     those four on devices where eager dropout does not fuse (CPU), nothing for a dropout's
-#     clone (read from the traced node's source, ``memfit._torch.traced_source_fn``). Views
-#     are left as they trace: a plan never saves a view (NOTE [saveable ops] in
-#     ``memfit.planning.rules``), and their counts name no other op. Random and in-place ops
-#     stay recomputed (NOTE [forced recompute]).
-
-_FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
-_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar",
-                "aten.mul.Tensor")
-
-
-def _eager_names(op: Any, name: str, args: tuple) -> tuple[str, ...]:
-    """The eager op names the traced ``op`` stands for (NOTE [op keys under torch.compile])."""
-    if name == "aten.native_dropout.default":
-        x, p = args[0], args[1]
-        train = args[2] if len(args) > 2 else None
-        if train is not False and 0 < p < 1 and x.device.type not in _FUSED_DROPOUT_DEVICES:
-            return _CPU_DROPOUT
-        return (name,)
-    if name == "aten.clone.default" and _is_dropout(traced_source_fn()):
-        return ()
-    return (name,)
-
-
-def _is_dropout(source: Any) -> bool:
-    if source is torch.nn.functional.dropout:
-        return True
-    return isinstance(source, type) and issubclass(source, nn.Dropout)
-
-
-class CompiledRegionPolicy:
-    """The selective-checkpoint policy of one compiled region call (NOTE [op keys under
-    torch.compile]): counts the traced ops in eager op keys, then asks the memfit policy.
-
-    Args:
-        policy: the region's memfit policy.
-        counts: per eager op name, the occurrences before this call (default none; a block of
-            a segment continues its predecessors' counts: NOTE [segments under
-            torch.compile] in ``memfit.runtime.segment_compiled``).
-    """
-
-    def __init__(self, policy: _policies.Policy, counts: dict[str, int] | None = None) -> None:
-        self.policy = policy
-        self.counts: dict[str, int] = dict(counts or {})
-        self.keys: list[tuple[str, str]] = []  # (eager key, traced op), for tests and logs
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        name = _policies.op_name(op)
-        k = -1
-        for eager in _eager_names(op, name, args):
-            k = self.counts.get(eager, 0)
-            self.counts[eager] = k + 1
-            self.keys.append((f"{eager}#{k}", name))
-        if _policies.must_recompute(op, args, kwargs):
-            return CheckpointPolicy.MUST_RECOMPUTE
-        if k < 0 or self.policy.decide(op, name, k, args, kwargs) is not OpPolicy.SAVE:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
-
-
-def _compiled_region(fn: Callable[..., Any], args: tuple, kwargs: dict,
-                     policy: _policies.Policy | None) -> Any:
-    """The region as dynamo traces it: torch's checkpoint with a context_fn it can pass on."""
-    itself = None if policy is None else policy.itself  # type: ignore[attr-defined]
-    return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False,
-        context_fn=functools.partial(compiled_contexts, itself), **kwargs
-    )
-
-
-_said_unchecked: list[bool] = []  # the warning is logged once per process
-
-
-def compiled_contexts(policy: Callable[[], _policies.Policy] | None) -> tuple[Any, Any]:
-    """The selective-checkpoint contexts of one compiled region call (AOTAutograd calls it
-    while it traces the region).
-
-    Args:
-        policy: the region policy's ``itself`` (None: recompute everything).
-    """
-    say_unchecked()
-    region_policy: Any = (recompute_everything if policy is None
-                          else CompiledRegionPolicy(policy()))
-    return create_selective_checkpoint_contexts(region_policy)
-
-
-def say_unchecked() -> None:
-    """Log, once per process, that compiled regions run without the divergence check."""
-    if not _said_unchecked:
-        _said_unchecked.append(True)
-        log.warning(
-            "memfit regions compiled by torch.compile run without memfit's divergence check: "
-            "the compiled backward recomputes them inside its graph, where memfit's "
-            "Python-side recorder cannot follow (the plan's per-op policy still decides what "
-            "the graph saves). Verify the plan eagerly (memfit.verify) before compiling."
+                              watch_buffers=watch_buffers, user_contexts=user_contexts)
+    try:
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
         )
+    except ValueError as e:
+        if "incompatible with non-default context_fn" not in str(e):
+            raise
+        raise debug_mode_error(name) from None
 
 
-def recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective-checkpoint policy of a compiled region without a memfit policy."""
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def debug_mode_error(name: str) -> MemfitError:
+    """torch's global checkpoint debug mode is on: memfit's regions cannot run under it."""
+    return MemfitError(
+        f"{name} is a memfit region, and torch's checkpoint debug mode is on "
+        "(torch.utils.checkpoint.set_checkpoint_debug_enabled(True)): torch runs no "
+        "checkpoint with a context_fn in that mode, and memfit's regions need one. Turn the "
+        "debug mode off around memfit's regions (set_checkpoint_debug_enabled(None)); "
+        "memfit's divergence check names the first op that differs (check=\"always\")"
+    )

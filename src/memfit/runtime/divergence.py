@@ -47,13 +47,14 @@ NOTE [value check]
        op, shape and dtype only. So are the outputs of ops that allocate without writing
        (``empty``, ``empty_like``, ``new_empty``...): their bits are whatever the allocator
        held; the ops that fill them are fingerprinted.
-    6. Only outputs on the differentiable path are fingerprinted: ops run with grad mode on
-       and a tensor input that requires grad. Other values reach a gradient only through
-       such an op, whose output then differs too. This leaves out the buffer updates that
-       the recomputation skips or memfit undoes (BatchNorm's ``num_batches_tracked.add_(1)``
-       returns the forward's increment unchanged; NOTE [buffers written in forward] in
-       ``memfit.runtime.buffers``), and the masks, indices and counters a region computes
-       without grad.
+    6. Every op output is fingerprinted, on the differentiable path or not: a value the
+       region makes without grad can still reach backward as a saved tensor
+       (``x * torch.tensor(random.uniform(...))`` saves the re-drawn scalar, and torch's early
+       stop ends the replay right after making it, before the ``mul`` whose output would
+       differ), so every tensor the replay hands to backward is an output it compared.
+       Buffer updates compare equal: an update the replay skips returns the forward's
+       written tensor (NOTE [buffers written in forward] in ``memfit.runtime.buffers``),
+       and one the replay runs again starts from the restored pre-forward value.
 
 NOTE [check sampling]
     A divergence is nearly always there from the first step (a hook counter, Python's RNG,
@@ -167,6 +168,9 @@ class CheckSampler:
             check.check if isinstance(check, CheckSampler) else resolve_check(check))
         self.calls = 0
         self.checked = 0
+        # Whether a call drew from an explicit generator (NOTE [explicit generators] in
+        # memfit.runtime.generators): then every later call is watched.
+        self.generators = False
 
     def __repr__(self) -> str:
         return f"CheckSampler({self.check!r}, calls={self.calls}, checked={self.checked})"
@@ -179,6 +183,15 @@ class CheckSampler:
             return None
         self.checked += 1
         return self.check
+
+    def watches_generators(self, check: DivergenceCheck | None) -> bool:
+        """Whether the call just counted watches explicit generators (NOTE [explicit
+        generators], rule 2): a checked call, the first call, or any call once one drew."""
+        return check is not None or self.calls == 1 or self.generators
+
+    def saw_generator(self) -> None:
+        """A call drew from an explicit generator: watch every later call."""
+        self.generators = True
 
 
 # ---- fingerprints (NOTE [value check]) ---------------------------------------------------
@@ -240,20 +253,6 @@ def _unwritten(func: Any) -> bool:
         schema = op_schema(func)
         found = _UNWRITTEN[func] = schema is not None and "empty" in schema.name
     return found
-
-
-def _on_grad_path(args: tuple, kwargs: dict | None) -> bool:
-    """True if grad mode is on and a tensor argument (or one in a list) requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    for a in (*args, *(kwargs.values() if kwargs else ())):
-        if isinstance(a, torch.Tensor):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple)) and any(
-                isinstance(b, torch.Tensor) and b.requires_grad for b in a):
-            return True
-    return False
 
 
 def _take_prints(func: Any, out: Any, op_index: int, prints: list, where: list) -> None:
@@ -332,7 +331,7 @@ class OpRecorder(TorchDispatchMode):
         self.count += 1
         if self.record:
             self.ops.append((func, _meta(out)))
-            if self.values and _on_grad_path(args, kwargs):
+            if self.values:
                 _take_prints(func, out, len(self.ops) - 1, self.prints, self.where)
 
 
@@ -372,7 +371,7 @@ class OpChecker(TorchDispatchMode):
         got = _meta(out)
         if got != expected[1]:
             self._fail(i, expected, (func, got))
-        if self.recorder.values and _on_grad_path(args, kwargs):
+        if self.recorder.values:
             _take_prints(func, out, i, self.prints, self._where)
         return out
 

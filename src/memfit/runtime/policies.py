@@ -41,6 +41,7 @@ NOTE [op keys]
 from __future__ import annotations
 
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class Policy:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Policy:
         self = super().__new__(cls)
-        # NOTE [policies under torch.compile] in memfit.runtime.checkpoint: a plain function
+        # NOTE [policies under torch.compile] in memfit.runtime.checkpoint_compiled: a plain function
         # returning the policy, which dynamo can pass on to AOTAutograd (not the object).
         object.__setattr__(self, "itself", _returning(self))
         return self
@@ -370,8 +371,11 @@ class RegionPolicy:
     per checkpointed call, so counts restart at 0 for each call.
     """
 
-    def __init__(self, policy: Policy, recorder: Any = None) -> None:
+    def __init__(self, policy: Policy, recorder: Any = None, *, generators: Any = None) -> None:
         self.policy = policy
+        # An unwatched call's explicit generators (memfit.runtime.generators.GeneratorReplay,
+        # NOTE [explicit generators] rule 3): told when an op drew from one.
+        self.generators = generators
         # The forward's op recorder (memfit.runtime.divergence.OpRecorder), fed here instead
         # of by a dispatch mode of its own: torch consults the policy for every op the
         # recorder would see, in the same order, with the op's output.
@@ -379,10 +383,24 @@ class RegionPolicy:
         self.counts: dict[str, int] = {}
         # The caching mode this policy decides for (set by the caller), and the saved
         # entries by the storage their tensors live in: data_ptr -> [(op, index)].
-        self.caching_mode: Any = None
+        self._caching_mode: Any = None
         # The (op, k) occurrences whose outputs go to the host (memfit.runtime.offload).
         self.offloads: set[tuple[Any, int]] = set()
         self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
+
+    @property
+    def caching_mode(self) -> Any:
+        """The selective-checkpoint caching mode this policy decides for (None: not set).
+
+        Held weakly: the mode holds this policy and its cache holds the region's saved
+        outputs, so a strong reference back would make a cycle that keeps them alive after
+        the region's graph is dropped without backward, until the garbage collector runs.
+        """
+        return None if self._caching_mode is None else self._caching_mode()
+
+    @caching_mode.setter
+    def caching_mode(self, mode: Any) -> None:
+        self._caching_mode = None if mode is None else weakref.ref(mode)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self.recorder is not None:
@@ -392,6 +410,8 @@ class RegionPolicy:
         k = counts.get(name, 0)
         counts[name] = k + 1
         if must_recompute(op, args, kwargs):
+            if self.generators is not None and kwargs.get("generator") is not None:
+                self.generators.saw_unwatched(op)
             if self._saved and writes_input(op):
                 self._forget_written(op, args, kwargs)
             return CheckpointPolicy.MUST_RECOMPUTE
@@ -399,7 +419,7 @@ class RegionPolicy:
         if decision is _SAVE or decision is _OFFLOAD:
             if decision is _OFFLOAD and not is_view(op):  # in-place ops returned above
                 self.offloads.add((op, k))
-            if self.caching_mode is not None:
+            if self._caching_mode is not None:
                 for t in _tensors(getattr(ctx, "op_output", None)):
                     ptr = t.untyped_storage().data_ptr()
                     if ptr:
@@ -412,7 +432,9 @@ class RegionPolicy:
         the cache would hand the recomputation the written value (torch raises)."""
         for t in written_tensors(op, args, kwargs):
             for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
-                sac_forget(self.caching_mode, saved_op, index)
+                mode = self.caching_mode
+                if mode is not None:
+                    sac_forget(mode, saved_op, index)
 
 
 def _returning(policy: Policy) -> Callable[[], Policy]:

@@ -190,8 +190,13 @@ class SegmentHandle:
         op = OpenCheckpoint(gen=None, contexts=contexts, start=pos,
                             outer_hooks=outer_saved_tensors_hooks())
         map_tensors((args, kwargs), op.add_input)
-        op.gen = open_checkpoint(Replay(self.name, self._tls, op.calls, op.held), contexts,
-                                 op.inputs)
+        try:
+            op.gen = open_checkpoint(Replay(self.name, self._tls, op.calls, op.held), contexts,
+                                     op.inputs)
+        except ValueError as e:
+            if "incompatible with non-default context_fn" not in str(e):
+                raise
+            raise _checkpoint.debug_mode_error(self.name) from None
         self._tls.open = op
         op.add_call(pos, module, args, kwargs)
 

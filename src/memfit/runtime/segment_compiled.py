@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit.runtime import checkpoint as _checkpoint
+from memfit.runtime import checkpoint_compiled as _compiled
 from memfit.runtime.replay import map_tensors
 
 if TYPE_CHECKING:
@@ -127,14 +127,14 @@ def segment_contexts(policy: Callable[[], Any] | None, trace: Callable[[], Segme
             segment would not (None: unknown).
     """
     state = trace()
-    _checkpoint.say_unchecked()
+    _compiled.say_unchecked()
     state.extra_bytes[pos] = extra_bytes
     if pos == state.n_blocks - 1:
         state.say_memory()
     if policy is None:
-        return create_selective_checkpoint_contexts(_checkpoint.recompute_everything)
+        return create_selective_checkpoint_contexts(_compiled.recompute_everything)
     start = {} if pos == first else state.after.get(pos - 1, {})
-    region_policy = _checkpoint.CompiledRegionPolicy(policy(), start)
+    region_policy = _compiled.CompiledRegionPolicy(policy(), start)
     state.after[pos] = region_policy.counts  # filled in as AOTAutograd traces the block
     return create_selective_checkpoint_contexts(region_policy)
 

@@ -1,0 +1,79 @@
+"""The forward's tensors: a region's replay reads the parameter and buffer tensors its forward
+read, also when the caller swapped them for the call.
+
+NOTE [the forward's tensors]
+    ``torch.func.functional_call(model, params, x)`` puts the caller's tensors into the
+    model's parameter and buffer slots for the call and puts the model's own back when the
+    call returns. A checkpointed region's replay runs later, in backward, and would read the
+    model's own tensors: other values than the forward's (its gradients with respect to the
+    caller's tensors silently wrong), or the same values by chance. The rules, per
+    checkpointed call:
+
+    1. When the forward starts, the region keeps a reference to the tensor in each parameter
+       and buffer slot of the modules it is known to run (all their submodules); when it
+       ends, it drops the slots whose tensor the forward itself replaced (``self.ema =
+       ...``: NOTE [buffers written in forward] rule 4 handles those).
+    2. When the replay starts, each kept slot that holds another tensor than the forward's
+       gets the forward's back for the replay, and its current tensor again when the replay
+       ends (early stop included). Identity is compared, not values: one pointer per slot.
+    3. The forward's tensors are the caller's (or the model's): they stay alive as long as
+       the region's autograd graph does, as they would with the plain step's graph, which
+       holds the same tensors as leaves or saved inputs.
+    4. Tensors the region reaches other than through its modules' slots (a closure's, a
+       global's) are not seen: the function form ``memfit.checkpoint(fn, ...)`` knows only
+       the modules ``fn`` is bound to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from memfit._torch import module_buffers, module_parameters
+
+__all__ = ["ForwardTensors"]
+
+_Slot = tuple[dict, str, "torch.Tensor | None"]
+
+
+class ForwardTensors:
+    """The parameter and buffer tensors one checkpointed call's forward ran with
+    (NOTE [the forward's tensors])."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._modules = tuple(modules)
+        self._slots: list[_Slot] = []
+        self._swapped: list[_Slot] = []
+
+    def forward_enter(self) -> None:
+        slots: list[_Slot] = []
+        seen: set[int] = set()
+        for top in self._modules:
+            for m in top.modules():
+                if id(m) in seen:
+                    continue
+                seen.add(id(m))
+                for d in (module_parameters(m), module_buffers(m)):
+                    for name, t in d.items():
+                        slots.append((d, name, t))
+        self._slots = slots
+
+    def forward_exit(self) -> None:
+        # rule 1: a slot the forward itself refilled is the buffer guard's (rule 4 there)
+        self._slots = [s for s in self._slots if s[0].get(s[1]) is s[2]]
+
+    def replay_enter(self) -> None:
+        swapped = []
+        for d, name, t in self._slots:
+            now = d.get(name)
+            if now is not t:
+                swapped.append((d, name, now))
+                d[name] = t
+        self._swapped = swapped
+
+    def replay_exit(self) -> None:
+        for d, name, now in self._swapped:
+            d[name] = now
+        self._swapped = []
