@@ -214,3 +214,36 @@ def test_a_cpu_fingerprint_allocates_no_tensor_memory(tensor):
     assert allocator_peak(lambda: fingerprint(tensor)) == 0
     as_int = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
     assert fingerprint(tensor) == int(_sample(tensor).view(as_int).sum(dtype=torch.int64))
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-replay"])
+def test_a_redrawn_value_saved_for_backward_is_caught_under_early_stop(early_stop: bool) -> None:
+    """NOTE [value check], rule 6: the scalar ``torch.tensor(random.uniform(...))`` is made
+    without grad and saved by the ``mul``; torch's early stop ends the replay right after
+    making it, before the ``mul``. Its fingerprint is compared all the same."""
+    x = torch.randn(4, requires_grad=True)
+
+    def scaled(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.tensor(random.uniform(0.5, 1.5))
+
+    random.seed(0)
+    y = checkpoint(scaled, x, early_stop=early_stop)
+    with pytest.raises(RecomputeMismatch, match=r"other values .*aten\.lift_fresh"):
+        y.sum().backward()
+
+
+def test_values_made_without_grad_that_replay_alike_pass() -> None:
+    """Masks, counters and constants made off the differentiable path compare equal."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+    ref = copy.deepcopy(net)
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        keep = (h.detach().abs() > 0.1).float()  # a mask made without grad
+        return net(h) * keep * torch.tensor(2.0)
+
+    x = torch.randn(16, 8, requires_grad=True)
+    checkpoint(body, x, check="always").sum().backward()
+    keep = (x.detach().abs() > 0.1).float()
+    (ref(x) * keep * torch.tensor(2.0)).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
