@@ -75,6 +75,7 @@ __all__ = [
     "no_python_dispatch",
     "outer_saved_tensors_hooks",
     "sac_forget",
+    "sac_rearm",
     "require_sac_storage",
     "sac_set_storage",
     "sac_saved_tensor",
@@ -272,6 +273,26 @@ def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
         return False
     storage[op][index] = marker
     return True
+
+
+def sac_rearm(cached_mode: Any) -> int:
+    """Turn the entries a replay consumed back into "recompute", so that another backward
+    through the region (``retain_graph=True``, double backward) recomputes those ops instead
+    of raising torch's "Trying to backward an extra time". Returns how many were turned; 0
+    on a torch that lays the cache out differently (rule 5).
+    """
+    storage = getattr(cached_mode, "storage", None)
+    consumed = getattr(torch.utils.checkpoint, "_CONSUMED", None)
+    marker = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+    if not isinstance(storage, dict) or consumed is None or marker is None:
+        return 0
+    turned = 0
+    for entries in storage.values():
+        for index, entry in entries.items():
+            if entry is consumed:
+                entries[index] = marker
+                turned += 1
+    return turned
 
 
 def _sac_storage_problem() -> str | None:

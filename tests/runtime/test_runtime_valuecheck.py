@@ -247,3 +247,21 @@ def test_values_made_without_grad_that_replay_alike_pass() -> None:
     (ref(x) * keep * torch.tensor(2.0)).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_an_lstms_workspace_output_is_not_compared() -> None:
+    """NOTE [value check], rule 5: ``mkldnn_rnn_layer``'s uint8 workspace holds bytes the
+    kernel leaves unwritten; it is scratch for backward, not a value: no false mismatch, and
+    the step is the plain one."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+    ref = copy.deepcopy(lstm)
+    wrap(lstm, check="always")
+    x = torch.randn(2, 5, 8)
+    for _ in range(3):
+        lstm.zero_grad()
+        ref.zero_grad()
+        lstm(x)[0].sum().backward()
+        ref(x)[0].sum().backward()
+        for p, q in zip(lstm.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)

@@ -22,18 +22,29 @@ NOTE [the forward's tensors]
     4. Tensors the region reaches other than through its modules' slots (a closure's, a
        global's) are not seen: the function form ``memfit.checkpoint(fn, ...)`` knows only
        the modules ``fn`` is bound to.
+    5. The region's tensor inputs are kept for its replay (torch's checkpoint saves them),
+       where the plain step may keep none of them (``h = x * 0.5`` saves nothing). A caller
+       that refills its batch in place before backward (``x.copy_(next_batch)``: legal for
+       such a plain step) would get torch's raw "modified by an inplace operation" from the
+       replay. So ``watch_inputs`` notes each input's version when the forward ends and hooks
+       the region's outputs: the first gradient that reaches one checks the versions and
+       raises ``RecomputeMismatch`` naming the region, the input and what to do, before the
+       replay reads anything. One version read per input and one hook per output and call;
+       no memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from memfit._torch import module_buffers, module_parameters
+from memfit._torch import module_buffers, module_parameters, tensor_version
+from memfit.errors import RecomputeMismatch
 
-__all__ = ["ForwardTensors"]
+__all__ = ["ForwardTensors", "watch_inputs"]
 
 _Slot = tuple[dict, str, "torch.Tensor | None"]
 
@@ -77,3 +88,38 @@ class ForwardTensors:
         for d, name, now in self._swapped:
             d[name] = now
         self._swapped = []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def watch_inputs(name: str, inputs: Any, outputs: Any) -> None:
+    """Raise a clear error if an input of the region is written in place between its forward
+    and its replay (NOTE [the forward's tensors], rule 5)."""
+    kept = [(i, t, tensor_version(t)) for i, t in enumerate(_tensors(inputs))]
+    targets = [t for t in _tensors(outputs) if t.requires_grad]
+    if not kept or not targets:
+        return
+
+    def check(grad: torch.Tensor) -> None:
+        for i, t, version in kept:
+            now = tensor_version(t)
+            if now != version:
+                raise RecomputeMismatch(
+                    f"input {i} of {name} ({str(t.dtype).replace('torch.', '')}"
+                    f"{list(t.shape)}) was written in place after the forward (version "
+                    f"{version} -> {now}): the plan keeps that tensor for the region's replay "
+                    "in backward, which would read the new values. Give the next batch a new "
+                    "tensor instead of copying it into this one before backward (or call "
+                    "backward first)"
+                )
+
+    for t in targets:
+        t.register_hook(check)

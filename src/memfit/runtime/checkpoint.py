@@ -30,9 +30,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from memfit._torch import sac_rearm
 from memfit.errors import MemfitError
 from memfit.runtime import policies as _policies
-from memfit.runtime.bindings import ForwardTensors
+from memfit.runtime.bindings import ForwardTensors, watch_inputs
 from memfit.runtime.buffers import BufferGuard
 from memfit.runtime.checkpoint_compiled import compiled_region
 from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
@@ -176,6 +177,9 @@ class RegionContexts:
                 recompute.append(_Hooks(storage.prefetch, storage.release_unread))
             region_policy.caching_mode = caching
             forward.append(caching)
+            # Entered before the cached mode, left after it: another backward through the
+            # region recomputes what this replay took from the cache (sac_rearm).
+            recompute.append(_Hooks(_nothing, functools.partial(sac_rearm, cached)))
             recompute.append(cached)
         if self.user_contexts is not None:  # below the recorder and checker: they see all ops
             user_forward, user_recompute = self.user_contexts()
@@ -186,6 +190,10 @@ class RegionContexts:
         if self.recorder is not None and self.check is not None:
             recompute.append(OpChecker(self.recorder, self.name))
         return _Composite(forward), _Composite(recompute)
+
+
+def _nothing() -> None:
+    pass
 
 
 def describe(fn: Any) -> str:
@@ -310,13 +318,15 @@ def run_region(
     contexts = RegionContexts(policy, check=check, name=name, modules=modules,
                               watch_buffers=watch_buffers, user_contexts=user_contexts)
     try:
-        return torch.utils.checkpoint.checkpoint(
+        out = torch.utils.checkpoint.checkpoint(
             fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
         )
     except ValueError as e:
         if "incompatible with non-default context_fn" not in str(e):
             raise
         raise debug_mode_error(name) from None
+    watch_inputs(name, (args, kwargs), out)  # NOTE [the forward's tensors], rule 5
+    return out
 
 
 def debug_mode_error(name: str) -> MemfitError:

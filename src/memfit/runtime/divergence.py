@@ -245,6 +245,24 @@ def _total(values: Any) -> int:
 
 _UNWRITTEN: dict[Any, bool] = {}
 
+# Outputs that are a kernel's workspace, by op and output index (NOTE [value check], rule 5).
+_SCRATCH_OUTPUTS: dict[str, frozenset[int]] = {
+    "aten.mkldnn_rnn_layer.default": frozenset({3}),
+    "aten._cudnn_rnn.default": frozenset({3}),
+    "aten.miopen_rnn.default": frozenset({3}),
+    "aten.cudnn_batch_norm.default": frozenset({3}),
+}
+_SCRATCH: dict[Any, frozenset[int]] = {}
+_NONE: frozenset[int] = frozenset()
+
+
+def _scratch(func: Any) -> frozenset[int]:
+    """The output indices of ``func`` that hold its kernel's workspace."""
+    found = _SCRATCH.get(func)
+    if found is None:
+        found = _SCRATCH[func] = _SCRATCH_OUTPUTS.get(str(func), _NONE)
+    return found
+
 
 def _unwritten(func: Any) -> bool:
     """True for ops whose outputs hold uninitialized memory (``aten.empty_like``...)."""
@@ -264,9 +282,10 @@ def _take_prints(func: Any, out: Any, op_index: int, prints: list, where: list) 
         outs = tuple(out)
     else:
         return
+    scratch = _scratch(func)
     with no_python_dispatch():
         for k, o in enumerate(outs):
-            if isinstance(o, torch.Tensor):
+            if isinstance(o, torch.Tensor) and k not in scratch:
                 fp = fingerprint(o)
                 if fp is not None:
                     prints.append(fp)

@@ -98,6 +98,7 @@ from memfit._torch import (
 from memfit.errors import WrapError
 from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime import policies as _policies
+from memfit.runtime.bindings import watch_inputs
 from memfit.runtime.divergence import CheckSampler
 from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark
 from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
@@ -219,6 +220,8 @@ class SegmentHandle:
         if replayed_prefix is not None and op.contexts.recorder is not None:
             op.contexts.recorder.replayed_prefix = replayed_prefix
         close_checkpoint(op.gen)
+        # NOTE [the forward's tensors] in memfit.runtime.bindings, rule 5
+        watch_inputs(self.name, op.inputs, [ref() for ref, _, _ in op.outputs.values()])
 
     def _abort(self) -> None:
         op = self._tls.open
