@@ -71,7 +71,7 @@ class _Composite:
 class _Hooks:
     """A context manager from two callables."""
 
-    def __init__(self, enter: Callable[[], None], exit_: Callable[[], None]) -> None:
+    def __init__(self, enter: Callable[[], object], exit_: Callable[[], object]) -> None:
         self._enter, self._exit = enter, exit_
 
     def __enter__(self) -> None:
