@@ -121,6 +121,14 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for:
+    two steps may list the same rows in another order, and torch compares no sparse tensors."""
+    if t is not None and t.layout != torch.strided:
+        return t.coalesce().to_dense() if t.is_sparse else t.to_dense()
+    return t
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
 
@@ -147,6 +155,7 @@ def _floor(b: torch.Tensor) -> float:
 def _compare(diff: Diff, what: str, a: torch.Tensor | None, b: torch.Tensor | None,
              b2: torch.Tensor | None, spread: bool) -> None:
     """Compare planned ``a`` with plain ``b``; ``b2`` is the second plain run (spread mode)."""
+    a, b, b2 = _dense(a), _dense(b), _dense(b2)
     if a is None or b is None:
         if (a is None) != (b is None):
             diff.bitwise = diff.close = False

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from memfit.profiling.inputs import (
     LossFn,
@@ -116,6 +117,7 @@ class Step:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"a step needs an nn.Module, got {type(model).__name__}")
+        _require_materialized(model)
         if call is not None:
             if example_inputs is not None or loss_fn is not None:
                 raise TypeError("give either example_inputs (and loss_fn) or call, not both")
@@ -254,6 +256,8 @@ class ModelState:
                 torch.cuda.set_rng_state_all(self.cuda_rng)
         with torch.no_grad():
             for b, snap in self.buffers:
+                if b.shape != snap.shape:  # a forward that resizes it (QAT observers' min/max)
+                    b.resize_(snap.shape)
                 b.copy_(snap)
 
     def run(self, step: Step, *, keep: Callable[[Any, torch.Tensor], None] | None = None) -> None:
@@ -286,6 +290,20 @@ class ModelState:
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
+
+
+def _require_materialized(model: nn.Module) -> None:
+    """Refuse a model whose lazy modules have not run yet: their parameters have no shape, so
+    no step of it can be profiled or planned."""
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    lazy += [n for n, b in model.named_buffers() if is_lazy(b)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"the model has uninitialized lazy parameters ({shown}: nn.LazyLinear, "
+            "nn.LazyConv2d... before their first forward): run one forward first, "
+            "model(example_inputs), so that they take their shapes, then profile or fit it"
+        )
 
 
 def _leaf_copies(value: Any) -> Any:

@@ -175,6 +175,14 @@ class _SkipUpdates(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _copy_into(buf: torch.Tensor, value: torch.Tensor) -> None:
+    """``buf.copy_(value)``, resizing ``buf`` first if the forward resized it (``resize_``:
+    the min/max buffers of a fresh QAT observer start empty)."""
+    if buf.shape != value.shape:
+        buf.resize_(value.shape)
+    buf.copy_(value)
+
+
 class BufferGuard:
     """Per checkpointed call: snapshots the buffers its forward writes, gives the
     recomputation their pre-forward values or skips their updates (NOTE [buffers written in
@@ -289,7 +297,7 @@ class BufferGuard:
         with torch.no_grad():
             self._now.append(([b.detach().clone() for b in written], replaced))
             for buf, before in self._pre.values():
-                buf.copy_(before)
+                _copy_into(buf, before)
         for module, name, old in self._replaced:
             module_buffers(module)[name] = old
         if self._unread:
@@ -303,6 +311,6 @@ class BufferGuard:
         now, replaced = self._now.pop()
         with torch.no_grad():
             for (buf, _), value in zip(self._pre.values(), now, strict=True):
-                buf.copy_(value)
+                _copy_into(buf, value)
         for (module, name, _), tensor in zip(self._replaced, replaced, strict=True):
             module_buffers(module)[name] = tensor
