@@ -32,8 +32,10 @@ def test_fit_default_config_trains_bitwise_within_budget(name):
     assert model.config.use_cache  # never changed
 
 
-def test_training_calls_drop_the_cache_exactly_as_hf_checkpointing_does():
-    """Cache per call (train+grad, eval, no_grad), planned with memfit vs HF's checkpointing."""
+def test_calls_with_grad_drop_the_cache_where_memfit_checkpoints():
+    """Cache per call (train+grad, no_grad, eval+grad), planned with memfit vs HF's
+    checkpointing. HF checkpoints training calls only, so its eval calls keep the cache;
+    memfit's regions checkpoint eval calls with grad too, so those run without it."""
     ids = batch()["input_ids"]
 
     def caches(model: torch.nn.Module) -> tuple[bool, bool, bool]:
@@ -48,10 +50,31 @@ def test_training_calls_drop_the_cache_exactly_as_hf_checkpointing_does():
     ours = memfit.fit(llama(), batch(), budget=0.5, solver="chain")
     theirs = llama()
     theirs.activation_checkpointing_enable()
-    assert caches(ours) == caches(theirs) == (False, True, True)
+    assert caches(theirs) == (False, True, True)
+    assert caches(ours) == (False, True, False)
     memfit.unapply(ours)
     assert caches(ours) == caches(llama()) == (True, True, True)
     assert ours.config.use_cache
+
+
+def test_an_eval_step_with_grad_and_a_padding_mask_is_bitwise():
+    """Dropout-off fine-tuning steps in eval(): the plan applies there, the cache is off."""
+    inputs = batch()
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, :5] = 0
+    inputs = {**inputs, "attention_mask": mask}
+    model, ref = llama(), llama()
+    memfit.fit(model, inputs, budget=0.7)
+    assert model.memfit_plan.regions
+    model.eval()
+    ref.eval()
+    for _ in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        model(**inputs).loss.backward()
+        ref(**inputs).loss.backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
 
 
 def test_fit_says_once_that_it_turns_the_cache_off(caplog):

@@ -1,5 +1,5 @@
 """Planned models under torch.compile (NOTE [policies under torch.compile] in
-memfit.runtime.checkpoint): they compile, train like the compiled plain model, and the compiled
+memfit.runtime.checkpoint_compiled): they compile, train like the compiled plain model, and the compiled
 graph saves what the policy says.
 
 Compilation is slow on a small shared CPU: the models are tiny and each test compiles few.
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import memfit
 from memfit.ops import MATMUL_PACKETS, is_view
 from memfit.planning.plan import OpPolicy, Plan, Region
-from memfit.runtime import checkpoint as ck
+from memfit.runtime import checkpoint_compiled as ck
 from memfit.runtime import policies as P
 from memfit.runtime.apply import apply
 from memfit.runtime.wrap import wrap
@@ -93,7 +93,7 @@ def test_compiled_planned_gpt_trains_bitwise_like_compiled_plain(plain_run, budg
     assert bool(inside) == nested, regions  # "min" nests attention inside its block
     if solver == "save_matmuls":
         assert all(r.save for r in model.memfit_plan.regions), model.memfit_plan
-    with caplog.at_level(logging.WARNING, logger="memfit.runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="memfit.runtime.checkpoint_compiled"):
         ck._said_unchecked.clear()
         grads = _train(model)
     said = [r for r in caplog.records if "divergence check" in r.getMessage()]

@@ -46,7 +46,7 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
     """Plan ``model``'s training step for ``budget`` and apply it: the budgeted counterpart of
     ``model.gradient_checkpointing_enable()``.
 
-    Caching is turned off for training calls as HF's checkpointing does (logged once), and if
+    Caching is turned off for calls with grad (train or eval mode) (logged once), and if
     HF's own checkpointing is on, memfit takes it over (logged; ``disable`` switches it back on).
     Works on any ``PreTrainedModel`` and on a ``peft.PeftModel``, whose plan then counts only the
     gradients of the parameters that train (call it after ``get_peft_model``).

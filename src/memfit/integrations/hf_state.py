@@ -11,15 +11,17 @@ NOTE [the KV cache under checkpointing]
     run already filled, so the recomputation concatenates where the forward initialised
     (``RecomputeMismatch``: forward ``aten.lift_fresh``, recompute ``aten.cat``); the cache
     would also keep every layer's keys and values alive, the memory checkpointing frees.
-    Hugging Face's own checkpointing turns caching off for a whole call in exactly one
-    situation: a training call (``module.training``) with grad enabled (transformers 5.24,
-    ``merge_with_config_defaults``). memfit does the same: a forward pre-hook on the model
-    passes ``use_cache=False`` to training calls with grad while the model carries a memfit
-    plan (and while ``fit`` profiles it). As with HF's checkpointing, such an output carries
-    no cache (``None``) and ``config.use_cache`` is never changed: ``eval()`` calls,
-    ``torch.no_grad()`` calls and ``generate`` keep their cache. ``memfit.unapply`` (no plan:
-    the hook passes calls through) or ``memfit.integrations.hf.disable`` (removes the hook)
-    restores the model's own behaviour.
+    Hugging Face's own checkpointing turns caching off for a whole call in one situation: a
+    training call (``module.training``) with grad enabled (transformers 5.24,
+    ``merge_with_config_defaults``). memfit's regions checkpoint whenever autograd records,
+    in ``eval()`` too (NOTE [when a region checkpoints] in ``memfit.runtime.wrap``:
+    dropout-off fine-tuning steps in ``eval()``), so a forward pre-hook on the model passes
+    ``use_cache=False`` to every call with grad enabled while the model carries a memfit plan
+    (and while ``fit`` profiles it), in train and eval mode alike. Such an output carries no
+    cache (``None``) and ``config.use_cache`` is never changed: ``torch.no_grad()`` and
+    ``torch.inference_mode()`` calls, and so ``generate``, keep their cache. ``memfit.unapply``
+    (no plan: the hook passes calls through) or ``memfit.integrations.hf.disable`` (removes
+    the hook) restores the model's own behaviour.
 
 NOTE [taking over HF checkpointing]
     HF's checkpointing (``gradient_checkpointing_enable()``, ``TrainingArguments(
@@ -87,7 +89,7 @@ def cache_module(model: nn.Module) -> nn.Module | None:
 
 
 class CacheOff:
-    """Forward pre-hook: ``use_cache=False`` for training calls with grad of a planned model.
+    """Forward pre-hook: ``use_cache=False`` for calls with grad of a planned model.
 
     See NOTE [the KV cache under checkpointing]. Plain data and picklable; ``deepcopy`` of the
     model copies it with ``root`` pointing at the copy.
@@ -103,7 +105,7 @@ class CacheOff:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not (module.training and torch.is_grad_enabled() and self.active()):
+        if not (torch.is_grad_enabled() and self.active()):
             return None
         if 0 <= self.position < len(args):
             if args[self.position] is False:
@@ -180,9 +182,9 @@ def cache_off_for_training(model: nn.Module) -> Iterator[CacheOff | None]:
 def _announce(target: nn.Module | None) -> None:
     log.warning(
         "memfit: %s caches keys/values by default (config.use_cache=True), which breaks "
-        "recomputation; as with Hugging Face's gradient checkpointing, its training calls "
-        "(train mode, grad enabled) now run with use_cache=False while it carries a memfit "
-        "plan. config.use_cache is unchanged; eval and no_grad calls keep the cache.",
+        "recomputation; as with Hugging Face's gradient checkpointing, its calls with grad "
+        "enabled (train or eval mode) now run with use_cache=False while it carries a memfit "
+        "plan. config.use_cache is unchanged; no_grad calls (generate) keep the cache.",
         type(target).__name__)
 
 

@@ -390,12 +390,8 @@ class RegionPolicy:
 
     @property
     def caching_mode(self) -> Any:
-        """The selective-checkpoint caching mode this policy decides for (None: not set).
-
-        Held weakly: the mode holds this policy and its cache holds the region's saved
-        outputs, so a strong reference back would make a cycle that keeps them alive after
-        the region's graph is dropped without backward, until the garbage collector runs.
-        """
+        """The caching mode this policy decides for, held weakly: the mode holds this policy,
+        its cache the saved outputs; a cycle would keep them after a graph dropped unused."""
         return None if self._caching_mode is None else self._caching_mode()
 
     @caching_mode.setter
