@@ -153,6 +153,8 @@ class RegionContexts:
             _Hooks(self.generators.replay_enter, self.generators.replay_exit),
             _NoAutocastCache(), _Hooks(self.guard.recompute_enter, self.guard.recompute_exit)
         ]
+        if self.recorder is not None:  # a replay inside the forward is not the forward's
+            recompute.insert(0, _Hooks(self.recorder.pause, self.recorder.resume))
         if self.tensors is not None:  # NOTE [the forward's tensors]: outside the guard
             forward.insert(0, _Hooks(self.tensors.forward_enter, self.tensors.forward_exit))
             recompute.insert(0, _Hooks(self.tensors.replay_enter, self.tensors.replay_exit))

@@ -78,7 +78,7 @@ import torch
 
 from memfit._torch import TorchDispatchMode
 from memfit.errors import RecomputeMismatch
-from memfit.ops import IGNORED_OPS  # re-exported: NOTE [ignored ops] in memfit.ops
+from memfit.ops import IGNORED_OPS, is_view  # IGNORED_OPS re-exported: NOTE [ignored ops]
 from memfit.runtime.fingerprints import (  # noqa: F401  (_sample, SAMPLE: re-exported)
     SAMPLE,
     _as_ints,
@@ -196,6 +196,19 @@ class CheckSampler:
         self.generators = True
 
 
+_PROFILER: dict[Any, bool] = {}
+
+
+def _unchecked(func: Any) -> bool:
+    """True for ops that compute nothing the gradients read: the profiler's range markers
+    (``record_function``, so also ``nn.DataParallel``), which a replay runs in other places
+    than the forward when the range encloses the region's end."""
+    found = _PROFILER.get(func)
+    if found is None:
+        found = _PROFILER[func] = str(func).startswith("profiler.")
+    return found
+
+
 # ---- recording and checking --------------------------------------------------------------
 def _meta(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
@@ -229,15 +242,27 @@ class OpRecorder(TorchDispatchMode):
         self.where: list[tuple[int, int]] = []
         # Number of leading recorded ops the recomputation must reproduce (None: all).
         self.replayed_prefix: int | None = None
+        # > 0 while a recomputation of this region runs inside its own forward: a backward
+        # the forward runs (``torch.autograd.grad`` of an energy, a gradient penalty) unpacks
+        # the region's saved tensors, which recomputes them; those ops are not the forward's.
+        self.paused = 0
+
+    def pause(self) -> None:
+        self.paused += 1
+
+    def resume(self) -> None:
+        self.paused -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func not in IGNORED_OPS:
+        if func not in IGNORED_OPS and not _unchecked(func):
             self.note(func, out, args, kwargs)
         return out
 
     def note(self, func: Any, out: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         """Count (and record) one op without dispatching it (called by the region policy)."""
+        if self.paused or _unchecked(func):
+            return
         self.count += 1
         if self.record:
             self.ops.append((func, _meta(out)))
@@ -268,11 +293,18 @@ class OpChecker(TorchDispatchMode):
         return len(self.recorder.ops) if prefix is None else prefix
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in IGNORED_OPS:
+        if func in IGNORED_OPS or _unchecked(func):
             return func(*args, **(kwargs or {}))
-        i = self.position
-        self.position += 1
-        if i >= self._expected_len():
+        i, n, ops = self.position, self._expected_len(), self.recorder.ops
+        # A view computes nothing: one the replay runs where the forward did not (a user's
+        # mode or hook that reshapes in backward) passes; one the forward ran where the
+        # replay does not is skipped. A view taken differently shows in the ops after it.
+        if is_view(func) and not (i < n and ops[i][0] is func):
+            return func(*args, **(kwargs or {}))
+        while i < n and ops[i][0] is not func and is_view(ops[i][0]):
+            i += 1
+        self.position = i + 1
+        if i >= n:
             self._fail(i, None, (func, None))
         expected = self.recorder.ops[i]
         if expected[0] is not func:
@@ -291,7 +323,10 @@ class OpChecker(TorchDispatchMode):
         # purpose; the values replayed so far are still compared.
         if exc_type is None or not issubclass(exc_type, RecomputeMismatch):
             self._check_values(self.position)
-        if exc_type is None and self.position < self._expected_len():
+        n, ops = self._expected_len(), self.recorder.ops
+        while exc_type is None and self.position < n and is_view(ops[self.position][0]):
+            self.position += 1
+        if exc_type is None and self.position < n:
             self._fail(self.position, self.recorder.ops[self.position], None)
         return result
 
