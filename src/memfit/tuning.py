@@ -107,6 +107,7 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: str = "au
         >>> cands, notes = candidates(memfit.profile(model, x), "60%")   # doctest: +SKIP
     """
     from memfit.planning.planner import plan as make_plan
+    from memfit.planning.solvers.baselines import NoBlocks
 
     if max_plans < 1:
         raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -135,7 +136,11 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: str = "au
         except (InfeasibleBudget, SolverTimeout, ValueError) as e:  # ValueError: chain's NotAChain
             log.info("tune: no %s plan for %s: %s", name, format_bytes(b), str(e).split(";")[0])
     for base in baselines:
-        p = make_plan(profile, budget=budget_bytes, solver=base)
+        try:
+            p = make_plan(profile, budget=budget_bytes, solver=base)
+        except NoBlocks:
+            notes.append(f"left out {base}: found no blocks to checkpoint")
+            continue
         if p.predicted_peak_bytes > budget_bytes:
             notes.append(f"left out {base}: predicted peak {format_bytes(p.predicted_peak_bytes)} "
                          f"> budget {format_bytes(budget_bytes)}")

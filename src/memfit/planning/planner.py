@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
-__all__ = ["plan", "MAX_RETRIES"]
+__all__ = ["plan", "refuse_over_budget", "MAX_RETRIES"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
 
     Raises:
         InfeasibleBudget: no plan fits; the message and ``min_feasible_bytes`` give the smallest
-            predicted peak any plan reaches.
+            predicted peak any plan reaches. A baseline's fixed plan is returned even over the
+            budget (with a note), for comparison; ``memfit.fit`` refuses to apply it.
+        NoBlocks: (a ``ValueError``) a baseline found no blocks to checkpoint (NOTE [baseline
+            blocks] in ``memfit.planning.solvers.baselines``).
         SolverTimeout: only for ``solver="milp"``: it found no plan within ``time_limit_s``
             (``"auto"`` then returns the chain or greedy solver's plan instead).
         ValueError: an unknown solver, a bad budget or host budget, or ``offload=True`` for
@@ -86,23 +90,24 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
         notes.append(ctx.arrays.host.note)
     smallest: tuple[Solution, Any] | None = None
-    if _is_min(budget):
-        if solver in BASELINES:
-            budget_bytes = profile.peak_bytes  # a baseline has one plan: its peak is the minimum
-        else:
-            smallest = _smallest_plan(ctx, solve, time_limit_s)
-            if smallest is None:
-                raise _infeasible(1, profile.peak_bytes, profile.peak_bytes, solver)
-            budget_bytes = smallest[1].peak_bytes
-    else:
-        budget_bytes = resolve_budget(budget, profile.peak_bytes)
-    if solver in BASELINES:
+    if solver in BASELINES:  # NOTE [baseline blocks] in memfit.planning.solvers.baselines
+        min_budget = _is_min(budget)
+        budget_bytes = profile.peak_bytes if min_budget else resolve_budget(budget, profile.peak_bytes)
         sol = solve(ctx, budget_bytes, time_limit_s=time_limit_s)
         result = _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
+        if min_budget:  # a baseline has one plan: its peak is the minimum
+            return dataclasses.replace(result, budget_bytes=result.predicted_peak_bytes)
         if result.predicted_peak_bytes > budget_bytes:
             result = _with_notes(result, f"exceeds the budget: peak {format_bytes(result.predicted_peak_bytes)} "
                                          f"> {format_bytes(budget_bytes)}")
         return result
+    if _is_min(budget):
+        smallest = _smallest_plan(ctx, solve, time_limit_s)
+        if smallest is None:
+            raise _infeasible(1, profile.peak_bytes, profile.peak_bytes, solver)
+        budget_bytes = smallest[1].peak_bytes
+    else:
+        budget_bytes = resolve_budget(budget, profile.peak_bytes)
     if budget_bytes >= profile.peak_bytes:
         sol = Solution((), profile.peak_bytes, 0.0, "none" if solver == "auto" else solver,
                        ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
@@ -134,6 +139,27 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
                        [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
     min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
     raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
+
+
+def refuse_over_budget(p: Plan) -> None:
+    """Raise ``InfeasibleBudget`` if ``p``'s predicted peak exceeds its budget.
+
+    A baseline's fixed plan ignores the budget; ``plan`` returns it anyway (with a note), for
+    comparison, and ``memfit.fit`` and ``memfit plan`` call this before they apply or write
+    it: they promise a plan that fits. The baseline's peak, the only one it reaches, is then
+    ``min_feasible_bytes``.
+
+    Example:
+        >>> refuse_over_budget(plan(prof, budget=0.5, solver="every_block"))   # doctest: +SKIP
+    """
+    if p.budget_bytes is None or p.predicted_peak_bytes <= p.budget_bytes:
+        return
+    raise InfeasibleBudget(
+        f"solver {p.solver!r} gives a fixed plan ({len(p.regions)} regions) whose predicted peak "
+        f"{format_bytes(p.predicted_peak_bytes)} ({p.predicted_peak_bytes} bytes) exceeds the "
+        f"budget {format_bytes(p.budget_bytes)} ({p.budget_bytes} bytes). Give a budget of at "
+        f"least {p.predicted_peak_bytes} bytes, or solver 'auto' to search for a plan that fits",
+        budget_bytes=p.budget_bytes, min_feasible_bytes=p.predicted_peak_bytes)
 
 
 def _is_min(budget: Any) -> bool:
@@ -196,8 +222,6 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
 
 
 def _with_notes(p: Plan, *more: str) -> Plan:
-    import dataclasses
-
     return dataclasses.replace(p, notes=(*p.notes, *more))
 
 
