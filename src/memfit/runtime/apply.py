@@ -19,6 +19,7 @@ from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
+from memfit.runtime.hf_guard import install_guard, remove_guard
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.wrap import unwrap, wrap
 from memfit.units import parse_bytes
@@ -33,6 +34,7 @@ class _Applied:
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
     host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
+    guard: int | None = None  # id of the HF checkpointing guard (NOTE [checkpointed twice])
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -164,6 +166,8 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             ``extra["module_types"]``, or a region holding an FSDP unit (a segment over
             ``fully_shard`` blocks, a module holding one).
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
+            Also raised later, at a training forward, if Hugging Face checkpointing is switched
+            on over the plan (NOTE [checkpointed twice] in ``memfit.runtime.hf_guard``).
         PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
             does not fit its model.
 
@@ -210,12 +214,14 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     except (WrapError, ValueError):
         _undo(model, applied)
         raise
+    applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
     model._memfit_applied = applied  # type: ignore[assignment]
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
 
 
 def _undo(model: nn.Module, applied: _Applied) -> None:
+    remove_guard(model, applied.guard)
     for path in applied.wrapped:
         unwrap(model.get_submodule(path))
     for handle in applied.segments:
