@@ -124,7 +124,7 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             if attempt:
                 notes.append(f"the cost model under-estimated the peak; re-solved {attempt} time(s) "
                              f"with the budget tightened by {format_bytes(budget_bytes - target_bytes)}")
-            return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim)
+            return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim, spec)
         excess = sim.peak_bytes - budget_bytes
         log.info("plan for %d bytes simulates to %d; tightening by %d", budget_bytes, sim.peak_bytes, excess)
         target_bytes -= excess
@@ -136,7 +136,7 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if smallest is not None and smallest[1].peak_bytes <= budget_bytes:
         sol, sim = smallest
         return _finish(profile, sol, budget_bytes,
-                       [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
+                       [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim, spec)
     min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
     raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
 
@@ -197,7 +197,7 @@ def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> Infeasi
 
 
 def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str],
-            sim: Any = None) -> Plan:
+            sim: Any = None, spec: OffloadSpec | None = None) -> Plan:
     if sim is None:
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))  # no offload here
     regions = tuple(
@@ -216,7 +216,9 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         plain_step_s=profile.step_time_s,
         model=profile.model,
         notes=tuple(notes),
-        extra={"module_types": {p: types[p] for r in regions for p in r.modules}},
+        # the device an offloading plan is for (NOTE [offload on a CPU model] in memfit.runtime.apply)
+        extra={"module_types": {p: types[p] for r in regions for p in r.modules},
+               **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
     )
 
@@ -239,7 +241,7 @@ def _offload_spec(profile: Profile, offload: bool, host_budget: int | str | None
         return None
     link, where = link_of(profile, target)
     if link > 0:
-        return OffloadSpec(link, cap)
+        return OffloadSpec(link, cap, target=where.removeprefix("preset "))
     # NOTE [offload on a CPU] A CPU target has no host link: offload would copy memory to
     # memory. offload=True is then a logged no-op (a plan without offload, with a note), so
     # that one script runs on a laptop and on a GPU box; a GPU profile whose link is unknown
