@@ -19,7 +19,7 @@ from memfit.planning.plan import Plan, Region, TunedCandidate, Tuning
 from memfit.planning.planner import plan as make_plan
 from memfit.profiling.tracer import profile
 from memfit.step import Step
-from memfit.tuning import Candidate, candidates, plan_key, time_candidates, tune
+from memfit.tuning import RESOLVE_FRACTIONS, Candidate, candidates, plan_key, time_candidates, tune
 
 WIDTH = 16
 
@@ -175,6 +175,36 @@ def test_candidates_are_distinct_and_name_every_source(gpt_profile):
     # auto's plan is the chain solver's or the milp solver's: one candidate named after both
     assert cands[0].name in ("auto=chain", "auto=milp")
     assert sum(1 for c in cands if c.plan.solver != "every_block") <= 3
+
+
+def test_every_candidate_is_a_plan_for_the_users_budget(gpt_profile):
+    _, _, prof = gpt_profile
+    cands, _ = candidates(prof, 0.5, baselines=("every_block",))
+    budget = int(0.5 * prof.peak_bytes)
+    assert [c.plan.budget_bytes for c in cands] == [budget] * len(cands)
+    fractions = {f"{f:.0%}": f for f in RESOLVE_FRACTIONS}
+    resolved = {c.name.split("=")[0]: c for c in cands if "@" in c.name.split("=")[0]}
+    assert resolved  # the case needs a re-solve at a lower budget that found another plan
+    for name, c in resolved.items():
+        assert c.solved_budget_bytes == int(budget * fractions[name.split("@")[1]])
+        assert c.plan.predicted_peak_bytes <= c.solved_budget_bytes
+    assert all(c.solved_budget_bytes is None for c in cands if c.name.split("=")[0] not in resolved)
+
+
+def test_a_chosen_resolve_reports_the_users_budget_and_records_its_own():
+    clock = FakeClock()
+    net = Net(slow_s=1.0, fast_s=0.25, clock=clock)
+    slow, fast = slow_and_fast_candidates()
+    resolve = Candidate("hand@97%", fast.plan, solved_budget_bytes=1940)  # plan budget: 2000
+    p = time_candidates(net_step(net), [slow, resolve], time_limit_s=100.0, max_rounds=1,
+                        progress=False, clock=clock)
+    assert p.tuning is not None and p.tuning.chosen == "hand@97%"
+    assert p.budget_bytes == 2000
+    assert {c.name: c.solved_budget_bytes for c in p.tuning.candidates} == {"recompute slow": None,
+                                                                           "hand@97%": 1940}
+    assert Tuning.from_dict(json.loads(json.dumps(p.tuning.to_dict()))) == p.tuning
+    assert any(ln.startswith("  * hand@97% ") and ln.endswith("(solved for 1.89 KiB)")
+               for ln in str(p).splitlines())
 
 
 def test_baselines_over_the_budget_are_left_out(gpt_profile):

@@ -72,10 +72,14 @@ def fit(
         predicted peak and cost). ``memfit.unapply(model)`` removes it.
 
     Raises:
-        memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
+        memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak. Also
+            when a baseline ``solver``'s fixed plan peaks above the budget (its peak is then
+            ``min_feasible_bytes``): nothing is applied.
         ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
             (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device;
-            ``tune=True`` on a model on the meta device (tuning times real steps).
+            ``tune=True`` on a model on the meta device (tuning times real steps); a baseline
+            ``solver`` that finds no blocks to checkpoint
+            (``memfit.planning.solvers.baselines.NoBlocks``).
         TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
             with ``loss_fn``, or a ``Step`` of another model.
 
@@ -89,6 +93,7 @@ def fit(
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import refuse_over_budget
     from memfit.runtime.apply import apply, unapply
 
     if not isinstance(model, nn.Module):
@@ -124,6 +129,7 @@ def fit(
             else:
                 new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver),
                                      src=src, group=group)  # NOTE [one plan per job]
+        refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
     except BaseException:
         for _, m, old in previous:
             apply(m, old, check_ranks=False)

@@ -144,6 +144,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
     from memfit.dispatch_cost import measure_dispatch_charges
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.simulate import time_terms
+    from memfit.planning.solvers.baselines import NoBlocks
 
     model = step.model
     plain = prof.step_time_s
@@ -152,7 +153,10 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
                                    "step, not timed again"), plain
     plans: dict[str, Plan] = {}
     for name in _PLANS:
-        p = make_plan(prof, budget=1.0, solver=name)
+        try:
+            p = make_plan(prof, budget=1.0, solver=name)
+        except NoBlocks:
+            return Calibration.default("no checkpointable blocks: no recompute to time"), plain
         if name == "every_block" and len(p.regions) < MIN_BLOCKS:
             return Calibration.default(f"{len(p.regions)} checkpointable block(s), fewer than "
                                        f"{MIN_BLOCKS}: too little recompute to time"), plain

@@ -25,6 +25,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,20 +73,30 @@ class LoadedModel:
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """``"2,3,32,32"`` (or ``"2x3x32x32"``) -> ``(2, 3, 32, 32)``.
+    """``"2,3,32,32"``, ``"2x3x32x32"`` or ``"2 3 32 32"`` -> ``(2, 3, 32, 32)``.
+
+    One separator throughout (commas, else ``x``, else spaces; spaces around commas and ``x``
+    are ignored); every part must be a positive integer.
+
+    Raises:
+        ModelSpecError: an empty shape, or a part that is not a positive integer (named).
 
     Example:
-        >>> parse_shape("2,3,32,32")
-        (2, 3, 32, 32)
+        >>> parse_shape("2,3,32,32"), parse_shape("2x16"), parse_shape("4 3 32 32")
+        ((2, 3, 32, 32), (2, 16), (4, 3, 32, 32))
     """
-    parts = [p for p in text.replace("x", ",").replace(" ", "").split(",") if p]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ModelSpecError(f"cannot parse input shape {text!r}: write sizes separated by commas, e.g. 2,3,32,32") from None
-    if not shape or any(s <= 0 for s in shape):
-        raise ModelSpecError(f"input shape {text!r} must be one or more positive sizes, e.g. 2,3,32,32")
-    return shape
+    t = text.strip()
+    pieces = t.split(",") if "," in t else re.split("[xX]", t) if "x" in t.lower() else t.split()
+    parts = [p.strip() for p in pieces]
+    example = "e.g. 2,3,32,32, 2x3x32x32 or '2 3 32 32'"
+    if not t:
+        raise ModelSpecError(f"empty input shape {text!r}: write one or more positive sizes, {example}")
+    for p in parts:
+        if not p.isascii() or not p.isdigit() or int(p) <= 0:
+            what = "an empty part" if not p else f"part {p!r} is not a positive integer"
+            raise ModelSpecError(f"cannot parse input shape {text!r}: {what}; write positive sizes "
+                                 f"separated by commas, x or spaces, {example}")
+    return tuple(int(p) for p in parts)
 
 
 def parse_dtype(text: str) -> torch.dtype:

@@ -171,8 +171,9 @@ def sweep(
             raises ``TypeError``.
 
     Returns:
-        A ``Sweep``: a plain row, one row per budget, one per baseline. A budget no plan fits
-        gives a row with ``error`` set instead of raising.
+        A ``Sweep``: a plain row, one row per budget, one per baseline. A budget no plan fits,
+        or a baseline that finds no blocks to checkpoint, gives a row with ``error`` set
+        instead of raising.
 
     Example:
         >>> s = sweep(memfit.zoo.gpt(n_layer=2, d_model=64, seq_len=32), x, (1.0, 0.5))  # doctest: +SKIP
@@ -180,6 +181,7 @@ def sweep(
     """
     from memfit.calibration import profile as make_profile
     from memfit.planning.planner import plan as make_plan
+    from memfit.planning.solvers.baselines import NoBlocks
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -191,7 +193,7 @@ def sweep(
     the_step = step_of(model, example_inputs, loss_fn, step)
     label = name or type(model).__name__
     configs: dict[tuple[Any, ...], _Config] = {}  # identical plans are measured once
-    planned: list[tuple[str, RowKind, str, str, Plan | InfeasibleBudget]] = []
+    planned: list[tuple[str, RowKind, str, str, Plan | InfeasibleBudget | NoBlocks]] = []
 
     def key(plan: Plan | None) -> tuple[Any, ...]:
         return ("plain",) if plan is None or not plan.regions else tuple(plan.regions)
@@ -217,7 +219,7 @@ def sweep(
         def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
             try:
                 p = make_plan(prof, budget=budget, solver=solver_name)
-            except InfeasibleBudget as e:
+            except (InfeasibleBudget, NoBlocks) as e:
                 planned.append((row_label, kind, solver_name, spec, e))
                 return
             config(p)
@@ -246,6 +248,10 @@ def sweep(
         if isinstance(result, InfeasibleBudget):
             rows.append(SweepRow(row_label, kind, solver_name, spec, result.budget_bytes,
                                  error=f"infeasible: smallest feasible {format_bytes(result.min_feasible_bytes)}"))
+            continue
+        if isinstance(result, NoBlocks):  # not a peer at +0.0%: it planned nothing
+            rows.append(SweepRow(row_label, kind, solver_name, spec, None,
+                                 error="found no blocks to checkpoint"))
             continue
         cfg = configs[key(result)]
         t = cfg.time_s

@@ -12,6 +12,9 @@ NOTE [measured selection]
        ``max_plans`` distinct planner plans; then each baseline (``every_block``, ``sqrt``,
        ``save_matmuls``) whose predicted peak fits the budget. Two candidates with the same
        regions and per-op decisions are one plan (``plan_key``), named after both sources.
+       Every candidate's plan records the user's budget as ``budget_bytes``: the one chosen is
+       the plan for that budget; a re-solve's own lower budget is kept on the record
+       (``TunedCandidate.solved_budget_bytes``).
     2. Each candidate is applied to the model itself and removed after each step
        (``memfit.tradeoff.time_plan_step``), the model's plan lifted and its gradients, buffers
        and RNG put back at the end (NOTE [sweep leaves the model alone] in ``memfit.tradeoff``).
@@ -72,6 +75,7 @@ class Candidate:
 
     name: str
     plan: Plan
+    solved_budget_bytes: int | None = None  # the budget it was solved for, if not the user's
 
     @property
     def predicted_s(self) -> float:
@@ -107,6 +111,7 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: str = "au
         >>> cands, notes = candidates(memfit.profile(model, x), "60%")   # doctest: +SKIP
     """
     from memfit.planning.planner import plan as make_plan
+    from memfit.planning.solvers.baselines import NoBlocks
 
     if max_plans < 1:
         raise ValueError(f"max_plans must be at least 1, got {max_plans}")
@@ -118,12 +123,15 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: str = "au
         return list(found.values()), ["the un-checkpointed step fits the budget: nothing to choose"]
 
     def add(name: str, p: Plan) -> None:
+        solved = None
+        if p.budget_bytes != budget_bytes:  # a re-solve at a lower budget: the plan is for the user's
+            solved, p = p.budget_bytes, dataclasses.replace(p, budget_bytes=budget_bytes)
         key = plan_key(p)
         if key in found:
             c = found[key]
-            found[key] = Candidate(f"{c.name}={name}", c.plan)
+            found[key] = dataclasses.replace(c, name=f"{c.name}={name}")
         else:
-            found[key] = Candidate(name, p)
+            found[key] = Candidate(name, p, solved)
 
     tries: list[tuple[str, str, int]] = [(s, s, budget_bytes) for s in EXACT_SOLVERS if s != solver]
     tries += [(f"{solver}@{f:.0%}", solver, int(budget_bytes * f)) for f in RESOLVE_FRACTIONS]
@@ -135,7 +143,11 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: str = "au
         except (InfeasibleBudget, SolverTimeout, ValueError) as e:  # ValueError: chain's NotAChain
             log.info("tune: no %s plan for %s: %s", name, format_bytes(b), str(e).split(";")[0])
     for base in baselines:
-        p = make_plan(profile, budget=budget_bytes, solver=base)
+        try:
+            p = make_plan(profile, budget=budget_bytes, solver=base)
+        except NoBlocks:
+            notes.append(f"left out {base}: found no blocks to checkpoint")
+            continue
         if p.predicted_peak_bytes > budget_bytes:
             notes.append(f"left out {base}: predicted peak {format_bytes(p.predicted_peak_bytes)} "
                          f"> budget {format_bytes(budget_bytes)}")
@@ -241,7 +253,8 @@ def time_candidates(step: Step, cands: Sequence[Candidate], *, time_limit_s: flo
             TunedCandidate(c.name, c.plan.solver, c.plan.predicted_peak_bytes, c.predicted_s,
                            medians.get(c.name), len(times.get(c.name, ())),
                            note=(f"failed: {type(failed[c.name]).__name__}: {str(failed[c.name])[:200]}"
-                                 if c.name in failed else "not timed: time limit" if c in untimed else ""))
+                                 if c.name in failed else "not timed: time limit" if c in untimed else ""),
+                           solved_budget_bytes=c.solved_budget_bytes)
             for c in cands),
         chosen=best.name, time_limit_s=float(time_limit_s), spent_s=float(spent), notes=tuple(kept_notes))
     log.info("tune: chose %s (%s median over %d rounds) of %d candidates in %s", best.name,

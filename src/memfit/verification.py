@@ -67,7 +67,7 @@ from memfit.twins import (
 from memfit.twins import make_step as make_step  # where tests and benchmarks have imported it from
 from memfit.units import format_bytes
 
-__all__ = ["Check", "Comparison", "VerifyReport", "verify", "print_verify", "peak_tolerance", "rng_state_bytes",
+__all__ = ["Check", "Comparison", "VerifyReport", "verify", "check_plan_matches", "print_verify", "peak_tolerance", "rng_state_bytes",
            "PEAK_RTOL", "PEAK_ATOL_BYTES", "make_step"]
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,44 @@ def verify(
     )
     log.info("%s", report)
     return report
+
+
+def check_plan_matches(plan: Plan, model: nn.Module, example_inputs: Any = None, *,
+                       loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+    """Raise ``PlanMismatch`` unless ``plan`` was made for ``model`` on ``example_inputs``.
+
+    A plan carries the op-sequence signature of the profile it was planned from; the model's
+    forward on these inputs (traced once, far less than a profile) must have the same. A plan
+    without a signature (made by hand) passes. ``verify`` itself runs any plan that applies
+    and reports what it measures; ``memfit verify`` checks first, so that another model's plan
+    is bad input, not a failed verification.
+
+    Args:
+        plan: the plan to check.
+        model: the model to verify it on.
+        example_inputs: the step's inputs (tensor, tuple or dict).
+        loss_fn: output -> scalar loss; default the profiler's default loss.
+
+    Raises:
+        PlanMismatch: the signatures differ (another model, other input shapes, or another
+            loss).
+
+    Example:
+        >>> check_plan_matches(model.memfit_plan, model, x)   # doctest: +SKIP
+    """
+    from memfit.errors import PlanMismatch
+    from memfit.profiling.tracer import forward_signature
+
+    if not plan.profile_signature:
+        return
+    sig, n_ops = forward_signature(model, example_inputs, loss_fn=loss_fn)
+    if sig != plan.profile_signature:
+        raise PlanMismatch(
+            f"the plan is for another model: it was made for {plan.model or 'a model'} (profile "
+            f"signature {plan.profile_signature}), and this {type(model).__name__} on these inputs "
+            f"runs another forward (signature {sig}, {n_ops} forward ops: another model, other "
+            "input shapes, or another device's kernels). Plan this model with these input shapes, "
+            "or verify the model and inputs the plan was made for")
 
 
 def _mode(comparison: Comparison | str | None, device: torch.device) -> Comparison:

@@ -14,7 +14,28 @@ from pathlib import Path
 
 import pytest
 
-from memfit.cli.main import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, EXIT_VERIFY_FAILED, main
+from memfit.cli.main import (
+    EXIT_BAD_INPUT,
+    EXIT_CODES,
+    EXIT_INFEASIBLE,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_VERIFY_FAILED,
+    exit_code_for,
+    main,
+)
+from memfit.errors import (
+    InfeasibleBudget,
+    MemfitError,
+    ModelError,
+    PlanMismatch,
+    ProfileMismatch,
+    RecomputeMismatch,
+    SchemaError,
+    SolverTimeout,
+    UnsupportedTorch,
+    WrapError,
+)
 
 TINY = "gpt:n_layer=1,d_model=16,n_head=2,seq_len=8,vocab_size=32,batch=1"
 SMALL = "gpt:n_layer=3,d_model=32,n_head=2,seq_len=32,vocab_size=64,batch=4"
@@ -37,7 +58,8 @@ def one_line_error(stderr: str) -> str:
 def test_root_help_documents_exit_codes(capsys):
     assert _main_code(["--help"]) == 0
     out = capsys.readouterr().out
-    for line in ("0  success", "1  verification failed", "2  bad input", "3  infeasible budget"):
+    for line in ("0  success", "1  verification failed", "2  bad input", "3  no plan: an infeasible budget",
+                 "4  internal error", "130  interrupted"):
         assert line in out
     for cmd in ("demo", "profile", "plan", "sweep", "verify"):
         assert cmd in out
@@ -164,6 +186,158 @@ def test_verify_failure_exits_1(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is False and data["bitwise"] is True
     assert [c["name"] for c in data["checks"] if not c["passed"]] == ["peak within budget"]
+    # the report is the one JSON object, with the error member every failed command prints
+    assert data["error"] == {"type": "VerificationFailed", "exit_code": EXIT_VERIFY_FAILED,
+                             "message": "1 check(s) failed: peak within budget"}
+
+
+def test_verify_with_a_plan_for_another_model_is_bad_input(tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert _main_code(["plan", TINY, "--budget", "min", "-o", str(plan_file)]) == EXIT_OK
+    capsys.readouterr()
+    two_layers = TINY.replace("n_layer=1", "n_layer=2")  # blocks.0 exists: the plan would apply
+    bigger_batch = TINY.replace("batch=1", "batch=2")
+    for other in (two_layers, bigger_batch):
+        assert _main_code(["verify", other, "--plan", str(plan_file)]) == EXIT_BAD_INPUT
+        line = one_line_error(capsys.readouterr().err)
+        assert line.startswith("memfit verify: error: the plan is for another model: it was made "
+                               "for GPT (profile signature ")
+        assert "Plan this model with these input shapes" in line
+    assert _main_code(["verify", TINY, "--plan", str(plan_file)]) == EXIT_OK  # its own model
+
+
+# ---- values that start with a dash (NOTE [values that start with a dash]) -----------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", TINY, "--budget", "-5%"], "argument --budget: a percentage budget is a share of the "
+                                        "un-checkpointed peak and must lie in (0%, 100%], got '-5%'"),
+    (["plan", TINY, "--budget", "-5GiB"], "argument --budget: "),
+    (["profile", "memfit.zoo:gpt", "--input-shape", "-4,3"], "argument --input-shape: cannot parse input "
+                                                             "shape '-4,3': part '-4' is not a positive integer"),
+    (["profile", TINY, "--batch", "-2"], "argument --batch: expected a positive integer, got -2"),
+    (["profile", TINY, "--seq-len", "-x"], "argument --seq-len: expected a positive integer, got '-x'"),
+    (["profile", TINY, "--top", "-3"], "argument --top: expected a positive integer, got -3"),
+    (["plan", TINY, "--budget", "50%", "--target", "-h100"], "argument --target: invalid choice: '-h100'"),
+    (["sweep", TINY, "--budgets", "-10%,min"], "argument --budgets: a percentage budget"),
+    (["plan", TINY, "--budget", "--json"], "argument --budget: expected one argument"),  # a missing value
+], ids=["budget-percent", "budget-size", "shape", "batch", "seq-len", "top", "target", "budgets",
+        "missing-value"])
+def test_a_value_that_starts_with_a_dash_reaches_its_own_parser(argv, message, capsys):
+    assert _main_code(argv) == EXIT_BAD_INPUT
+    line = one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"memfit {argv[0]}: error: {message}"), line
+    assert "expected one argument" not in line or argv[-1] == "--json"
+
+
+def test_input_shapes_with_any_separator_parse_alike():
+    from memfit.cli.main import build_parser
+
+    shapes = [build_parser().parse_args(["profile", "pkg.mod:build", "--input-shape", s]).input_shape
+              for s in ("4,3,32,32", "4x3x32x32", "4 3 32 32")]
+    assert shapes == [[(4, 3, 32, 32)]] * 3
+
+
+def test_a_bad_shape_part_is_named_with_exit_2(capsys):
+    assert _main_code(["profile", "memfit.zoo:gpt", "--input-shape", "4,x,32,32"]) == EXIT_BAD_INPUT
+    assert ("cannot parse input shape '4,x,32,32': part 'x' is not a positive integer"
+            in one_line_error(capsys.readouterr().err))
+
+
+# ---- every error as one JSON object under --json -------------------------------------------------
+def test_json_usage_errors_print_one_error_object(capsys):
+    assert _main_code(["plan", TINY, "--budget", "lots", "--json"]) == EXIT_BAD_INPUT
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data["kind"] == "memfit.Error"
+    assert data["error"]["type"] == "UsageError" and data["error"]["exit_code"] == EXIT_BAD_INPUT
+    assert data["error"]["message"].startswith("argument --budget: cannot parse budget 'lots'")
+    # the same message as the line on stderr, without the prefix and the pointer to --help
+    assert one_line_error(out.err) == f"memfit plan: error: {data['error']['message']} (see memfit plan --help)"
+    assert _main_code(["plan", "gpt9000", "--budget", "50%", "--json"]) == EXIT_BAD_INPUT
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err["type"] == "ModelSpecError" and err["message"].startswith("unknown MODEL 'gpt9000'")
+
+
+def test_json_infeasible_budget_names_the_smallest_feasible_peak(capsys):
+    assert _main_code(["plan", TINY, "--budget", "100", "--json"]) == EXIT_INFEASIBLE
+    out = capsys.readouterr()
+    err = json.loads(out.out)["error"]
+    assert err["type"] == "InfeasibleBudget" and err["exit_code"] == EXIT_INFEASIBLE
+    assert err["budget_bytes"] == 100 and err["min_feasible_bytes"] > 100
+    assert err["message"].startswith("infeasible budget 100 B: the smallest feasible peak is ")
+    assert f"try --budget {err['min_feasible_bytes']} or --budget min" in one_line_error(out.err)
+
+
+def test_plan_with_a_baseline_over_the_budget_writes_nothing_and_exits_3(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = _main_code(["plan", TINY, "--solver", "every_block", "--budget", "10%", "-o", str(out), "--json"])
+    assert code == EXIT_INFEASIBLE and not out.exists()
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert _main_code(["plan", TINY, "--solver", "every_block", "--budget", str(err["min_feasible_bytes"]),
+                       "--json"]) == EXIT_OK  # the baseline's own peak: its plan fits
+    p = json.loads(capsys.readouterr().out)
+    assert p["solver"] == "every_block" and p["predicted_peak_bytes"] == err["min_feasible_bytes"]
+    assert [r["modules"] for r in p["regions"]] == [["blocks.0"]]
+
+
+def _raises(error):
+    def run(args):
+        raise error
+    return run
+
+
+ERRORS = {
+    "RecomputeMismatch": (RecomputeMismatch("replay diverged"), EXIT_VERIFY_FAILED),
+    "InfeasibleBudget": (InfeasibleBudget("x", budget_bytes=100, min_feasible_bytes=200), EXIT_INFEASIBLE),
+    "SolverTimeout": (SolverTimeout("no plan in 1 s", solver="milp", time_limit_s=1.0), EXIT_INFEASIBLE),
+    "ModelError": (ModelError("forward raised", model="m"), EXIT_BAD_INPUT),
+    "PlanMismatch": (PlanMismatch("another model"), EXIT_BAD_INPUT),
+    "ProfileMismatch": (ProfileMismatch("another model"), EXIT_BAD_INPUT),
+    "WrapError": (WrapError("already wrapped"), EXIT_BAD_INPUT),
+    "SchemaError": (SchemaError("corrupt"), EXIT_BAD_INPUT),
+    "UnsupportedTorch": (UnsupportedTorch("no such API"), EXIT_BAD_INPUT),
+    "ValueError": (ValueError("bad"), EXIT_BAD_INPUT),
+    "FileNotFoundError": (FileNotFoundError("no file"), EXIT_BAD_INPUT),
+    "MemfitError": (MemfitError("unclassified"), EXIT_INTERNAL),
+    "KeyError": (KeyError("bug"), EXIT_INTERNAL),
+}
+
+
+@pytest.mark.parametrize(("error", "code"), ERRORS.values(), ids=ERRORS.keys())
+def test_each_error_class_has_its_exit_code_and_json_object(error, code, monkeypatch, capsys):
+    from memfit.cli import profile as profile_command
+
+    monkeypatch.setattr(profile_command, "run", _raises(error))
+    assert main(["profile", TINY, "--json"]) == code == exit_code_for(error)
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data["kind"] == "memfit.Error"
+    assert data["error"]["type"] == type(error).__name__ and data["error"]["exit_code"] == code
+    assert one_line_error(out.err).startswith("memfit profile: ")
+    assert main(["profile", TINY]) == code  # text mode: the line on stderr, nothing on stdout
+    out = capsys.readouterr()
+    assert out.out == "" and one_line_error(out.err).startswith("memfit profile: ")
+
+
+def _sections(text: str, pattern: str) -> dict[int, str]:
+    import re
+
+    found = list(re.finditer(pattern, text, flags=re.M))
+    return {int(m.group(1)): text[m.end(): found[i + 1].start() if i + 1 < len(found) else len(text)]
+            for i, m in enumerate(found)}
+
+
+def test_help_and_readme_list_each_error_class_under_its_code():
+    from memfit.cli.main import EPILOG
+    from memfit.cli.models import UsageError
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme[readme.index("| code | meaning |"):].split("\n\n")[0]
+    for doc in (_sections(EPILOG.split("\n\n")[0], r"^  (\d+)  "), _sections(table, r"^\| (\d+) \| ")):
+        assert sorted(doc) == [0, 1, 2, 3, 4, 130]
+        for cls, code in EXIT_CODES:
+            name = "usage error" if cls is UsageError else cls.__name__
+            assert name in doc[code], (name, code)
+            assert all(name not in doc[c] for c in doc if c != code), name
 
 
 def test_debug_shows_the_traceback(capsys):

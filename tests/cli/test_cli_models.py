@@ -13,11 +13,26 @@ from memfit.cli.models import UsageError, load_model, parse_dtype, parse_shape, 
 
 @pytest.mark.parametrize(
     ("text", "shape"),
-    [("2,3,32,32", (2, 3, 32, 32)), ("2x16", (2, 16)), (" 4 ", (4,))],
-    ids=["commas", "x", "spaces"],
+    [("2,3,32,32", (2, 3, 32, 32)), ("2x16", (2, 16)), (" 4 ", (4,)), ("4 3 32 32", (4, 3, 32, 32)),
+     ("4x3x32x32", (4, 3, 32, 32)), ("4, 3, 32", (4, 3, 32)), ("4 X 3", (4, 3))],
+    ids=["commas", "x", "one-size", "spaces", "x4", "commas-and-spaces", "capital-x"],
 )
 def test_parse_shape(text, shape):
     assert parse_shape(text) == shape
+
+
+@pytest.mark.parametrize(("text", "part"), [
+    ("4,x,32,32", "part 'x' is not a positive integer"),  # was read as (4, 32, 32)
+    ("4 3,32", "part '4 3' is not a positive integer"),   # two separators
+    ("2,-1", "part '-1' is not a positive integer"),
+    ("4x0", "part '0' is not a positive integer"),
+    ("2.5,3", "part '2.5' is not a positive integer"),
+    ("4,,3", "an empty part"),
+], ids=["x-as-a-size", "mixed", "negative", "zero", "float", "empty-part"])
+def test_parse_shape_names_the_bad_part(text, part):
+    with pytest.raises(UsageError) as e:
+        parse_shape(text)
+    assert str(e.value).startswith(f"cannot parse input shape {text!r}: {part}; ")
 
 
 @pytest.mark.parametrize("text", ["", "2,a", "2,-1", "0"], ids=["empty", "letter", "negative", "zero"])

@@ -140,3 +140,31 @@ def test_enable_takes_over_hf_checkpointing_and_disable_gives_it_back(caplog):
 def test_enable_rejects_inputs_with_a_shape():
     with pytest.raises(ValueError, match="not both"):
         hf.enable(llama(), budget=0.5, example_inputs=batch(), seq_len=64)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_(en|dis)able` is deprecated:FutureWarning")
+@pytest.mark.parametrize("how", ["fit", "enable"])
+def test_hf_checkpointing_switched_on_after_a_plan_is_refused_at_the_next_training_call(how):
+    model = llama()
+    if how == "fit":
+        memfit.fit(model, batch(), budget=0.5, solver="chain")
+    else:
+        hf.enable(model, budget=0.5, batch_size=4, seq_len=64, solver="chain")
+    with pytest.warns(FutureWarning, match="gradient_checkpointing_enable` is deprecated"):
+        model.gradient_checkpointing_enable()  # transformers 5's old name of the same switch
+    with pytest.raises(memfit.WrapError, match=r"LlamaForCausalLM carries a memfit plan, and Hugging "
+                       r"Face gradient checkpointing was switched on after it was applied \(model, "
+                       r"model\.layers\.0, model\.layers\.1 and 4 more\): the planned layers would be "
+                       r"checkpointed twice.*memfit\.unapply\(model\).*gradient_checkpointing_disable"):
+        model(**batch())
+    with torch.no_grad():  # HF checkpoints training calls with grad only: nothing doubled here
+        model(**batch())
+    model.gradient_checkpointing_disable()  # memfit's plan alone: trains as before
+    assert_same_weights(train(model), train(llama()))
+    model.gradient_checkpointing_enable()
+    if how == "fit":  # HF's checkpointing alone from here
+        memfit.unapply(model)
+    else:
+        hf.disable(model)
+    model(**batch()).loss.backward()
+    assert not any("HFCheckpointingGuard" in repr(h) for h in model._forward_pre_hooks.values())

@@ -188,6 +188,9 @@ def test_offload_on_a_gpu_measured_profile_needs_a_target():
         plan(prof, budget=MIN_PEAK, offload=True)
     p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True, target="h100")
     assert p.host_peak_bytes == 320  # 51.2 GB/s: copies of 320 B hide
+    assert p.extra["target"] == "h100"  # NOTE [offload on a CPU model] in memfit.runtime.apply
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).extra["target"] == "h100"
+    assert "target" not in plan(prof, budget=MIN_PEAK, solver="milp").extra  # no offload, no target
 
 
 @pytest.mark.parametrize(("kw", "err", "match"), [

@@ -63,7 +63,9 @@ def test_min_budget_is_the_fastest_smallest_peak_plan(chain6, solver):
 
 def test_min_budget_of_a_baseline_is_its_own_plan(chain6):
     p = plan(chain6, budget="min", solver="every_block")
-    assert p.budget_bytes == chain6.peak_bytes and p.regions == plan(chain6, budget=1.0, solver="every_block").regions
+    assert p.regions == plan(chain6, budget=1.0, solver="every_block").regions
+    # its one plan's peak is the smallest it reaches: the budget, as for a searching solver
+    assert p.budget_bytes == p.predicted_peak_bytes < chain6.peak_bytes
 
 
 def test_plan_takes_a_profile_not_a_module():

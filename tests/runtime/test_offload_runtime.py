@@ -19,6 +19,10 @@ from memfit.runtime.checkpoint import checkpoint
 from memfit.runtime.offload import HostCopy, HostPool
 from memfit.runtime.policies import RegionPolicy, by_key
 
+# Offload runs on the CPU here, which it cannot help (NOTE [offload on a CPU model]); the
+# warning that says so has a test of its own.
+pytestmark = pytest.mark.filterwarnings("ignore:.*offloading frees nothing:UserWarning")
+
 B, T, C, HEADS, VOCAB = 2, 16, 32, 4, 64
 OFF, S = OpPolicy.OFFLOAD, OpPolicy.SAVE
 # A zoo GPT block's ops (NOTE [op keys]): ln1, qkv, q@k, softmax, fc, gelu offloaded; proj
@@ -222,3 +226,24 @@ def test_functional_checkpoint_with_its_own_pool_is_bitwise():
     f(x).square().sum().backward()
     assert torch.equal(got, w.grad)
     assert policy.host.offloaded_bytes == 3 * 8 * 16 * F32  # type: ignore[attr-defined]
+
+
+def test_an_offload_plan_for_a_gpu_applied_to_a_cpu_model_says_so_once():
+    import dataclasses
+    import warnings
+
+    plan = dataclasses.replace(PLANS["two_wrapped_blocks"][0], extra={"target": "h100"})
+    model = _gpt()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        apply(model, plan)
+    assert [w.category for w in said] == [UserWarning]  # one for the plan, not one per region
+    assert str(said[0].message).startswith(
+        "memfit: the plan offloads 14 activation(s) to host memory over the host link of h100 "
+        "(planned with target='h100'), but GPT is on cpu: the activations are in host memory "
+        "already, so offloading frees nothing")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        apply(model, dataclasses.replace(plan, regions=tuple(
+            dataclasses.replace(r, ops=tuple((k, S) for k, _ in r.ops)) for r in plan.regions)))
+    assert said == []  # a plan that saves instead: nothing to say

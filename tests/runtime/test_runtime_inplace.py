@@ -65,15 +65,16 @@ class InplaceNet(nn.Module):
 
 MODES = ("block_iadd", "stage_iadd", "relu_input")
 # Where every block's input is written (``h += block(h)``, ``relu_`` first) no block may be a
-# region, so there is no chain and the chain solver raises NotAChain; the others still plan the
-# blocks' sub-modules where that drops something (``ScaledMLP.mlp``). Listed: the solvers whose
-# plans broke backward before NOTE [clobbered inputs] (milp and auto happened to pick valid
-# regions on the two iadd models).
+# region, so there is no chain and the chain solver raises NotAChain, and the baselines find no
+# block (``NoBlocks``); the others still plan the blocks' sub-modules where that drops something
+# (``ScaledMLP.mlp``). Listed: the solvers whose plans broke backward before NOTE [clobbered
+# inputs] (milp and auto happened to pick valid regions on the two iadd models).
 CASES = [
-    *(("block_iadd", s) for s in ("every_block", "save_matmuls", "sqrt", "greedy")),
+    ("block_iadd", "greedy"),
     *(("stage_iadd", s) for s in ("every_block", "save_matmuls", "chain", "greedy")),
-    *(("relu_input", s) for s in ("every_block", "save_matmuls", "sqrt", "milp", "greedy", "auto")),
+    *(("relu_input", s) for s in ("milp", "greedy", "auto")),
 ]
+NO_BLOCKS = [(m, s) for m in ("block_iadd", "relu_input") for s in ("every_block", "save_matmuls", "sqrt")]
 
 
 def _model(mode: str) -> nn.Module:
@@ -100,3 +101,14 @@ def test_plans_keep_in_place_writes_working(mode, solver, budget):
     # few percent low on these blocks with or without in-place writes (a separate issue).
     failed = [c.name for c in report.checks if not c.passed and not c.name.startswith("peak")]
     assert report.bitwise and not failed, str(report)
+
+
+@pytest.mark.parametrize("mode,solver", NO_BLOCKS, ids=[f"{m}-{s}" for m, s in NO_BLOCKS])
+def test_baselines_find_no_block_whose_input_is_written_in_place(mode, solver):
+    from memfit.planning.solvers.baselines import NoBlocks
+
+    model = _model(mode)
+    with pytest.raises(NoBlocks, match=rf"baseline '{solver}' found no blocks to checkpoint in "
+                                       r"InplaceNet: .*an in-place write such as h \+= block\(h\)"):
+        memfit.fit(model, torch.randn(64, 32), budget="min", solver=solver)
+    assert "memfit_plan" not in model.__dict__

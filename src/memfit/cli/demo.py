@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memfit.cli.exits import EXIT_OK, EXIT_VERIFY_FAILED, error_object
 from memfit.cli.models import UsageError
 from memfit.cli.output import emit, say
 from memfit.models import load_model
@@ -74,6 +75,7 @@ def _tune(args: argparse.Namespace, lm: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.sweep import write_outputs
+    from memfit.cli.verify import verification_failed
     from memfit.runtime.apply import apply
     from memfit.tradeoff import sweep
     from memfit.verification import verify
@@ -129,8 +131,15 @@ def run(args: argparse.Namespace) -> int:
     for f in files:
         say(args, f"  wrote {f}")
     say(args, f"  demo took {format_seconds(wall)}")
+    ok = report is not None and report.ok
     if args.json:
-        emit(args, "", {"kind": "memfit.Demo", "model": lm.name, "sweep": s.to_dict(),
-                        "tuned": tuned.to_dict() if tuned is not None else None,
-                        "verify": report.to_dict() if report else None, "files": files, "wall_s": wall})
-    return 0 if report is not None and report.ok else 1
+        data = {"kind": "memfit.Demo", "model": lm.name, "sweep": s.to_dict(),
+                "tuned": tuned.to_dict() if tuned is not None else None,
+                "verify": report.to_dict() if report else None, "files": files, "wall_s": wall}
+        if report is not None and not report.ok:
+            data["error"] = verification_failed(report.checks)
+        elif report is None:
+            data["error"] = error_object("VerificationFailed", "no memfit plan could be measured, "
+                                         "so none was verified", EXIT_VERIFY_FAILED)["error"]
+        emit(args, "", data)
+    return EXIT_OK if ok else EXIT_VERIFY_FAILED

@@ -20,7 +20,7 @@ from memfit.models import (
 )
 
 __all__ = ["UsageError", "LoadedModel", "load_model", "parse_shape", "parse_dtype", "split_options",
-           "add_model_arguments", "load_from_args", "budget_arg", "TARGETS"]
+           "add_model_arguments", "load_from_args", "budget_arg", "positive_int", "TARGETS"]
 
 #: Bad command-line input; the CLI prints the message and exits with code 2.
 UsageError = ModelSpecError
@@ -35,12 +35,12 @@ def add_model_arguments(parser: Any, *, target: bool = False) -> None:
                         help="zoo name with options (gpt:n_layer=4,batch=2), package.module:factory, "
                              "or a Hugging Face config.json")
     parser.add_argument("--input-shape", action="append", type=_shape_arg, metavar="SHAPE",
-                        help="shape of a random example input for a module:factory model, e.g. "
-                             "2,3,32,32 (repeat for several inputs)")
+                        help="shape of a random example input for a module:factory model: "
+                             "2,3,32,32, 2x3x32x32 or \"2 3 32 32\" (repeat for several inputs)")
     parser.add_argument("--dtype", type=_dtype_arg, help="dtype of those inputs (default float32); "
                         "for a Hugging Face config, the parameter dtype")
-    parser.add_argument("--batch", type=_positive_int, help="batch of a Hugging Face config's token ids (default 1)")
-    parser.add_argument("--seq-len", type=_positive_int,
+    parser.add_argument("--batch", type=positive_int, help="batch of a Hugging Face config's token ids (default 1)")
+    parser.add_argument("--seq-len", type=positive_int,
                         help="sequence length for a Hugging Face config (default its context, at most 4096)")
     if target:
         parser.add_argument("--target", choices=TARGETS, default="cpu",
@@ -71,7 +71,8 @@ def _dtype_arg(text: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (``--batch``, ``--top``)."""
     import argparse
 
     try:

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_limit is not None and args.tune_limit <= 0:
         raise UsageError(f"--tune-limit must be positive seconds, got {args.tune_limit}")
     prof = profile_model(lm, args.target)
-    from memfit.planning.planner import plan
+    from memfit.planning.planner import plan, refuse_over_budget
 
     if args.tune:
         from memfit.step import Step
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                  progress=not args.no_progress and not args.json)
     else:
         p = plan(prof, budget=args.budget, solver=args.solver)
+        refuse_over_budget(p)  # a baseline's fixed plan may not fit: exit 3, no plan written
     if not p.model:
         import dataclasses
 

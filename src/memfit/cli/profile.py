@@ -6,7 +6,7 @@ import argparse
 from collections import defaultdict
 from typing import Any
 
-from memfit.cli.models import add_model_arguments, load_from_args
+from memfit.cli.models import add_model_arguments, load_from_args, positive_int
 from memfit.cli.output import emit
 from memfit.models import LoadedModel
 from memfit.units import format_bytes, format_seconds
@@ -20,7 +20,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
                                     "its peak activation memory, time, and the modules that hold the most.")
     add_model_arguments(p, target=True)
     p.add_argument("-o", "--output", metavar="FILE", help="also write the full profile as JSON to FILE")
-    p.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
+    p.add_argument("--top", type=positive_int, default=8, help="modules to list (default 8)")
     p.set_defaults(run=run)
 
 

@@ -57,11 +57,14 @@ class OffloadSpec:
         link_bytes_per_s: host-link rate each way, bytes/s (> 0).
         host_budget_bytes: the most host bytes a plan may hold (None: no cap).
         tensor_s: fixed seconds per offloaded storage (``OFFLOAD_TENSOR_S``).
+        target: the device preset whose link this is (``"h100"``; ``""``: unnamed), recorded on
+            the plan as ``extra["target"]``.
     """
 
     link_bytes_per_s: float
     host_budget_bytes: int | None = None
     tensor_s: float = OFFLOAD_TENSOR_S
+    target: str = ""
 
 
 @dataclass(frozen=True)

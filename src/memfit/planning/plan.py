@@ -306,6 +306,9 @@ class TunedCandidate:
         measured_s: median wall seconds of its timed steps; None: not timed (``note`` says why).
         rounds: how many of its steps were timed.
         note: why it was not timed, or failed.
+        solved_budget_bytes: the budget the plan was solved for when it is not the user's (a
+            re-solve at 97% of it); None: the user's budget. The chosen plan's
+            ``budget_bytes`` is the user's either way.
     """
 
     name: str
@@ -315,6 +318,7 @@ class TunedCandidate:
     measured_s: float | None = None
     rounds: int = 0
     note: str = ""
+    solved_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -344,7 +348,8 @@ class Tuning:
         cands = tuple(
             TunedCandidate(str(c["name"]), str(c["solver"]), int(c["predicted_peak_bytes"]),
                            float(c["predicted_s"]), None if c.get("measured_s") is None else float(c["measured_s"]),
-                           int(c.get("rounds", 0)), str(c.get("note", "")))
+                           int(c.get("rounds", 0)), str(c.get("note", "")),
+                           None if c.get("solved_budget_bytes") is None else int(c["solved_budget_bytes"]))
             for c in data["candidates"])
         return cls(cands, str(data["chosen"]), float(data["time_limit_s"]), float(data["spent_s"]),
                    tuple(str(n) for n in data.get("notes", ())))
@@ -364,7 +369,9 @@ class Tuning:
             measured = format_seconds(c.measured_s) if c.measured_s is not None else "-"
             out.append(f"  {mark} {c.name.ljust(w)}  {format_bytes(c.predicted_peak_bytes):>10}  "
                        f"{format_seconds(c.predicted_s):>10}  {measured:>10}  {c.rounds:>6}"
-                       + (f"  {c.note}" if c.note else ""))
+                       + (f"  {c.note}" if c.note else "")
+                       + (f"  (solved for {format_bytes(c.solved_budget_bytes)})"
+                          if c.solved_budget_bytes is not None else ""))
         out.extend(f"    {n}" for n in self.notes)
         return out
 

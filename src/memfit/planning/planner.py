@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
-__all__ = ["plan", "MAX_RETRIES"]
+__all__ = ["plan", "refuse_over_budget", "MAX_RETRIES"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
 
     Raises:
         InfeasibleBudget: no plan fits; the message and ``min_feasible_bytes`` give the smallest
-            predicted peak any plan reaches.
+            predicted peak any plan reaches. A baseline's fixed plan is returned even over the
+            budget (with a note), for comparison; ``memfit.fit`` refuses to apply it.
+        NoBlocks: (a ``ValueError``) a baseline found no blocks to checkpoint (NOTE [baseline
+            blocks] in ``memfit.planning.solvers.baselines``).
         SolverTimeout: only for ``solver="milp"``: it found no plan within ``time_limit_s``
             (``"auto"`` then returns the chain or greedy solver's plan instead).
         ValueError: an unknown solver, a bad budget or host budget, or ``offload=True`` for
@@ -86,23 +90,24 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
         notes.append(ctx.arrays.host.note)
     smallest: tuple[Solution, Any] | None = None
-    if _is_min(budget):
-        if solver in BASELINES:
-            budget_bytes = profile.peak_bytes  # a baseline has one plan: its peak is the minimum
-        else:
-            smallest = _smallest_plan(ctx, solve, time_limit_s)
-            if smallest is None:
-                raise _infeasible(1, profile.peak_bytes, profile.peak_bytes, solver)
-            budget_bytes = smallest[1].peak_bytes
-    else:
-        budget_bytes = resolve_budget(budget, profile.peak_bytes)
-    if solver in BASELINES:
+    if solver in BASELINES:  # NOTE [baseline blocks] in memfit.planning.solvers.baselines
+        min_budget = _is_min(budget)
+        budget_bytes = profile.peak_bytes if min_budget else resolve_budget(budget, profile.peak_bytes)
         sol = solve(ctx, budget_bytes, time_limit_s=time_limit_s)
         result = _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
+        if min_budget:  # a baseline has one plan: its peak is the minimum
+            return dataclasses.replace(result, budget_bytes=result.predicted_peak_bytes)
         if result.predicted_peak_bytes > budget_bytes:
             result = _with_notes(result, f"exceeds the budget: peak {format_bytes(result.predicted_peak_bytes)} "
                                          f"> {format_bytes(budget_bytes)}")
         return result
+    if _is_min(budget):
+        smallest = _smallest_plan(ctx, solve, time_limit_s)
+        if smallest is None:
+            raise _infeasible(1, profile.peak_bytes, profile.peak_bytes, solver)
+        budget_bytes = smallest[1].peak_bytes
+    else:
+        budget_bytes = resolve_budget(budget, profile.peak_bytes)
     if budget_bytes >= profile.peak_bytes:
         sol = Solution((), profile.peak_bytes, 0.0, "none" if solver == "auto" else solver,
                        ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
@@ -119,7 +124,7 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             if attempt:
                 notes.append(f"the cost model under-estimated the peak; re-solved {attempt} time(s) "
                              f"with the budget tightened by {format_bytes(budget_bytes - target_bytes)}")
-            return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim)
+            return _finish(profile, sol, budget_bytes, [*sol.notes, *notes], sim, spec)
         excess = sim.peak_bytes - budget_bytes
         log.info("plan for %d bytes simulates to %d; tightening by %d", budget_bytes, sim.peak_bytes, excess)
         target_bytes -= excess
@@ -131,9 +136,30 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
     if smallest is not None and smallest[1].peak_bytes <= budget_bytes:
         sol, sim = smallest
         return _finish(profile, sol, budget_bytes,
-                       [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim)
+                       [*notes, *sol.notes, "the smallest-peak plan: the budget allows no faster one"], sim, spec)
     min_bytes = smallest[1].peak_bytes if smallest is not None else profile.peak_bytes
     raise _infeasible(budget_bytes, min_bytes, profile.peak_bytes, solver)
+
+
+def refuse_over_budget(p: Plan) -> None:
+    """Raise ``InfeasibleBudget`` if ``p``'s predicted peak exceeds its budget.
+
+    A baseline's fixed plan ignores the budget; ``plan`` returns it anyway (with a note), for
+    comparison, and ``memfit.fit`` and ``memfit plan`` call this before they apply or write
+    it: they promise a plan that fits. The baseline's peak, the only one it reaches, is then
+    ``min_feasible_bytes``.
+
+    Example:
+        >>> refuse_over_budget(plan(prof, budget=0.5, solver="every_block"))   # doctest: +SKIP
+    """
+    if p.budget_bytes is None or p.predicted_peak_bytes <= p.budget_bytes:
+        return
+    raise InfeasibleBudget(
+        f"solver {p.solver!r} gives a fixed plan ({len(p.regions)} regions) whose predicted peak "
+        f"{format_bytes(p.predicted_peak_bytes)} ({p.predicted_peak_bytes} bytes) exceeds the "
+        f"budget {format_bytes(p.budget_bytes)} ({p.budget_bytes} bytes). Give a budget of at "
+        f"least {p.predicted_peak_bytes} bytes, or solver 'auto' to search for a plan that fits",
+        budget_bytes=p.budget_bytes, min_feasible_bytes=p.predicted_peak_bytes)
 
 
 def _is_min(budget: Any) -> bool:
@@ -171,7 +197,7 @@ def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> Infeasi
 
 
 def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str],
-            sim: Any = None) -> Plan:
+            sim: Any = None, spec: OffloadSpec | None = None) -> Plan:
     if sim is None:
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))  # no offload here
     regions = tuple(
@@ -190,14 +216,14 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         plain_step_s=profile.step_time_s,
         model=profile.model,
         notes=tuple(notes),
-        extra={"module_types": {p: types[p] for r in regions for p in r.modules}},
+        # the device an offloading plan is for (NOTE [offload on a CPU model] in memfit.runtime.apply)
+        extra={"module_types": {p: types[p] for r in regions for p in r.modules},
+               **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
     )
 
 
 def _with_notes(p: Plan, *more: str) -> Plan:
-    import dataclasses
-
     return dataclasses.replace(p, notes=(*p.notes, *more))
 
 
@@ -215,7 +241,7 @@ def _offload_spec(profile: Profile, offload: bool, host_budget: int | str | None
         return None
     link, where = link_of(profile, target)
     if link > 0:
-        return OffloadSpec(link, cap)
+        return OffloadSpec(link, cap, target=where.removeprefix("preset "))
     # NOTE [offload on a CPU] A CPU target has no host link: offload would copy memory to
     # memory. offload=True is then a logged no-op (a plan without offload, with a note), so
     # that one script runs on a laptop and on a GPU box; a GPU profile whose link is unknown

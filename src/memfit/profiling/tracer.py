@@ -35,7 +35,7 @@ from memfit.profiling.profile import (
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
 from memfit.step import ModelState, Step
 
-__all__ = ["ProfileMode", "profile", "check_profile_matches", "region_state_bytes"]
+__all__ = ["ProfileMode", "profile", "check_profile_matches", "forward_signature", "region_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +306,37 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _forward_ops(model: Any, example_inputs: Any, loss_fn: LossFn | None,
+                 mode: ProfileMode) -> list[OpRecord]:
+    """The forward ops (names and module paths) of one traced forward and loss, with grads,
+    buffers and RNG state restored afterwards."""
+    su = _setup(_as_step(model, example_inputs, loss_fn), mode, None)
+    with ModelState(su.step.model, su.step.inputs, buffers=mode is ProfileMode.MEASURE) as keep:
+        keep.reset()
+        with _traced(su, time_ops=False, count_flops=False, forward_only=True) as (tr, _):
+            pass
+    return [OpRecord(index=i, name=o.name, module=o.module, phase=Phase.FORWARD)
+            for i, o in enumerate(tr.ops)]
+
+
+def forward_signature(model: torch.nn.Module | Step, example_inputs: Any = None, *,
+                      loss_fn: LossFn | None = None) -> tuple[str, int]:
+    """The op-sequence signature a profile of this step would carry, and its forward op count.
+
+    Runs the forward and loss once, traced (fake mode on the meta device for a model there),
+    with grads, buffers and RNG state restored afterwards: far less than a profile.
+
+    Example:
+        >>> m = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
+        >>> forward_signature(m, x)[0] == profile(m, x, repeats=1).signature
+        True
+    """
+    step = _as_step(model, example_inputs, loss_fn)
+    on_meta = any(p.device.type == "meta" for p in step.model.parameters())
+    ops = _forward_ops(step, None, None, ProfileMode.FAKE if on_meta else ProfileMode.MEASURE)
+    return op_signature(ops), len(ops)
+
+
 def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inputs: Any, *,
                           loss_fn: LossFn | None = None) -> None:
     """Raise ``ProfileMismatch`` unless ``model`` on ``example_inputs`` runs the forward op
@@ -318,14 +349,7 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
         >>> m = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
         >>> check_profile_matches(profile(m, x, repeats=1), m, x)   # same model: no error
     """
-    mode = ProfileMode(profile.mode)
-    su = _setup(_as_step(model, example_inputs, loss_fn), mode, None)
-    with ModelState(model, su.step.inputs, buffers=mode is ProfileMode.MEASURE) as keep:
-        keep.reset()
-        with _traced(su, time_ops=False, count_flops=False, forward_only=True) as (tr, _):
-            pass
-    got = [OpRecord(index=i, name=o.name, module=o.module, phase=Phase.FORWARD)
-           for i, o in enumerate(tr.ops)]
+    got = _forward_ops(model, example_inputs, loss_fn, ProfileMode(profile.mode))
     sig = op_signature(got)
     if sig == profile.signature:
         return

@@ -9,6 +9,7 @@ it was.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +20,10 @@ from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
+from memfit.runtime.hf_guard import install_guard, remove_guard
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.wrap import unwrap, wrap
+from memfit.step import model_device
 from memfit.units import parse_bytes
 
 __all__ = ["apply", "unapply", "host_pool"]
@@ -33,6 +36,7 @@ class _Applied:
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
     host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
+    guard: int | None = None  # id of the HF checkpointing guard (NOTE [checkpointed twice])
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -164,8 +168,14 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             ``extra["module_types"]``, or a region holding an FSDP unit (a segment over
             ``fully_shard`` blocks, a module holding one).
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
+            Also raised later, at a training forward, if Hugging Face checkpointing is switched
+            on over the plan (NOTE [checkpointed twice] in ``memfit.runtime.hf_guard``).
         PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
             does not fit its model.
+
+    Warns:
+        UserWarning: a plan that offloads to host memory applied to a model on the CPU
+            (NOTE [offload on a CPU model]).
 
     Example:
         >>> plan = memfit.plan(memfit.profile(model, x), budget="60%")   # doctest: +SKIP
@@ -210,12 +220,38 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     except (WrapError, ValueError):
         _undo(model, applied)
         raise
+    applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
+    if applied.host is not None:
+        _say_offload_on_cpu(model, plan)
     model._memfit_applied = applied  # type: ignore[assignment]
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
 
 
+def _say_offload_on_cpu(model: nn.Module, plan: Plan) -> None:
+    """Warn that a plan offloading to host memory is applied to a CPU model: one warning per
+    ``apply`` (Python's default filter then shows it once per call site).
+
+    NOTE [offload on a CPU model] An OFFLOAD decision copies an activation to host memory over
+    the link of the device the plan was made for (``plan.extra["target"]``); on a CPU model the
+    "device" is host memory already, so the copy frees nothing and costs a memcpy. The plan
+    still runs correctly (tests exercise offload on CPU); the warning says it is useless here.
+    """
+    device = model_device(model)
+    if device.type != "cpu":
+        return
+    target = plan.extra.get("target") if isinstance(plan.extra, dict) else None
+    n = sum(1 for r in plan.regions for _, p in r.ops if p is OpPolicy.OFFLOAD)
+    warnings.warn(
+        f"memfit: the plan offloads {n} activation(s) to host memory over the host link of "
+        f"{target or 'a GPU'} (planned with target={target!r}), but {type(model).__name__} is on "
+        f"{device}: the activations are in host memory already, so offloading frees nothing and "
+        "adds copies. Move the model to the device the plan is for, or plan for target='cpu' "
+        "(offload is then a no-op)", UserWarning, stacklevel=3)
+
+
 def _undo(model: nn.Module, applied: _Applied) -> None:
+    remove_guard(model, applied.guard)
     for path in applied.wrapped:
         unwrap(model.get_submodule(path))
     for handle in applied.segments:
