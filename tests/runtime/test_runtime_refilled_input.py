@@ -62,3 +62,19 @@ def test_an_input_left_alone_passes() -> None:
     loss = net(x).sum()
     loss.backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_an_output_written_in_place_keeps_its_gradient() -> None:
+    """The version watch hooks the region's outputs; a caller writing one in place still gets
+    the plain step's gradients."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 4), torch.randn(3, 4)
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    wrap(lin)
+    for net in (lin, ref):
+        y = net(x)
+        y.mul_(2)
+        y.sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
