@@ -463,6 +463,78 @@ def test_generator_problem_names_what_differs():
     problem = T.generator_problem(moved)
     assert "('fn', 'context_fn', 'preserve_rng_state', 'args', 'kwargs')" in problem
 
+    def options_keyword_only(fn, *args, preserve_rng_state=True, context_fn=None,
+                             determinism_check="default", debug=False, early_stop=True):
+        yield
+
+    assert T.generator_problem(options_keyword_only) is not None
+
+    def new_option_without_default(fn, preserve_rng_state, context_fn, determinism_check,
+                                   debug, early_stop, *args, must, **kwargs):
+        yield
+
+    assert "'must'" in T.generator_problem(new_option_without_default)
+
+
+def _as_on_2_13(fn, preserve_rng_state=True, context_fn=None, determinism_check="default",
+                debug=False, early_stop=True, *args, **kwargs):
+    yield
+
+
+def _as_on_2_14(fn, preserve_rng_state=True, context_fn=None, determinism_check="default",
+                debug=False, early_stop=True, *args, respect_saved_tensors_hooks=None,
+                **kwargs):
+    return _as_on_2_13(fn, preserve_rng_state, context_fn, determinism_check, debug,
+                       early_stop, *args, **kwargs)
+
+
+@pytest.mark.parametrize("generator", [_as_on_2_13, _as_on_2_14], ids=["generator", "wrapper"])
+def test_generator_problem_accepts_what_memfit_passes(generator):
+    # 2.13: a generator function; 2.14: a function returning the generator of another, with a
+    # keyword-only option added after *args (the positional order kept)
+    assert T.generator_problem(generator) is None
+
+
+def _patch_generator(monkeypatch: pytest.MonkeyPatch, generator: Callable[..., object]) -> None:
+    monkeypatch.setattr(T, "_generator", generator)
+    monkeypatch.setattr(T, "_CHAIN_SEGMENTS_PROBLEM", T.generator_problem(generator))
+
+
+def test_open_checkpoint_drives_a_wrapper_returning_the_generator(monkeypatch):
+    calls = []
+
+    def generator(*args, **kwargs):
+        calls.append(args)
+        yield
+
+    def wrapper(fn, preserve_rng_state=True, context_fn=None, determinism_check="default",
+                debug=False, early_stop=True, *args, respect_saved_tensors_hooks=None):
+        return generator(fn, preserve_rng_state, context_fn, determinism_check, debug,
+                         early_stop, *args)
+
+    _patch_generator(monkeypatch, wrapper)
+    x, replay, contexts = torch.ones(1), (lambda *a: None), (lambda: (None, None))
+    T.close_checkpoint(T.open_checkpoint(replay, contexts, [x]))
+    assert calls == [(replay, True, contexts, "default", False, True, x)]
+
+
+def test_open_checkpoint_refuses_what_is_no_generator(monkeypatch):
+    def returns_none(fn, preserve_rng_state=True, context_fn=None, determinism_check="default",
+                     debug=False, early_stop=True, *args, **kwargs):
+        return None
+
+    _patch_generator(monkeypatch, returns_none)
+    with pytest.raises(UnsupportedTorch, match="to return a generator .*returned NoneType"):
+        T.open_checkpoint(lambda *a: None, lambda: (None, None), [torch.ones(1)])
+
+    def empty(fn, preserve_rng_state=True, context_fn=None, determinism_check="default",
+              debug=False, early_stop=True, *args, **kwargs):
+        return (x for x in ())
+
+    _patch_generator(monkeypatch, empty)
+    with pytest.raises(UnsupportedTorch, match="to yield once"):
+        T.open_checkpoint(lambda *a: None, lambda: (None, None), [torch.ones(1)])
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(SRC.parent), OMP_NUM_THREADS="1")

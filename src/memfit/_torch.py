@@ -21,7 +21,8 @@ NOTE [private torch APIs]
     4. A missing API that only one feature needs is recorded at import and raised, as
        ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
        working: chain segments (torch's non-reentrant checkpoint generator with the
-       positional order memfit calls it with; ``require_chain_segments``), the CPU
+       positional parameters memfit passes, returning a generator that yields once;
+       ``require_chain_segments``), the CPU
        allocator meter (the profiler's kineto results, an attribute of a finished profile;
        ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
        dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
@@ -38,7 +39,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx.traceback
@@ -329,21 +330,42 @@ def traced_source_fn() -> Any:
     return stack[-1][1]
 
 
-_GENERATOR_PARAMS = (
+# The parameters memfit passes to the generator, positionally, in this order; the region's
+# inputs follow as ``*args``. torch 2.14 made the generator function a wrapper that returns
+# the generator of ``_checkpoint_without_reentrant_generator_impl`` (keeping this order, and
+# adding the keyword-only ``respect_saved_tensors_hooks`` after ``*args``), so the check is on
+# what memfit passes, not on the whole signature or on being a generator function.
+_GENERATOR_POSITIONAL = (
     "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-    "args", "kwargs",
 )
 _GENERATOR_NAME = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"
+_GENERATOR_WANTED = (f"{_GENERATOR_NAME}({', '.join(_GENERATOR_POSITIONAL)}, *args, ...) "
+                     "(further parameters keyword-only with defaults)")
 
 
 def generator_problem(generator: Any) -> str | None:
-    """What is wrong with a candidate checkpoint generator (None: memfit can drive it)."""
+    """What is wrong with a candidate checkpoint generator (None: memfit can call it as
+    ``generator(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+    *inputs)``). Whether the call returns a generator is checked when it is made
+    (``open_checkpoint``)."""
     if generator is None:
         return _GENERATOR_NAME
-    params = tuple(inspect.signature(generator).parameters)
-    if params != _GENERATOR_PARAMS or not inspect.isgeneratorfunction(generator):
-        return (f"{_GENERATOR_NAME} as a generator function with parameters "
-                f"{_GENERATOR_PARAMS} (this torch's has {params})")
+    try:
+        params = list(inspect.signature(generator).parameters.values())
+    except (TypeError, ValueError):
+        return f"{_GENERATOR_WANTED} (this torch's has no signature)"
+    n = len(_GENERATOR_POSITIONAL)
+    head, rest = params[:n], params[n:]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ok = (tuple(p.name for p in head) == _GENERATOR_POSITIONAL
+          and all(p.kind in positional for p in head)
+          and bool(rest) and rest[0].kind is inspect.Parameter.VAR_POSITIONAL
+          and all(p.kind is inspect.Parameter.VAR_KEYWORD
+                  or (p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty)
+                  for p in rest[1:]))
+    if not ok:
+        names = tuple(p.name for p in params)
+        return f"{_GENERATOR_WANTED} (this torch's has {names})"
     return None
 
 
@@ -354,8 +376,12 @@ _CHAIN_SEGMENTS_PROBLEM = generator_problem(_generator)
 def require_chain_segments() -> None:
     """Raise ``UnsupportedTorch`` if this torch cannot run chain segments (rule 4)."""
     if _CHAIN_SEGMENTS_PROBLEM is not None:
-        raise unsupported(_CHAIN_SEGMENTS_PROBLEM, feature="chain segments",
-                          advice="wrap the blocks one by one with memfit.wrap")
+        raise _chain_segments_unsupported(_CHAIN_SEGMENTS_PROBLEM)
+
+
+def _chain_segments_unsupported(what: str) -> UnsupportedTorch:
+    return unsupported(what, feature="chain segments",
+                       advice="wrap the blocks one by one with memfit.wrap")
 
 
 def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]],
@@ -366,12 +392,25 @@ def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, 
 
     Returns:
         The open checkpoint: pass it to ``close_checkpoint``, or ``.close()`` it to abandon it.
+
+    Raises:
+        UnsupportedTorch: this torch's generator has other parameters (rule 4), or its call
+            returned something else than a generator that yields.
     """
     require_chain_segments()
     assert _generator is not None
-    gen = _generator(fn, True, context_fn, "default", False, True, *inputs)
-    next(gen)
-    return gen
+    gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs)
+    if not inspect.isgenerator(gen):
+        raise _chain_segments_unsupported(
+            f"{_GENERATOR_NAME} to return a generator (this torch's returned "
+            f"{type(gen).__name__})")
+    try:
+        next(gen)
+    except StopIteration:
+        raise _chain_segments_unsupported(
+            f"{_GENERATOR_NAME} to yield once, where the region runs (this torch's "
+            "generator yielded nothing)") from None
+    return cast("Generator[None, None, None]", gen)
 
 
 def close_checkpoint(gen: Generator[None, None, None]) -> None:
