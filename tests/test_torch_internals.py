@@ -276,6 +276,22 @@ def _mm_then_written(forget: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return x.grad, w.grad
 
 
+def _sac_op_output() -> None:
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append((op, T.sac_op_output(ctx)))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(
+        lambda x: torch.mm(x, x.t()).sin(), x, use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    assert [op for op, _ in seen] == [aten.t.default, aten.mm.default, aten.sin.default]
+    assert torch.equal(seen[1][1], torch.mm(x, x.t()))
+    assert torch.equal(seen[2][1], torch.mm(x, x.t()).sin())
+
+
 def _sac_forget() -> None:
     with pytest.raises(Exception, match="mutated"):  # why it exists: torch refuses otherwise
         _mm_then_written(forget=False)
@@ -315,6 +331,9 @@ def _sac_storage_entries() -> None:
     assert saved is not None and torch.equal(saved[0], torch.mm(x, x.t())) and saved[1] == 0
     out.sum().backward()
     assert not T.sac_is_entry(storage[aten.mm.default][0])  # consumed by the replay
+    packed = torch.utils.checkpoint._VersionWrapper(torch.ones(1))
+    packed.unpack_hook = lambda v: v  # what a user's pack hook made (torch 2.14 can cache it)
+    assert T.sac_saved_tensor(packed) is None
 
 
 def _require_chain_segments() -> None:
@@ -418,6 +437,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "peek_sequence_nr": _peek_sequence_nr,
     "no_python_dispatch": _no_python_dispatch,
     "outer_saved_tensors_hooks": _outer_saved_tensors_hooks,
+    "sac_op_output": _sac_op_output,
     "sac_forget": _sac_forget,
     "require_sac_storage": _require_sac_storage,
     "sac_set_storage": _sac_storage_entries,

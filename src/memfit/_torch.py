@@ -74,6 +74,7 @@ __all__ = [
     "peek_sequence_nr",
     "no_python_dispatch",
     "outer_saved_tensors_hooks",
+    "sac_op_output",
     "sac_forget",
     "require_sac_storage",
     "sac_set_storage",
@@ -140,6 +141,21 @@ for _attr in ("_schema", "_overloadpacket", "_namespace"):  # instance attribute
         raise unsupported(f"OpOverload.{_attr}")
 if not isinstance(nn.Module().__dict__.get("_buffers"), dict):
     raise unsupported("nn.Module._buffers (a dict of the module's own buffers)")
+
+
+def _has_op_output() -> bool:
+    probe = torch.zeros(1)
+    try:
+        ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False,
+                                                                op_output=probe)
+    except TypeError:
+        return False
+    return getattr(ctx, "op_output", None) is probe
+
+
+if not _has_op_output():  # every region's policy reads it (memfit.runtime.policies)
+    raise unsupported("torch.utils.checkpoint.SelectiveCheckpointContext.op_output (the "
+                      "output of the op a selective-checkpoint policy decides for)")
 
 # Logger of the fake-tensor machinery (the CLI quiets its tracebacks of failing ops).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -253,6 +269,12 @@ def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 
 # ---- torch.utils.checkpoint ----------------------------------------------------------------
+def sac_op_output(ctx: Any) -> Any:
+    """The output of the op a selective-checkpoint policy is asked about: what the caching
+    mode stores if the policy says save (``ctx`` as torch passes it to the policy)."""
+    return ctx.op_output
+
+
 def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
     """Turn a saved entry of torch's selective-checkpoint cache back into "recompute".
 
@@ -310,7 +332,11 @@ def sac_is_entry(value: Any) -> bool:
 
 def sac_saved_tensor(leaf: Any) -> tuple[torch.Tensor, int] | None:
     """The tensor a ``_VersionWrapper`` leaf holds and its version when cached (None: a
-    non-tensor leaf)."""
+    non-tensor leaf, or one that holds what a user's saved-tensor pack hook made of the
+    tensor: from torch 2.14 on, a checkpoint called with ``respect_saved_tensors_hooks=True``
+    caches that, with the unpack hook to apply when it is read)."""
+    if getattr(leaf, "unpack_hook", None) is not None:
+        return None
     val = leaf.val
     return (val, leaf.version) if isinstance(val, torch.Tensor) else None
 
