@@ -29,9 +29,15 @@ aten = torch.ops.aten
 
 # ---- one exercise per public name of memfit._torch ---------------------------------------
 def _supported_torch() -> None:
-    assert T.SUPPORTED_TORCH == ">=2.6"
-    major, minor = (int(p) for p in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
-    assert (major, minor) >= (2, 6)
+    assert T.SUPPORTED_TORCH == ">=2.13,<2.15"
+    assert (2, 13) <= T.torch_release(torch.__version__) < (2, 15)
+    # the range pyproject.toml declares is this one
+    pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
+    assert re.findall(r'"torch([<>=!~][^"]*)"', pyproject) == [T.SUPPORTED_TORCH]
+
+
+def _require_supported_torch() -> None:
+    assert T.require_supported_torch() is None  # this torch (the refusals: tests below)
 
 
 def _torch_dispatch_mode() -> None:
@@ -413,6 +419,7 @@ def _traced_source_fn() -> None:
 
 EXERCISES: dict[str, Callable[[], None]] = {
     "SUPPORTED_TORCH": _supported_torch,
+    "require_supported_torch": _require_supported_torch,
     "TorchDispatchMode": _torch_dispatch_mode,
     "FakeTensorMode": _fake_tensor_mode,
     "FAKE_TENSOR_LOGGER": _fake_tensor_logger,
@@ -468,7 +475,7 @@ def test_lookup_resolves_submodules_and_names_a_missing_api():
         T.lookup("torch.utils.checkpoint._no_such_api")
     message = str(info.value)
     assert "torch.utils.checkpoint._no_such_api" in message
-    assert f"torch {torch.__version__}" in message and ">=2.6" in message
+    assert f"torch {torch.__version__}" in message and T.SUPPORTED_TORCH in message
     assert isinstance(info.value, MemfitError) and isinstance(info.value, ImportError)
 
 
@@ -556,10 +563,62 @@ def test_open_checkpoint_refuses_what_is_no_generator(monkeypatch):
         T.open_checkpoint(lambda *a: None, lambda: (None, None), [torch.ones(1)])
 
 
+@pytest.mark.parametrize("version", ["2.12.1", "2.6.0+cpu", "1.13.1"])
+def test_an_older_torch_is_refused_naming_it_and_the_range(monkeypatch, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(UnsupportedTorch) as info:
+        T.require_supported_torch()
+    assert str(info.value) == (
+        f"memfit needs torch >=2.13,<2.15, but torch {version} is installed (memfit is tested "
+        f"with {T._TESTED}): install a supported torch, e.g. pip install 'torch>=2.13,<2.15'")
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.1"])
+def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    with caplog.at_level(logging.WARNING, logger="memfit._torch"):
+        T.require_supported_torch()
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20260101+cpu", "3.0.0"])
+def test_a_newer_torch_is_let_through_with_a_warning(monkeypatch, caplog, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    with caplog.at_level(logging.WARNING, logger="memfit._torch"):
+        T.require_supported_torch()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"torch {version} is newer than the releases memfit is tested with ({T._TESTED}, "
+        "supported >=2.13,<2.15); memfit checks the private APIs it needs, but was not tested "
+        "on this torch"]
+
+
+def test_torch_release_reads_major_and_minor():
+    assert T.torch_release("2.14.1+cpu") == (2, 14)
+    assert T.torch_release("2.16.0.dev20260101") == (2, 16)
+    assert T.torch_release("10.2") == (10, 2)
+    assert T.torch_release("local-build") is None
+
+
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(SRC.parent), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def test_an_older_torch_fails_at_the_first_profiling_import():
+    done = _run("""
+        import torch
+        torch.__version__ = "2.10.0"             # as on an older torch
+        import memfit                            # needs no torch internals
+        try:
+            memfit.profile(torch.nn.Linear(2, 2), torch.ones(1, 2))
+        except ImportError as e:
+            print(type(e).__name__, "|", e)
+    """)
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.strip().split(" | ", 1)
+    assert kind == "UnsupportedTorch"
+    assert message.startswith("memfit needs torch >=2.13,<2.15, but torch 2.10.0 is installed")
 
 
 def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
@@ -576,7 +635,7 @@ def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
     kind, message = done.stdout.strip().split(" | ", 1)
     assert kind == "UnsupportedTorch"
     assert "torch._C._DisableTorchDispatch" in message
-    assert f"torch {torch.__version__}" in message and ">=2.6" in message
+    assert f"torch {torch.__version__}" in message and T.SUPPORTED_TORCH in message
 
 
 def test_a_changed_checkpoint_generator_fails_chain_segments_only():
@@ -601,7 +660,7 @@ def test_a_changed_checkpoint_generator_fails_chain_segments_only():
     assert message.startswith("memfit's chain segments need")
     assert "_checkpoint_without_reentrant_generator" in message
     assert "(this torch's has ('fn', 'context_fn', 'args', 'kwargs'))" in message
-    assert ">=2.6" in message and "memfit.wrap" in message
+    assert T.SUPPORTED_TORCH in message and "memfit.wrap" in message
 
 
 # ---- no private torch API outside memfit._torch -----------------------------------------------

@@ -5,6 +5,13 @@ NOTE [private torch APIs]
     op schemas, storage identities, autograd sequence numbers, a checkpoint that can be
     entered and left in different functions. The rules:
 
+    0. memfit supports the torch releases its test suite has passed on (``SUPPORTED_TORCH``,
+       the range ``pyproject.toml`` declares; ``./run test-torch VERSION`` runs the suite on
+       another). An older torch is refused when this module is first imported (rule 2), by
+       ``UnsupportedTorch`` naming the installed version and the range: older releases
+       behave differently where no probe below looks (dynamo failing to compile a wrapped
+       model, ``checkpoint`` without some of the keyword options memfit passes). A newer
+       torch is let through with a warning in the log; the probes below say what it lacks.
     1. This module is the only one of memfit that imports ``torch._*`` or ``torch.utils._*``
        or reads a private attribute of a torch object (``._schema``, ``._cdata``,
        ``._version``...). Every other module uses the names defined here;
@@ -38,6 +45,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import re
 from collections.abc import Callable, Generator
 from typing import Any, cast
 
@@ -50,6 +59,7 @@ from memfit.errors import UnsupportedTorch
 
 __all__ = [
     "SUPPORTED_TORCH",
+    "require_supported_torch",
     "TorchDispatchMode",
     "FakeTensorMode",
     "FAKE_TENSOR_LOGGER",
@@ -87,8 +97,14 @@ __all__ = [
     "cpu_memory_events",
 ]
 
-SUPPORTED_TORCH = ">=2.6"
-_TESTED = "2.13"
+log = logging.getLogger(__name__)
+
+# Rule 0: the oldest and newest (major, minor) releases the suite has passed on, and the
+# versions it passed with. pyproject.toml declares the same range (a test checks it).
+_OLDEST = (2, 13)
+_NEWEST = (2, 14)
+_TESTED = "2.13.0, 2.14.1"
+SUPPORTED_TORCH = f">={_OLDEST[0]}.{_OLDEST[1]},<{_NEWEST[0]}.{_NEWEST[1] + 1}"
 
 
 def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> UnsupportedTorch:
@@ -99,6 +115,38 @@ def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> U
         f"supports torch {SUPPORTED_TORCH} (tested with {_TESTED}): install a supported "
         f"torch{'; or ' + advice if advice else ''}"
     )
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a torch version string (``"2.14.1+cpu"``, ``"2.16.0.dev20260101"``
+    -> ``(2, 14)``, ``(2, 16)``); None if it does not start with two numbers."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def require_supported_torch() -> None:
+    """Raise ``UnsupportedTorch`` if the installed torch is older than ``SUPPORTED_TORCH``;
+    log a warning if it is newer (NOTE [private torch APIs], rule 0). Called when this module
+    is first imported."""
+    version = torch.__version__
+    release = torch_release(version)
+    if release is None:
+        log.warning("cannot tell the release of torch %r; memfit supports torch %s",
+                    version, SUPPORTED_TORCH)
+        return
+    if release < _OLDEST:
+        raise UnsupportedTorch(
+            f"memfit needs torch {SUPPORTED_TORCH}, but torch {version} is installed (memfit "
+            f"is tested with {_TESTED}): install a supported torch, e.g. "
+            f"pip install 'torch{SUPPORTED_TORCH}'"
+        )
+    if release > _NEWEST:
+        log.warning("torch %s is newer than the releases memfit is tested with (%s, "
+                    "supported %s); memfit checks the private APIs it needs, but was not "
+                    "tested on this torch", version, _TESTED, SUPPORTED_TORCH)
+
+
+require_supported_torch()
 
 
 def lookup(path: str) -> Any:
