@@ -403,18 +403,25 @@ def _traced_source_fn() -> None:
         seen.append((str(op), T.traced_source_fn()))
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    drop = nn.Dropout(0.0)
+    drop, lin = nn.Dropout(0.0), nn.Linear(3, 3)
 
     def region(x):
-        return drop(x.sin())
+        return lin(drop(x.sin()))
 
     def step(x):
         return torch.utils.checkpoint.checkpoint(
             region, x, use_reentrant=False,
             context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
-    torch.compile(step, backend="aot_eager")(torch.ones(3, requires_grad=True)).sum().backward()
-    assert ("aten.clone.default", nn.Dropout) in seen  # dropout(p=0) traces as a clone
+    torch.compile(step, backend="aot_eager")(torch.ones(2, 3, requires_grad=True)).sum().backward()
+    # A torch function's source is its name, a module's its class. Dropout with p = 0 traces
+    # as a clone on torch 2.13 and as nothing from 2.14 on, as in eager mode (NOTE [op keys
+    # under torch.compile] in memfit.runtime.checkpoint counts that clone as nothing).
+    dropout = [("aten.clone.default", nn.Dropout)] if T.torch_release(torch.__version__) < \
+        (2, 14) else []
+    assert list(dict.fromkeys(seen)) == [  # each traced op is asked about more than once
+        ("aten.sin.default", "sin"), *dropout,
+        ("aten.t.default", nn.Linear), ("aten.addmm.default", nn.Linear)]
 
 
 EXERCISES: dict[str, Callable[[], None]] = {
