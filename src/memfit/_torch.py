@@ -5,6 +5,13 @@ NOTE [private torch APIs]
     op schemas, storage identities, autograd sequence numbers, a checkpoint that can be
     entered and left in different functions. The rules:
 
+    0. memfit supports the torch releases its test suite has passed on (``SUPPORTED_TORCH``,
+       the range ``pyproject.toml`` declares; ``./run test-torch VERSION`` runs the suite on
+       another). An older torch is refused when this module is first imported (rule 2), by
+       ``UnsupportedTorch`` naming the installed version and the range: older releases
+       behave differently where no probe below looks (dynamo failing to compile a wrapped
+       model, ``checkpoint`` without some of the keyword options memfit passes). A newer
+       torch is let through with a warning in the log; the probes below say what it lacks.
     1. This module is the only one of memfit that imports ``torch._*`` or ``torch.utils._*``
        or reads a private attribute of a torch object (``._schema``, ``._cdata``,
        ``._version``...). Every other module uses the names defined here;
@@ -21,7 +28,8 @@ NOTE [private torch APIs]
     4. A missing API that only one feature needs is recorded at import and raised, as
        ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
        working: chain segments (torch's non-reentrant checkpoint generator with the
-       positional order memfit calls it with; ``require_chain_segments``), the CPU
+       positional parameters memfit passes, returning a generator that yields once;
+       ``require_chain_segments``), the CPU
        allocator meter (the profiler's kineto results, an attribute of a finished profile;
        ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
        dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
@@ -37,8 +45,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import re
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx.traceback
@@ -49,6 +59,7 @@ from memfit.errors import UnsupportedTorch
 
 __all__ = [
     "SUPPORTED_TORCH",
+    "require_supported_torch",
     "TorchDispatchMode",
     "FakeTensorMode",
     "FAKE_TENSOR_LOGGER",
@@ -74,6 +85,7 @@ __all__ = [
     "peek_sequence_nr",
     "no_python_dispatch",
     "outer_saved_tensors_hooks",
+    "sac_op_output",
     "sac_forget",
     "sac_rearm",
     "require_sac_storage",
@@ -87,8 +99,14 @@ __all__ = [
     "cpu_memory_events",
 ]
 
-SUPPORTED_TORCH = ">=2.6"
-_TESTED = "2.13"
+log = logging.getLogger(__name__)
+
+# Rule 0: the oldest and newest (major, minor) releases the suite has passed on, and the
+# versions it passed with. pyproject.toml declares the same range (a test checks it).
+_OLDEST = (2, 13)
+_NEWEST = (2, 14)
+_TESTED = "2.13.0, 2.14.1"
+SUPPORTED_TORCH = f">={_OLDEST[0]}.{_OLDEST[1]},<{_NEWEST[0]}.{_NEWEST[1] + 1}"
 
 
 def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> UnsupportedTorch:
@@ -99,6 +117,38 @@ def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> U
         f"supports torch {SUPPORTED_TORCH} (tested with {_TESTED}): install a supported "
         f"torch{'; or ' + advice if advice else ''}"
     )
+
+
+def torch_release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a torch version string (``"2.14.1+cpu"``, ``"2.16.0.dev20260101"``
+    -> ``(2, 14)``, ``(2, 16)``); None if it does not start with two numbers."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def require_supported_torch() -> None:
+    """Raise ``UnsupportedTorch`` if the installed torch is older than ``SUPPORTED_TORCH``;
+    log a warning if it is newer (NOTE [private torch APIs], rule 0). Called when this module
+    is first imported."""
+    version = torch.__version__
+    release = torch_release(version)
+    if release is None:
+        log.warning("cannot tell the release of torch %r; memfit supports torch %s",
+                    version, SUPPORTED_TORCH)
+        return
+    if release < _OLDEST:
+        raise UnsupportedTorch(
+            f"memfit needs torch {SUPPORTED_TORCH}, but torch {version} is installed (memfit "
+            f"is tested with {_TESTED}): install a supported torch, e.g. "
+            f"pip install 'torch{SUPPORTED_TORCH}'"
+        )
+    if release > _NEWEST:
+        log.warning("torch %s is newer than the releases memfit is tested with (%s, "
+                    "supported %s); memfit checks the private APIs it needs, but was not "
+                    "tested on this torch", version, _TESTED, SUPPORTED_TORCH)
+
+
+require_supported_torch()
 
 
 def lookup(path: str) -> Any:
@@ -141,6 +191,21 @@ for _attr in ("_schema", "_overloadpacket", "_namespace"):  # instance attribute
         raise unsupported(f"OpOverload.{_attr}")
 if not isinstance(nn.Module().__dict__.get("_buffers"), dict):
     raise unsupported("nn.Module._buffers (a dict of the module's own buffers)")
+
+
+def _has_op_output() -> bool:
+    probe = torch.zeros(1)
+    try:
+        ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False,
+                                                                op_output=probe)
+    except TypeError:
+        return False
+    return getattr(ctx, "op_output", None) is probe
+
+
+if not _has_op_output():  # every region's policy reads it (memfit.runtime.policies)
+    raise unsupported("torch.utils.checkpoint.SelectiveCheckpointContext.op_output (the "
+                      "output of the op a selective-checkpoint policy decides for)")
 
 # Logger of the fake-tensor machinery (the CLI quiets its tracebacks of failing ops).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -260,6 +325,12 @@ def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 
 # ---- torch.utils.checkpoint ----------------------------------------------------------------
+def sac_op_output(ctx: Any) -> Any:
+    """The output of the op a selective-checkpoint policy is asked about: what the caching
+    mode stores if the policy says save (``ctx`` as torch passes it to the policy)."""
+    return ctx.op_output
+
+
 def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
     """Turn a saved entry of torch's selective-checkpoint cache back into "recompute".
 
@@ -337,7 +408,11 @@ def sac_is_entry(value: Any) -> bool:
 
 def sac_saved_tensor(leaf: Any) -> tuple[torch.Tensor, int] | None:
     """The tensor a ``_VersionWrapper`` leaf holds and its version when cached (None: a
-    non-tensor leaf)."""
+    non-tensor leaf, or one that holds what a user's saved-tensor pack hook made of the
+    tensor: from torch 2.14 on, a checkpoint called with ``respect_saved_tensors_hooks=True``
+    caches that, with the unpack hook to apply when it is read)."""
+    if getattr(leaf, "unpack_hook", None) is not None:
+        return None
     val = leaf.val
     return (val, leaf.version) if isinstance(val, torch.Tensor) else None
 
@@ -357,21 +432,42 @@ def traced_source_fn() -> Any:
     return stack[-1][1]
 
 
-_GENERATOR_PARAMS = (
+# The parameters memfit passes to the generator, positionally, in this order; the region's
+# inputs follow as ``*args``. torch 2.14 made the generator function a wrapper that returns
+# the generator of ``_checkpoint_without_reentrant_generator_impl`` (keeping this order, and
+# adding the keyword-only ``respect_saved_tensors_hooks`` after ``*args``), so the check is on
+# what memfit passes, not on the whole signature or on being a generator function.
+_GENERATOR_POSITIONAL = (
     "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-    "args", "kwargs",
 )
 _GENERATOR_NAME = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"
+_GENERATOR_WANTED = (f"{_GENERATOR_NAME}({', '.join(_GENERATOR_POSITIONAL)}, *args, ...) "
+                     "(further parameters keyword-only with defaults)")
 
 
 def generator_problem(generator: Any) -> str | None:
-    """What is wrong with a candidate checkpoint generator (None: memfit can drive it)."""
+    """What is wrong with a candidate checkpoint generator (None: memfit can call it as
+    ``generator(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+    *inputs)``). Whether the call returns a generator is checked when it is made
+    (``open_checkpoint``)."""
     if generator is None:
         return _GENERATOR_NAME
-    params = tuple(inspect.signature(generator).parameters)
-    if params != _GENERATOR_PARAMS or not inspect.isgeneratorfunction(generator):
-        return (f"{_GENERATOR_NAME} as a generator function with parameters "
-                f"{_GENERATOR_PARAMS} (this torch's has {params})")
+    try:
+        params = list(inspect.signature(generator).parameters.values())
+    except (TypeError, ValueError):
+        return f"{_GENERATOR_WANTED} (this torch's has no signature)"
+    n = len(_GENERATOR_POSITIONAL)
+    head, rest = params[:n], params[n:]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ok = (tuple(p.name for p in head) == _GENERATOR_POSITIONAL
+          and all(p.kind in positional for p in head)
+          and bool(rest) and rest[0].kind is inspect.Parameter.VAR_POSITIONAL
+          and all(p.kind is inspect.Parameter.VAR_KEYWORD
+                  or (p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty)
+                  for p in rest[1:]))
+    if not ok:
+        names = tuple(p.name for p in params)
+        return f"{_GENERATOR_WANTED} (this torch's has {names})"
     return None
 
 
@@ -382,8 +478,12 @@ _CHAIN_SEGMENTS_PROBLEM = generator_problem(_generator)
 def require_chain_segments() -> None:
     """Raise ``UnsupportedTorch`` if this torch cannot run chain segments (rule 4)."""
     if _CHAIN_SEGMENTS_PROBLEM is not None:
-        raise unsupported(_CHAIN_SEGMENTS_PROBLEM, feature="chain segments",
-                          advice="wrap the blocks one by one with memfit.wrap")
+        raise _chain_segments_unsupported(_CHAIN_SEGMENTS_PROBLEM)
+
+
+def _chain_segments_unsupported(what: str) -> UnsupportedTorch:
+    return unsupported(what, feature="chain segments",
+                       advice="wrap the blocks one by one with memfit.wrap")
 
 
 def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]],
@@ -394,12 +494,25 @@ def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, 
 
     Returns:
         The open checkpoint: pass it to ``close_checkpoint``, or ``.close()`` it to abandon it.
+
+    Raises:
+        UnsupportedTorch: this torch's generator has other parameters (rule 4), or its call
+            returned something else than a generator that yields.
     """
     require_chain_segments()
     assert _generator is not None
-    gen = _generator(fn, True, context_fn, "default", False, True, *inputs)
-    next(gen)
-    return gen
+    gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs)
+    if not inspect.isgenerator(gen):
+        raise _chain_segments_unsupported(
+            f"{_GENERATOR_NAME} to return a generator (this torch's returned "
+            f"{type(gen).__name__})")
+    try:
+        next(gen)
+    except StopIteration:
+        raise _chain_segments_unsupported(
+            f"{_GENERATOR_NAME} to yield once, where the region runs (this torch's "
+            "generator yielded nothing)") from None
+    return cast("Generator[None, None, None]", gen)
 
 
 def close_checkpoint(gen: Generator[None, None, None]) -> None:

@@ -103,12 +103,14 @@ class SolverTimeout(MemfitError, TimeoutError):
 
 
 class UnsupportedTorch(MemfitError, ImportError):
-    """The installed torch lacks a private API memfit relies on (``memfit._torch``).
+    """The installed torch is older than the range memfit supports, or lacks a private API
+    memfit relies on (``memfit._torch``).
 
     Raised when ``memfit._torch`` is first imported (by the first profiling, planning or
-    runtime module imported) for the APIs every stage needs, or when a feature is first used
-    for the APIs only that feature needs (chain segments, the CPU allocator meter). It is
-    also an ``ImportError``. NOTE [private torch APIs] in ``memfit._torch``.
+    runtime module imported) for an older torch and for the APIs every stage needs, or when a
+    feature is first used for the APIs only that feature needs (chain segments, the CPU
+    allocator meter, offload). It is also an ``ImportError``. NOTE [private torch APIs] in
+    ``memfit._torch``.
     """
 
 

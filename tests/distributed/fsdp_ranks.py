@@ -12,7 +12,8 @@ from rank_common import batch, full_weights, gather, llama, same_weights, setup,
 from torch.distributed.fsdp import fully_shard
 
 import memfit
-from memfit import Plan, Region
+from memfit import OpPolicy, Plan, Region
+from memfit.ops import KEPT_DRAW_OPS
 
 order = sys.argv[1]
 rank = setup()
@@ -39,6 +40,12 @@ else:
     shard(model)
 plan = model.memfit_plan
 report = memfit.verify(model, batch())
+# The dropout masks the plan keeps (NOTE [kept draws]; Llama draws only the attention's): one
+# byte per element of the (batch, heads, time, time) mask and a generator state each.
+b, t = batch()["input_ids"].shape
+kept_draws = sum(k.rsplit("#", 1)[0] in KEPT_DRAW_OPS and v is OpPolicy.SAVE
+                 for r in plan.regions for k, v in r.ops)
+mask_bytes = b * model.config.num_attention_heads * t * t
 weights = full_weights(train(model, rank))
 refused = {}  # plans that put FSDP units inside a region: refused by apply, on every rank
 for name, region in [("segment", ("model.layers.0", "model.layers.1")), ("holder", ("model",))]:
@@ -51,6 +58,7 @@ write(rank, {
     "refused": refused,
     "plans": gather(plan.to_dict()),
     "regions": len(plan.regions),
+    "kept_draw_bytes": kept_draws * (mask_bytes + torch.get_rng_state().nbytes),
     "verify": report.to_dict(),
     "verify_text": str(report),
     "unequal": same_weights(weights, reference),

@@ -84,12 +84,15 @@ def test_fsdp2_one_plan_verified_and_weights_equal_plain_fsdp2(order: str, tmp_p
         if order == "shard-then-fit":
             # the tensors' peak, the meter the prediction is built on, is predicted to 0.1%
             # (512 B of 7.6 MB seen; the 3% of NOTE [peak tolerance] would hide gloo's share),
-            # less the regions' RNG states the prediction counts and that meter does not see
-            # (NOTE [region state bytes]; 34,880 B over 7 regions seen)
+            # less what the prediction counts and that meter does not see: the regions' RNG
+            # states (NOTE [region state bytes]; 34,880 B over 7 regions seen) and the masks
+            # and generator states of the draws the plan keeps, made with Python dispatch off
+            # (NOTE [kept draws], rule 4; 70,592 B each here). The plan depends on the op
+            # times measured, so whether it keeps draws changes from run to run.
             pred = report["predicted_peak_bytes"]
-            states = res["regions"] * torch.get_rng_state().nbytes
+            unseen = res["regions"] * torch.get_rng_state().nbytes + res["kept_draw_bytes"]
             err = pred - report["tracked_peak_bytes"]
-            assert -0.001 * pred <= err <= states + 0.001 * pred, res["verify_text"]
+            assert -0.001 * pred <= err <= unseen + 0.001 * pred, res["verify_text"]
         assert res["n_weights"] > 0
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ from plain FSDP2"
         for how, error in res["refused"].items():  # NOTE [collectives in a region]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 
 import pytest
 import torch
@@ -262,6 +263,26 @@ def test_no_grad_runs_plainly():
     with torch.no_grad():
         y = checkpoint(model, torch.randn(2, 8, 32), preserve_rng_state=False)
     assert not y.requires_grad and counter.count == 1
+
+
+def test_no_grad_keeps_every_option_of_this_torchs_checkpoint_from_fn():
+    # the keyword options of torch.utils.checkpoint.checkpoint, read from its signature
+    # (torch 2.14 added respect_saved_tensors_hooks), never reach fn, with or without autograd
+    params = inspect.signature(torch.utils.checkpoint.checkpoint).parameters.values()
+    options = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
+               and p.name not in ("use_reentrant", "context_fn")}
+    options["preserve_rng_state"] = True  # read from **kwargs by torch 2.13
+    seen = []
+
+    def fn(x, **kwargs):
+        seen.append(kwargs)
+        return (x * 2).sin()  # saves its input: backward recomputes it
+
+    x = torch.ones(2, requires_grad=True)
+    with torch.no_grad():
+        checkpoint(fn, x, scale=3, **options)
+    checkpoint(fn, x, scale=3, **options).sum().backward()
+    assert seen == [{"scale": 3}] * 3  # no grad; forward and its recomputation
 
 
 class _Flaky(nn.Module):

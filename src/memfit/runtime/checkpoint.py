@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -293,7 +294,16 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: An
                       modules=_modules_of(fn), user_contexts=user_contexts)
 
 
-_TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+def _torch_options() -> frozenset[str]:
+    """The keyword options of this torch's ``checkpoint`` that memfit passes through (torch
+    2.14 added ``respect_saved_tensors_hooks``; ``preserve_rng_state`` is read from
+    ``**kwargs`` on 2.13), which ``fn`` must not get when the region runs without autograd."""
+    params = inspect.signature(torch.utils.checkpoint.checkpoint).parameters.values()
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return frozenset(keywords - {"use_reentrant", "context_fn"} | {"preserve_rng_state"})
+
+
+_TORCH_OPTIONS = _torch_options()
 
 
 def run_region(

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 #     stream the policy sees is not always the eager one whose keys the plan names (measured
 #     on torch 2.13, zoo GPT): dropout (train, 0 < p < 1) traces as one
 #     ``aten.native_dropout`` where eager CPU runs ``empty_like, bernoulli_, div_, mul``;
-#     dropout with p = 0 (or in eval mode) traces as ``aten.clone`` where eager runs nothing;
+#     dropout with p = 0 (or in eval mode) traces as ``aten.clone`` where eager runs nothing
+#     (torch 2.13; from 2.14 on it traces as nothing too);
 #     matmul's result reshape traces as ``aten.view`` where eager runs ``aten._unsafe_view``.
 #     Counting the traced ops as they come would shift later keys (a plan saving the
 #     attention's ``aten.mul.Tensor#4`` would save another mul). ``CompiledRegionPolicy``

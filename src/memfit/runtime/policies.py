@@ -50,7 +50,13 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from memfit._torch import OpOverload, OpOverloadPacket, sac_forget, written_tensors
+from memfit._torch import (
+    OpOverload,
+    OpOverloadPacket,
+    sac_forget,
+    sac_op_output,
+    written_tensors,
+)
 from memfit.ops import (
     KEPT_DRAW_OPS,
     MATMUL_PACKETS,
@@ -400,7 +406,7 @@ class RegionPolicy:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self.recorder is not None:
-            self.recorder.note(op, getattr(ctx, "op_output", None), args, kwargs)
+            self.recorder.note(op, sac_op_output(ctx), args, kwargs)
         name = op_name(op)
         counts = self.counts
         k = counts.get(name, 0)
@@ -416,7 +422,7 @@ class RegionPolicy:
             if decision is _OFFLOAD and not is_view(op):  # in-place ops returned above
                 self.offloads.add((op, k))
             if self._caching_mode is not None:
-                for t in _tensors(getattr(ctx, "op_output", None)):
+                for t in _tensors(sac_op_output(ctx)):
                     ptr = t.untyped_storage().data_ptr()
                     if ptr:
                         self._saved[ptr].append((op, k))
