@@ -47,6 +47,16 @@ NOTE [saved tensors]
     ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
     it). ``first_unpack`` is the backward op during which backward first read it; a region's
     recomputation happens just before the first of its saved storages is unpacked.
+    ``saves`` has one ``(op, first_unpack, released_after)`` per forward pack of it: ``op`` is
+    the forward op that saved it (its output, packed after it ran, or, packed in another
+    module than the op before, its input: ``OpRecord.packs``/``next_packs``), so a pack
+    belongs to the checkpoint of a region iff ``op`` is one of the region's ops;
+    ``first_unpack`` the backward op during which that pack was first read, ``released_after``
+    the op after which autograd let it go (its node ran), ``None`` for never. A storage
+    saved by a region's own op and read after it (the region's output, saved by its last
+    activation) is held by that node in the plain step, by nothing of the region's under
+    checkpointing (NOTE [region memory model] in ``memfit.planning.effects``). Profiles
+    written before the field have no ``saves``.
 """
 
 from __future__ import annotations
@@ -114,6 +124,7 @@ class StorageRecord:
     first_unpack: int | None = None
     last_forward_use: int | None = None
     autocast_cached: bool = False
+    saves: tuple[tuple[int, int | None, int | None], ...] = ()  # NOTE [saved tensors]
 
 
 @dataclass(frozen=True)
@@ -269,7 +280,9 @@ class Profile:
                     )
                     for o in data["ops"]
                 ),
-                storages=tuple(StorageRecord(**{**s, "kind": StorageKind(s["kind"])}) for s in data["storages"]),
+                storages=tuple(StorageRecord(**{**s, "kind": StorageKind(s["kind"]),
+                                                "saves": tuple(tuple(x) for x in s.get("saves", ()))})
+                               for s in data["storages"]),
                 modules=tuple(
                     ModuleRecord(**{**m, "children": tuple(m["children"]), "inputs": tuple(m["inputs"]),
                                     "outputs": tuple(m["outputs"])})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,11 @@ class TracedOp:
     next_packs: int = 0            # ... while another module ran (the next op's inputs)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Packed:
     tensor: torch.Tensor
     sid: int
+    save: list[int | None] | None = None  # its entry in the storage's ``saves``
 
 
 class StorageTracker(LiveStorages):
@@ -94,6 +96,7 @@ class StorageTracker(LiveStorages):
         self.param_owner = param_owner or {}
         self.ops: list[TracedOp] = []
         self._pending_unpack: list[int] = []
+        self._pending_saves: list[list[int | None]] = []
         self._seq: list[int] = []               # autograd sequence_nr peek at each forward op
         self._node: Any = None
         self._node_info: tuple[str, int | None] = ("", None)
@@ -111,7 +114,7 @@ class StorageTracker(LiveStorages):
     # ---- phases --------------------------------------------------------------------------
     def _finish(self) -> None:
         self._node = None
-        if self._pending_unpack and self.pos >= 0:
+        if (self._pending_unpack or self._pending_saves) and self.pos >= 0:
             self._resolve_unpacks(self.pos)
 
     def _workspaces(self) -> Sequence[int]:
@@ -121,22 +124,38 @@ class StorageTracker(LiveStorages):
     def pack(self, t: torch.Tensor) -> Any:
         # every pack counts, tracked storage or not: torch's checkpoint counts them all to
         # stop its replay (NOTE [region memory model] in memfit.planning.effects)
+        by = -1  # the forward op that saved it (NOTE [saved tensors] in memfit.profiling.profile)
         if self.record_ops and not self.backward and 0 <= self.pos < len(self.ops):
             op = self.ops[self.pos]
             if self.module_of() == op.module:
                 op.packs += 1
+                by = self.pos
             else:  # the next op's inputs, saved in its own module
                 op.next_packs += 1
+                by = self.pos + 1
         sid = self.sid(t)
         if sid is None:
             return t
         self.storages[sid].saved = True
-        return _Packed(t, sid)
+        if by < 0:
+            return _Packed(t, sid)
+        entry: list[int | None] = [by, None, None]
+        self.storages[sid].saves.append(entry)
+        packed = _Packed(t, sid, entry)
+        # autograd drops the packed object when the node holding it has run
+        self._finalizers.append(weakref.finalize(packed, self._on_release, entry))
+        return packed
+
+    def _on_release(self, entry: list[int | None]) -> None:
+        if not self._closed:
+            entry[2] = self.pos
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Packed):
             if self.storages[packed.sid].first_unpack is None:
                 self._pending_unpack.append(packed.sid)
+            if packed.save is not None and packed.save[1] is None:
+                self._pending_saves.append(packed.save)
             return packed.tensor
         return packed
 
@@ -148,6 +167,10 @@ class StorageTracker(LiveStorages):
             if self.storages[sid].first_unpack is None:
                 self.storages[sid].first_unpack = at
         self._pending_unpack.clear()
+        for entry in self._pending_saves:
+            if entry[1] is None:
+                entry[1] = at
+        self._pending_saves.clear()
 
     # ---- backward attribution -------------------------------------------------------------
     def _backward_origin(self) -> tuple[str, int | None]:
@@ -172,7 +195,7 @@ class StorageTracker(LiveStorages):
 
     # ---- the dispatch hook ---------------------------------------------------------------
     def _op_starts(self, i: int) -> None:
-        if self._pending_unpack:
+        if self._pending_unpack or self._pending_saves:
             self._resolve_unpacks(i)
 
     def _dispatch(self, i: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
