@@ -21,9 +21,9 @@ NOTE [storage lifetimes]
 NOTE [kernel workspaces]
     ``OpRecord.workspace_bytes`` is memory an op's kernel allocates internally and frees before
     returning, on top of its outputs (the im2col buffers of CPU convolutions). No dispatch mode
-    sees it; in measure mode on CPU the tracer measures it by running the op once more in
-    isolation under the CPU allocator meter (``allocator peak - new output bytes``, at least 0),
-    for ops whose name contains ``conv`` or ``scaled_dot_product``, once per distinct argument signature. It counts at op
+    sees it; in measure mode on CPU the tracer reads it for every op from the CPU allocator's
+    events inside the op's call in the traced run (``local peak - new output bytes``, at
+    least 0; NOTE [workspace measurement] in ``memfit.profiling.workspace``). It counts at op
     ``i`` only (not "just before" op ``i``), and again wherever a recompute replays op ``i``.
     Fake-mode profiles and CUDA workspaces are not modelled yet: ``workspace_bytes`` is 0 there.
 

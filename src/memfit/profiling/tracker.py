@@ -31,7 +31,7 @@ from memfit.profiling.storages import (
     storage_of,
 )
 from memfit.profiling.timer import OpTimer
-from memfit.profiling.workspace import WorkspaceProbe
+from memfit.profiling.workspace import WorkspaceMeter
 
 __all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "live_timeline",
            "iter_arg_tensors", "op_flags"]
@@ -75,7 +75,7 @@ class StorageTracker(LiveStorages):
         count_flops: count FLOPs with ``torch.utils.flop_counter``'s formulas.
         module_of: returns the path of the innermost module running now.
         param_owner: ``id(parameter) -> module path``, to attribute gradient accumulation.
-        measure_workspace: measure kernel workspaces of convolutions on CPU (NOTE [workspace
+        measure_workspace: measure the kernel workspaces of every op on CPU (NOTE [workspace
             measurement]); needs ``record_ops``.
         autocast_devices: device types the step runs autocast on, to mark the casts its
             cache keeps (NOTE [autocast-cached storages] in ``memfit.profiling.profile``).
@@ -88,7 +88,8 @@ class StorageTracker(LiveStorages):
                  autocast_devices: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.autocast_devices = autocast_devices
-        self._probe = WorkspaceProbe() if measure_workspace else None
+        self._meter = WorkspaceMeter() if measure_workspace and record_ops else None
+        self._new_bytes: list[int] = []  # per op: bytes of the storages it created
         self.record_ops = record_ops
         self.time_ops = time_ops
         self.count_flops = count_flops
@@ -102,20 +103,36 @@ class StorageTracker(LiveStorages):
         self._node_info: tuple[str, int | None] = ("", None)
 
     @property
-    def workspace_runs(self) -> int:
-        """Isolated workspace reruns done (cache misses)."""
-        return self._probe.runs if self._probe is not None else 0
+    def workspace_measured(self) -> bool:
+        """Whether kernel workspaces were measured (NOTE [workspace measurement])."""
+        return self._meter is not None and self._meter.enabled
 
     @property
     def workspace_s(self) -> float:
-        """Seconds spent in workspace reruns."""
-        return self._probe.seconds if self._probe is not None else 0.0
+        """Seconds spent starting, stopping and reading the workspace meter."""
+        return self._meter.seconds if self._meter is not None else 0.0
 
     # ---- phases --------------------------------------------------------------------------
+    def __enter__(self) -> StorageTracker:
+        if self._meter is not None:
+            self._meter.start()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._meter is not None:
+                self._meter.stop()
+
     def _finish(self) -> None:
         self._node = None
         if (self._pending_unpack or self._pending_saves) and self.pos >= 0:
             self._resolve_unpacks(self.pos)
+        if self._meter is not None:  # NOTE [workspace measurement]
+            for op, ws in zip(self.ops, self._meter.workspaces(self._new_bytes), strict=True):
+                op.workspace_bytes = ws
 
     def _workspaces(self) -> Sequence[int]:
         return [op.workspace_bytes for op in self.ops]
@@ -213,12 +230,19 @@ class StorageTracker(LiveStorages):
         else:
             module, fwd = self.module_of(), None
             self._seq.append(peek_sequence_nr())
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        dt = time.perf_counter() - t0 if self.time_ops else 0.0
+        if self._meter is not None:
+            with self._meter.span():  # NOTE [workspace measurement]
+                t0 = time.perf_counter()
+                out = func(*args, **kwargs)
+                dt = time.perf_counter() - t0 if self.time_ops else 0.0
+        else:
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            dt = time.perf_counter() - t0 if self.time_ops else 0.0
         outs = out_tensors(out)
         metas = []
         aliased = True
+        new_bytes = 0
         for t in outs:
             st = storage_of(t)
             if st is None:
@@ -226,6 +250,7 @@ class StorageTracker(LiveStorages):
             sid = self._live_key.get(storage_key(st))
             if sid is None:
                 sid = self._new_output(st, i)
+                new_bytes += self.storages[sid].nbytes
                 aliased = False
             elif sid not in in_sids:
                 aliased = False
@@ -251,14 +276,12 @@ class StorageTracker(LiveStorages):
         if inplace or not aliased or not outs:
             moved = sum(t.numel() * t.element_size() for t in ins) + sum(
                 t.numel() * t.element_size() for t in outs)
-        ws = 0
-        if self._probe is not None and not inplace:
-            ws = self._probe(func, args, kwargs)  # NOTE [workspace measurement]
+        self._new_bytes.append(new_bytes)
         self.ops.append(TracedOp(
             name=str(func), module=module, backward=self.backward, inputs=tuple(in_sids),
             outputs=tuple(metas), time_s=dt, inplace=inplace,
             random=random, flops=flops, bytes_moved=moved,
-            forward_op=fwd, workspace_bytes=ws))
+            forward_op=fwd))
         return out
 
 
