@@ -18,7 +18,10 @@ NOTE [workspace measurement]
     - the ``linalg`` kernels and ``matrix_exp`` (Pade approximants: several products of the
       matrix with itself; ``torch.nn.utils.parametrizations.orthogonal``'s backward of two
       128 x 128 maps peaked 3,080,216 B over its profile before, 4.5x the plain peak).
-    Before this, a rerun of each op on a list, each under its own profiler session (4 ms per
+    The collector is off while the meter runs: a kernel releases the GIL, and a collection
+    in another thread (pytest-xdist's, a user's) that frees a tensor inside an op's span
+    lowered that op's workspace (a convolution's 110,592 B read 110,556 once). Before this,
+    a rerun of each op on a list, each under its own profiler session (4 ms per
     distinct call), missed every op not on the list. The spans and events share the
     profiler's clock. Under another torch profiler the meter does not start (it would end
     that profiler's session) and measures nothing, with a warning. CPU only: on CUDA workspaces come from the caching allocator
@@ -28,6 +31,7 @@ NOTE [workspace measurement]
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -70,6 +74,7 @@ class WorkspaceMeter:
         self.enabled = True
         self.seconds = 0.0
         self._prof: Any = None
+        self._gc_was_enabled = False
         self._spans: list[tuple[int, int]] = []
         self._events: list[tuple[int, int]] = []
 
@@ -90,6 +95,8 @@ class WorkspaceMeter:
             self.enabled = False
         else:
             self._prof = prof
+            self._gc_was_enabled = gc.isenabled()
+            gc.disable()  # no collection frees a tensor inside an op's span (NOTE above)
         self.seconds += time.perf_counter() - t0
 
     def span(self) -> Any:
@@ -100,6 +107,8 @@ class WorkspaceMeter:
         if self._prof is None:
             return
         t0 = time.perf_counter()
+        if self._gc_was_enabled:
+            gc.enable()
         with silenced_fd(2):
             self._prof.stop()
         self._events = cpu_memory_events(self._prof)
