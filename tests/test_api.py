@@ -170,3 +170,35 @@ def test_fit_keeps_an_absolute_budget_that_kernel_workspaces_decide():
     allocated = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     assert plan.regions
     assert allocated == plan.predicted_peak_bytes <= budget
+
+
+def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_and_inputs):
+    """Issue #24, case 6: ``memfit.profile`` of a fitted model traced the planned step (its
+    peak read as the plain one, so ``plan`` found nothing to checkpoint and ``apply`` of that
+    plan stripped the old one: 164% of the budget). The plan is lifted while tracing and
+    left exactly as it was: the same wrappers, their check counters untouched."""
+    from memfit.profiling.measure import measure
+    from memfit.runtime.marks import WRAP_ATTR
+    from memfit.step import Step
+
+    model, x = gpt_and_inputs
+    plain = profile(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64), x, repeats=1)
+    fit(model, x, budget=0.6)
+    old = model.memfit_plan
+    states = {path: m.__dict__[WRAP_ATTR] for path, m in model.named_modules() if WRAP_ATTR in m.__dict__}
+    counters = {path: repr(s.check) for path, s in states.items()}
+    assert states
+
+    p = memfit.profile(model, x, repeats=1)
+    assert (p.peak_bytes, p.signature) == (plain.peak_bytes, plain.signature)
+    assert p.extra.get("plan_lifted") is True
+    assert model.memfit_plan is old
+    assert {path: m.__dict__[WRAP_ATTR] for path, m in model.named_modules()
+            if WRAP_ATTR in m.__dict__} == states
+    assert {path: repr(s.check) for path, s in states.items()} == counters
+
+    again = memfit.plan(p, budget=0.6)
+    assert again.regions and again.budget_bytes == old.budget_bytes
+    memfit.apply(model, again)
+    allocated = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
+    assert allocated <= again.budget_bytes

@@ -4,15 +4,60 @@
 handle as ``_memfit_segment`` on each of its blocks. Both wrap and segment refuse a module the
 other already checkpoints; asking here, rather than in each other's module, keeps the runtime
 free of import cycles.
+
+NOTE [lifted plans]
+    Inside ``with plans_lifted():`` every module memfit checkpoints (wrapped, by a plan or by
+    hand, or a block of a chain segment) runs its forward plainly, in this thread (a context
+    variable), as under ``torch.no_grad`` (NOTE [when a region checkpoints] in
+    ``memfit.runtime.wrap``): no checkpoint, no region state, no call counted by the
+    divergence check. Nothing on the module changes, so leaving the block finds the plan
+    exactly as it was (its wrappers, policies, check counters, host pool). ``memfit.profile``
+    traces a planned model so: a profile describes the plain step, whatever plan the model
+    carries (traced under its plan, a fitted model's profile read its planned peak as the
+    plain one, 3.05 MiB for 8.13, and ``plan`` found nothing to checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark"]
+__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark", "plans_lifted", "lifted",
+           "carries_plan"]
+
+_LIFTED: contextvars.ContextVar[bool] = contextvars.ContextVar("memfit_plans_lifted", default=False)
+
+
+@contextlib.contextmanager
+def plans_lifted() -> Iterator[None]:
+    """Run memfit's checkpointed modules plainly inside the block (NOTE [lifted plans]).
+
+    Example:
+        >>> with plans_lifted():
+        ...     lifted()
+        True
+    """
+    token = _LIFTED.set(True)
+    try:
+        yield
+    finally:
+        _LIFTED.reset(token)
+
+
+def lifted() -> bool:
+    """Whether memfit's checkpoints run plainly now (NOTE [lifted plans])."""
+    return _LIFTED.get()
+
+
+def carries_plan(model: nn.Module) -> bool:
+    """Whether memfit checkpoints any module of ``model`` (a plan applied, a module wrapped, a
+    chain segment)."""
+    return any(WRAP_ATTR in m.__dict__ or SEGMENT_ATTR in m.__dict__ or "_memfit_applied" in m.__dict__
+               for m in model.modules())
 
 WRAP_ATTR = "_memfit_wrap"
 SEGMENT_ATTR = "_memfit_segment"
