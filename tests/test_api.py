@@ -175,7 +175,7 @@ def test_fit_keeps_an_absolute_budget_that_kernel_workspaces_decide():
 def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_and_inputs):
     """Issue #24, case 6: ``memfit.profile`` of a fitted model traced the planned step (its
     peak read as the plain one, so ``plan`` found nothing to checkpoint and ``apply`` of that
-    plan stripped the old one: 164% of the budget). The plan is lifted while tracing and
+    plan stripped the old one: 164% of the budget). The plan is suspended while tracing and
     left exactly as it was: the same wrappers, their check counters untouched."""
     from memfit.profiling.measure import measure
     from memfit.runtime.marks import WRAP_ATTR
@@ -191,7 +191,7 @@ def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_
 
     p = memfit.profile(model, x, repeats=1)
     assert (p.peak_bytes, p.signature) == (plain.peak_bytes, plain.signature)
-    assert p.extra.get("plan_lifted") is True
+    assert p.extra.get("plan_suspended") is True
     assert model.memfit_plan is old
     assert {path: m.__dict__[WRAP_ATTR] for path, m in model.named_modules()
             if WRAP_ATTR in m.__dict__} == states

@@ -5,52 +5,55 @@ handle as ``_memfit_segment`` on each of its blocks. Both wrap and segment refus
 other already checkpoints; asking here, rather than in each other's module, keeps the runtime
 free of import cycles.
 
-NOTE [lifted plans]
-    Inside ``with plans_lifted():`` every module memfit checkpoints (wrapped, by a plan or by
-    hand, or a block of a chain segment) runs its forward plainly, in this thread (a context
-    variable), as under ``torch.no_grad`` (NOTE [when a region checkpoints] in
-    ``memfit.runtime.wrap``): no checkpoint, no region state, no call counted by the
-    divergence check. Nothing on the module changes, so leaving the block finds the plan
-    exactly as it was (its wrappers, policies, check counters, host pool). ``memfit.profile``
-    traces a planned model so: a profile describes the plain step, whatever plan the model
-    carries (traced under its plan, a fitted model's profile read its planned peak as the
-    plain one, 3.05 MiB for 8.13, and ``plan`` found nothing to checkpoint).
+NOTE [suspended plans]
+    Inside ``with plans_suspended():`` every module memfit checkpoints (wrapped, by a plan or
+    by hand, or a block of a chain segment) runs its forward plainly, as under
+    ``torch.no_grad`` (NOTE [when a region checkpoints] in ``memfit.runtime.wrap``): no
+    checkpoint, no region state, no call counted by the divergence check, no input guard.
+    Nothing on the module changes, so leaving the block finds the plan exactly as it was (its
+    wrappers, policies, check counters, host pool), unlike ``memfit.twins.lifted_plan``,
+    which removes the plan and applies it afresh. ``memfit.profile`` traces a planned model
+    so: a profile describes the plain step, whatever plan the model carries (traced under its
+    plan, a fitted model's profile read its planned peak as the plain one, 3.05 MiB for 8.13,
+    and ``plan`` found nothing to checkpoint). The flag is a counter on a class, not a
+    context variable: ``torch.compile`` reads it (it cannot trace ``ContextVar.get``); the
+    step is run on one thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark", "plans_lifted", "lifted",
-           "carries_plan"]
+__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark", "plans_suspended",
+           "suspended", "carries_plan"]
 
-_LIFTED: contextvars.ContextVar[bool] = contextvars.ContextVar("memfit_plans_lifted", default=False)
+class _Suspended:
+    depth = 0  # open ``plans_suspended`` blocks
 
 
 @contextlib.contextmanager
-def plans_lifted() -> Iterator[None]:
-    """Run memfit's checkpointed modules plainly inside the block (NOTE [lifted plans]).
+def plans_suspended() -> Iterator[None]:
+    """Run memfit's checkpointed modules plainly inside the block (NOTE [suspended plans]).
 
     Example:
-        >>> with plans_lifted():
-        ...     lifted()
+        >>> with plans_suspended():
+        ...     suspended()
         True
     """
-    token = _LIFTED.set(True)
+    _Suspended.depth += 1
     try:
         yield
     finally:
-        _LIFTED.reset(token)
+        _Suspended.depth -= 1
 
 
-def lifted() -> bool:
-    """Whether memfit's checkpoints run plainly now (NOTE [lifted plans])."""
-    return _LIFTED.get()
+def suspended() -> bool:
+    """Whether memfit's checkpoints run plainly now (NOTE [suspended plans])."""
+    return _Suspended.depth > 0
 
 
 def carries_plan(model: nn.Module) -> bool:

@@ -99,7 +99,7 @@ from memfit.errors import WrapError
 from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import CheckSampler
-from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, lifted, segment_mark
+from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark, suspended
 from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
 from memfit.runtime.segment_compiled import SegmentForward, SegmentTrace
 
@@ -176,7 +176,7 @@ class SegmentHandle:
         """Whether autograd records block ``pos``'s call (NOTE [when a region checkpoints])."""
         if not torch.is_grad_enabled():  # also in eval(): NOTE [when a region checkpoints], wrap.py
             return False
-        if lifted():  # NOTE [lifted plans] in memfit.runtime.marks
+        if suspended():  # NOTE [suspended plans] in memfit.runtime.marks
             return False
         found = []
         map_tensors((args, kwargs), lambda t: found.append(t.requires_grad))
