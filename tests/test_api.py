@@ -202,3 +202,46 @@ def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_
     memfit.apply(model, again)
     allocated = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     assert allocated <= again.budget_bytes
+
+
+def test_a_planned_model_called_on_other_shapes_or_dtypes_warns_once(gpt_and_inputs, caplog):
+    """Issue #24, case 7: a plan holds for the shapes and dtypes it was profiled on; twice the
+    batch runs over the budget, silently before. The first training call on other inputs
+    warns, naming both; later ones, calls on the profiled shapes and calls without autograd
+    do not."""
+    from memfit.profiling.measure import measure
+    from memfit.step import Step
+
+    model, x = gpt_and_inputs
+    fit(model, x, budget=0.6)
+    plan = model.memfit_plan
+    assert plan.input_signature == (("0", tuple(x.shape), "int64"), ("<parameters>", (), "float32"))
+    assert memfit.Plan.from_dict(plan.to_dict()).input_signature == plan.input_signature
+    bigger = zoo.example_inputs(model, batch=2 * x.shape[0])
+    with caplog.at_level("WARNING", logger="memfit.runtime.shapes"):
+        model(x).sum().backward()
+        with torch.no_grad():
+            model(bigger)
+        assert not caplog.records
+        allocated = measure(Step.of(model, bigger).run, model=model, meter="allocator").peak_bytes
+        model(bigger).sum().backward()
+    assert allocated > plan.budget_bytes  # what the warning is for
+    (record,) = caplog.records
+    assert "4x32:int64" in record.message and "8x32:int64" in record.message
+    assert "fit it again" in record.message
+
+
+def test_a_planned_model_moved_to_another_dtype_warns(caplog):
+    """``.to(float64)`` doubles every activation (197% of a budget in issue #24): warned."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+                                  for _ in range(4)))
+    x = torch.randn(256, 64)
+    fit(model, x, budget="min")
+    with caplog.at_level("WARNING", logger="memfit.runtime.shapes"):
+        model(x).sum().backward()
+        assert not caplog.records
+        model.to(torch.float64)
+        model(x.double()).sum().backward()
+    (record,) = caplog.records
+    assert "256x64:float32" in record.message and "256x64:float64" in record.message

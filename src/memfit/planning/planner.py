@@ -192,6 +192,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         notes=tuple(notes),
         extra={"module_types": {p: types[p] for r in regions for p in r.modules}},
         host_peak_bytes=int(sim.host_peak_bytes),
+        input_signature=profile.input_signature,
     )
 
 

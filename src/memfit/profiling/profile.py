@@ -224,6 +224,9 @@ class Profile:
     # calibrated (a profile made before calibration, or by the tracer alone): the defaults
     calibration: Calibration | None = None
     region_state_bytes: int = 0  # NOTE [region state bytes]
+    # the root module's first call: (name, shape, dtype) of each tensor, the parameters' dtype
+    # (NOTE [input signature] in memfit.profiling.inputs); () in profiles written before it
+    input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -326,6 +329,7 @@ def _scalar_fields(data: dict[str, Any]) -> dict[str, Any]:
         k: v for k, v in data.items() if k not in ("ops", "storages", "modules", "kind")
     }
     out["live_bytes"] = tuple(data["live_bytes"])
+    out["input_signature"] = tuple((str(n), tuple(s), str(d)) for n, s, d in data.get("input_signature", ()))
     cal = data.get("calibration")
     out["calibration"] = Calibration.from_dict(cal) if cal is not None else None
     return out

@@ -20,6 +20,7 @@ from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
+from memfit.runtime.shapes import InputGuard
 from memfit.runtime.wrap import unwrap, wrap
 from memfit.units import parse_bytes
 
@@ -33,6 +34,7 @@ class _Applied:
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
     host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
+    guard: Any = None  # the handle of the input guard (NOTE [inputs other than the profiled ones])
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -156,7 +158,9 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             different models.
 
     Returns:
-        ``model``, with ``model.memfit_plan`` set to ``plan``.
+        ``model``, with ``model.memfit_plan`` set to ``plan``. A plan that records the inputs
+        it was profiled on (``Plan.input_signature``) warns once when the model is called on
+        others (NOTE [inputs other than the profiled ones] in ``memfit.runtime.shapes``).
 
     Raises:
         PlanMismatch: a module path the model lacks, a segment whose modules are not
@@ -210,12 +214,17 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     except (WrapError, ValueError):
         _undo(model, applied)
         raise
+    if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
+        applied.guard = model.register_forward_pre_hook(
+            InputGuard(model, plan.input_signature, plan.model), with_kwargs=True)
     model._memfit_applied = applied  # type: ignore[assignment]
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
 
 
 def _undo(model: nn.Module, applied: _Applied) -> None:
+    if applied.guard is not None:
+        applied.guard.remove()
     for path in applied.wrapped:
         unwrap(model.get_submodule(path))
     for handle in applied.segments:
