@@ -404,6 +404,28 @@ def _cpu_memory_events() -> None:
         T.cpu_memory_events(object())
 
 
+def _profiler_marker() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with (profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+          T.profiler_marker("memfit.test")):
+        t = torch.empty(4096)  # 16,384 bytes
+        del t
+    (start, end), = T.cpu_marked_spans(prof, "memfit.test")
+    assert all(start <= at <= end for at, _ in T.cpu_memory_events(prof))
+    with pytest.raises(UnsupportedTorch, match="workspace meter"):
+        T.cpu_marked_spans(object(), "memfit.test")
+
+
+def _profiler_active() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    assert not T.profiler_active()
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert T.profiler_active()
+    assert not T.profiler_active()
+
+
 def _traced_source_fn() -> None:
     assert T.traced_source_fn() is None  # nothing is being traced
     seen = []
@@ -472,6 +494,9 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "open_checkpoint": _open_checkpoint,
     "close_checkpoint": _close_checkpoint,
     "cpu_memory_events": _cpu_memory_events,
+    "profiler_marker": _profiler_marker,
+    "cpu_marked_spans": _profiler_marker,
+    "profiler_active": _profiler_active,
 }
 
 

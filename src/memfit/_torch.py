@@ -97,6 +97,9 @@ __all__ = [
     "open_checkpoint",
     "close_checkpoint",
     "cpu_memory_events",
+    "profiler_marker",
+    "cpu_marked_spans",
+    "profiler_active",
 ]
 
 log = logging.getLogger(__name__)
@@ -542,3 +545,40 @@ def cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
               if e.name() == "[memory]" and e.device_type() == cpu]
     events.sort(key=lambda e: e[0])
     return events
+
+
+_FAST_MARKER = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+
+
+def profiler_marker(name: str) -> Any:
+    """A context manager that records a span named ``name`` in an active torch profiler
+    (``torch._C._profiler._RecordFunctionFast``: about 1 us, against 35 us for the public
+    ``torch.profiler.record_function``, which it falls back to)."""
+    if _FAST_MARKER is not None:
+        return _FAST_MARKER(name)
+    return torch.profiler.record_function(name)  # pragma: no cover - older torch
+
+
+def cpu_marked_spans(prof: Any, name: str) -> list[tuple[int, int]]:
+    """``(start_ns, end_ns)`` of the spans named ``name`` (:func:`profiler_marker`) recorded by
+    a finished ``torch.profiler.profile``, on the clock of :func:`cpu_memory_events`, in
+    time order.
+
+    Raises:
+        UnsupportedTorch: this torch's profiler keeps no kineto results (rule 4).
+    """
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        raise unsupported("torch.profiler.profile().profiler.kineto_results",
+                          feature="workspace meter", advice="profile with mode='fake'")
+    spans = [(e.start_ns(), e.end_ns()) for e in results.events() if e.name() == name]
+    spans.sort()
+    return spans
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording now (``torch._C._autograd._profiler_enabled``):
+    starting another would end its session (torch 2.13 warns, and the outer profile comes
+    back empty). False where torch cannot tell."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else False

@@ -37,6 +37,7 @@ NOTE [calibration cost]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -55,6 +56,7 @@ from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import ProfileMode
 from memfit.profiling.tracer import profile as trace_profile
 from memfit.runtime.divergence import DivergenceCheck
+from memfit.runtime.marks import carries_plan, plans_suspended
 from memfit.step import ModelState, Step, model_device
 
 __all__ = ["profile", "calibrate", "STEADY_CHECK", "MIN_BLOCKS"]
@@ -84,6 +86,11 @@ def profile(
     calibrate its recompute time model on a few timed steps (NOTE [calibration] in
     ``memfit.profiling.calibrate``).
 
+    A model that carries a memfit plan (``fit``, ``apply``, ``wrap``) is traced plainly, the
+    plan suspended and left exactly as it was (NOTE [suspended plans] in ``memfit.runtime.marks``):
+    the profile is of the plain step, ``extra["plan_suspended"]`` is True, and the time model is
+    the default one (baseline plans are not timed on a planned model).
+
     Args:
         model, example_inputs, loss_fn, mode, device, repeats, target: as
             :func:`memfit.profiling.tracer.profile`.
@@ -98,8 +105,15 @@ def profile(
         >>> p.calibration.source.value in ("fit", "default")
         True
     """
-    prof = trace_profile(model, example_inputs, loss_fn=loss_fn, mode=mode, device=device,
-                         repeats=repeats, target=target)
+    planned = carries_plan(model.model if isinstance(model, Step) else model)
+    # NOTE [suspended plans]: the plain step, whatever plan the model carries
+    with plans_suspended() if planned else contextlib.nullcontext():
+        prof = trace_profile(model, example_inputs, loss_fn=loss_fn, mode=mode, device=device,
+                             repeats=repeats, target=target)
+    if planned:
+        log.info("profile: %s carries a memfit plan; traced its plain step (the plan suspended)",
+                 prof.model)
+        prof = dataclasses.replace(prof, extra={**prof.extra, "plan_suspended": True})
     if not calibrate_time or prof.mode != ProfileMode.MEASURE.value:
         return prof
     step = model if isinstance(model, Step) else Step.of(model, example_inputs, loss_fn=loss_fn)
@@ -148,9 +162,9 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
 
     model = step.model
     plain = prof.step_time_s
-    if any("_memfit_applied" in m.__dict__ for m in model.modules()):
-        return Calibration.default("the model carries a memfit plan: the profile is of a planned "
-                                   "step, not timed again"), plain
+    if carries_plan(model):
+        return Calibration.default("the model carries a memfit plan (suspended while tracing): "
+                                   "baseline plans are not timed on it"), plain
     plans: dict[str, Plan] = {}
     for name in _PLANS:
         try:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from memfit._torch import OpOverload, OpOverloadPacket, is_view_tensor, op_packet, op_schema
+from memfit._torch import OpOverload, OpOverloadPacket, is_view_tensor, op_schema
 
 __all__ = [
     "RandomKind",
@@ -55,13 +55,10 @@ __all__ = [
     "KEPT_DRAW_OPS",
     "IGNORED_OPS",
     "IGNORED_OP_NAMES",
-    "WORKSPACE_PATTERNS",
-    "WORKSPACE_MATMULS",
     "STATISTICS_UPDATES",
     "STATISTICS_TRAINING_ARG",
     "updates_statistics",
     "without_statistics",
-    "uses_workspace",
     "packet_name",
     "aten_overloads",
     "op_name",
@@ -86,16 +83,6 @@ _DROPOUT_ARGS = ("dropout_p", "dropout")
 # saves: the expensive ops, cheap to store relative to their cost.
 MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
                   "aten.linear")
-
-# Op packet names whose CPU kernels allocate internal buffers (NOTE [kernel workspaces] in
-# memfit.profiling.profile); the profiler measures these. CPU flash attention's backward keeps
-# per-thread scratch buffers (16,640 B on a 4-layer ViT's attention, which verify read as
-# +8.6% before they were measured). Matrix products (WORKSPACE_MATMULS, by exact packet name)
-# pack or copy their operands in some kernels: bfloat16 ones on a CPU with AMX (up to 207 KB
-# each on a 4-layer GPT under autocast, whose peak was 70,688 B over the prediction before),
-# float32 ones given a transposed operand (128 KiB for a 128 x 256 one).
-WORKSPACE_PATTERNS = ("conv", "scaled_dot_product", "batch_norm")
-WORKSPACE_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation"})
 
 # Ops that update batch norm's running statistics (these argument positions) when
 # ``training`` (argument STATISTICS_TRAINING_ARG) is true, without marking them written
@@ -342,18 +329,6 @@ def without_statistics(op: Any, args: tuple, kwargs: dict) -> tuple:
         return args
     positions = STATISTICS_UPDATES[op]
     return tuple(None if i in positions else a for i, a in enumerate(args))
-
-
-def uses_workspace(op: Any) -> bool:
-    """Whether ``op``'s CPU kernel may allocate internal buffers (a convolution, attention,
-    batch norm, matrix product).
-
-    Example:
-        >>> uses_workspace(torch.ops.aten.convolution.default)
-        True
-    """
-    name = op_packet(op).__name__
-    return name in WORKSPACE_MATMULS or any(p in name for p in WORKSPACE_PATTERNS)
 
 
 def aten_overloads() -> Iterator[Any]:

@@ -39,7 +39,9 @@ def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:
     key = lambda s: (s.nbytes, s.kind, s.created_by, s.freed_after, s.saved,  # noqa: E731
                      s.first_unpack, s.last_forward_use)
     assert [key(s) for s in fake.storages] == [key(s) for s in real.storages]
-    assert fake.live_bytes == real.live_bytes and fake.peak_bytes == real.peak_bytes
+    # fake mode models no kernel workspace (NOTE [kernel workspaces]): the tensors, exactly
+    tensors = tuple(v - o.workspace_bytes for v, o in zip(real.live_bytes, real.ops, strict=True))
+    assert fake.live_bytes == tensors and fake.peak_bytes == max(tensors)
     assert fake.cost_model == "roofline:h100" and fake.mode == "fake"
     assert all(p.grad is None for p in model.parameters())   # the model was not touched
 

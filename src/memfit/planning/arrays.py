@@ -57,6 +57,16 @@ class ProfileArrays:
                 self.lfu[k] = s.last_forward_use
             if s.first_unpack is not None:
                 self.unpack[k] = s.first_unpack
+        # NOTE [saved tensors] in memfit.profiling.profile: each forward pack, by storage
+        # (then by saving op) and by saving op
+        packs = sorted((k, op, NEVER if u is None else u, NEVER if r is None else r)
+                       for k, s in enumerate(st) for op, u, r in s.saves)
+        pk = np.array(packs, dtype=np.int64).reshape(-1, 4)
+        self.save_sid, self.save_op, self.save_unpack, self.save_release = pk.T.copy()
+        self.save_ptr = np.searchsorted(self.save_sid, np.arange(m + 1), side="left")
+        by_op = np.argsort(self.save_op, kind="stable")
+        self.save_op_sorted = self.save_op[by_op]
+        self.save_unpack_by_op = self.save_unpack[by_op]
         self.tails = CacheTails.of(profile, self.counted)  # NOTE [autocast's cast cache]
         self.freed[self.tails.ids] = self.tails.start - 1
         # counted storages in creation order, for slicing by op range
@@ -115,6 +125,31 @@ class ProfileArrays:
         generator state) until the last such node is done (NOTE [region memory model] in
         ``memfit.planning.effects``)."""
         return int(self.node_ends[a: b + 1].max(initial=-1))
+
+    def frame_unpack(self, a: int, b: int) -> int:
+        """The first backward op that reads a tensor autograd saved for forward ops ``a..b``
+        (``NEVER``: none, or a profile without ``saves``): where a checkpoint of ``a..b``
+        replays (NOTE [region memory model] in ``memfit.planning.effects``)."""
+        lo = np.searchsorted(self.save_op_sorted, a, side="left")
+        hi = np.searchsorted(self.save_op_sorted, b, side="right")
+        return int(self.save_unpack_by_op[lo:hi].min(initial=NEVER))
+
+    def frame_saves(self, ids: np.ndarray, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per storage of ``ids`` (created by ops ``a..b``): the last release of its packs by
+        ops ``a..b`` (-1: none) and of its packs by later ops (-1: none; ``NEVER``: one never
+        released)."""
+        lo, hi = self.save_ptr[ids], self.save_ptr[ids + 1]
+        counts = hi - lo
+        rel_in = np.full(ids.shape, -1, dtype=np.int64)
+        rel_out = np.full(ids.shape, -1, dtype=np.int64)
+        total = int(counts.sum())
+        if total:
+            owner = np.repeat(np.arange(ids.size), counts)
+            idx = np.repeat(lo, counts) + np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            inside = self.save_op[idx] <= b
+            np.maximum.at(rel_in, owner[inside], self.save_release[idx[inside]])
+            np.maximum.at(rel_out, owner[~inside], self.save_release[idx[~inside]])
+        return rel_in, rel_out
 
     def inputs_of(self, a: int, b: int, modules: tuple[str, ...] = ()) -> np.ndarray:
         """Ids of counted storages created before ``a`` and read by forward ops ``a..b`` or

@@ -17,6 +17,9 @@ NOTE [nested regions]
       are transients there, gone when ``I``'s forward returns; they come back at ``rp_I``
       with ``I``'s own replay. So a storage dropped in ``I``'s frame lives ``[c, d]``, then
       ``[rp_I, freed_after]``; one in ``O``'s frame ``[c, d]``, then ``[rp_O, freed_after]``.
+    - An output of ``I`` that ``I``'s own ops saved (*held*, NOTE [region memory model]) is
+      read by ``O``'s ops after ``I``, whose saves of it go to ``O``'s frame: it is dropped
+      and made again as ``O``'s own storage (its copy in ``I``'s replay counted on top).
     - ``I``'s inputs created in ``O`` are held by ``O``'s frame from ``rp_O`` until ``rp_I``
       at least; inputs created before ``O`` (the checkpoint's inputs) until ``rp_O`` and
       every ``rp_I``.
@@ -92,7 +95,9 @@ class NestedModel:
         useful = [q for q, inner in enumerate(self.inners) if inner.rp is not None]
         for q in useful:
             inner = self.inners[q]
-            for s in inner.ids[inner.dropped]:
+            # an output of I that I's own ops saved (``held``) is O's: O's ops read it, and
+            # what they save goes to O's frame, so O's replay makes it again
+            for s in inner.ids[inner.dropped & ~inner.held]:
                 owner[pos[int(s)]] = q
         rp_o = int(out.rp)  # type: ignore[arg-type]
         rp_i = {q: int(self.inners[q].rp) for q in useful}  # type: ignore[arg-type]
@@ -105,18 +110,20 @@ class NestedModel:
             inner = self.inners[q]
             self.start2[owner == q] = rp_i[q]
             # Python locals of an inner forward live until it returns, not until O's member's
-            ks = np.array([pos[int(s)] for s in inner.ids[inner.dropped]], dtype=np.int64)
-            self.end1[ks] = inner.d[inner.dropped]
-        self.end2 = out.f.copy()
+            mine = inner.dropped & ~inner.held
+            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
+            self.end1[ks] = inner.d[mine]
+        self.end2 = out.f2.copy()
         self.ids = out.ids
         # inputs of each inner region: held by the outer frame until its replay
-        in_ext: dict[int, int] = {int(s): max(int(f), out.hold_end) for s, f in zip(out.inputs, out.in_f, strict=True)}
+        # (not their plain free: the region before may drop one, its output, earlier)
+        in_ext: dict[int, int] = {int(s): out.hold_end for s in out.inputs}
         held = np.zeros(out.ids.shape, dtype=bool)  # created in out, held by O's frame after rp_O
         for q in useful:
             for s in self.inners[q].inputs:
                 k = pos.get(int(s))
                 if k is None:
-                    in_ext[int(s)] = max(in_ext.get(int(s), int(arrs.freed[s])), self.inners[q].hold_end)
+                    in_ext[int(s)] = max(in_ext.get(int(s), -1), self.inners[q].hold_end)
                     continue
                 if self.start2[k] < 0 and out.f[k] < rp_o:  # plain transient: held from rp_O
                     self.start2[k] = rp_o

@@ -147,6 +147,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     host_peak_bytes: int = 0  # peak host memory of offloaded outputs (0: nothing offloaded)
+    # the inputs the profile was made on: (name, shape, dtype) per tensor and the parameters'
+    # dtype (NOTE [input signature] in memfit.profiling.inputs); the planned model warns once
+    # when called on others (memfit.runtime.shapes); () in plans made before the field
+    input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # what measured selection timed (``memfit.tune``); a measurement, not part of the plan
     tuning: Tuning | None = field(default=None, compare=False, hash=False)
 
@@ -178,6 +182,7 @@ class Plan:
             "recompute_s": self.recompute_s,
             "plain_step_s": self.plain_step_s,
             "host_peak_bytes": self.host_peak_bytes,
+            "input_signature": [[n, list(s), d] for n, s, d in self.input_signature],
             "notes": list(self.notes),
             "regions": [
                 {"modules": list(r.modules), "ops": {k: p.value for k, p in r.ops},
@@ -217,6 +222,8 @@ class Plan:
                 notes=tuple(data.get("notes", ())),
                 extra=dict(data.get("extra", {})),
                 host_peak_bytes=int(data.get("host_peak_bytes", 0)),  # absent before offload
+                input_signature=tuple((str(n), tuple(int(d) for d in s), str(t))
+                                      for n, s, t in data.get("input_signature", ())),
                 tuning=None if data.get("tuning") is None else Tuning.from_dict(data["tuning"]),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -220,6 +220,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         extra={"module_types": {p: types[p] for r in regions for p in r.modules},
                **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
+        input_signature=profile.input_signature,
     )
 
 

@@ -196,6 +196,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         end1[rm.ids[keep]] = np.maximum(end1[rm.ids[keep]], e1[keep])
         end1[rm.ids[drop]] = e1[drop]
         second[rm.ids[drop]] = rp
+        end2[rm.ids[drop]] = rm.f2[drop]
         end1[rm.inputs] = np.maximum(end1[rm.inputs], rm.hold_end)  # NOTE [region memory model]
         pieces = rm.replay_pieces(sv, saved)
         if offloaded:  # NOTE [offload memory model]

@@ -13,9 +13,67 @@ from memfit._torch import tree_flatten, tree_map
 from memfit.errors import MemfitError, ModelError
 
 __all__ = ["normalize_inputs", "default_loss", "iter_tensors", "map_tensors",
-           "call_user"]
+           "call_user", "InputSignature", "input_signature", "call_signature", "PARAMETERS_KEY",
+           "first_floating_parameter"]
 
 LossFn = Callable[[Any], torch.Tensor]
+
+# NOTE [input signature] What a planned step's memory depends on beyond the model's code: the
+# shape and dtype of each tensor the model's forward is called with (positional arguments by
+# position, keyword ones by name, in name order, nested tuples, lists and dicts by index or
+# key: "0", "input_ids", "0.1"), and the dtype of its parameters (under PARAMETERS_KEY, shape
+# ()). A profile records it for the root module's first call; the plan carries it, and a
+# planned model warns on the first call whose signature differs (memfit.runtime.shapes).
+InputSignature = tuple[tuple[str, tuple[int, ...], str], ...]
+PARAMETERS_KEY = "<parameters>"
+
+
+def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any],
+                   parameter: torch.Tensor | None = None) -> list[tuple[str, Any, Any]]:
+    """``(name, shape, dtype)`` of each tensor of one call (NOTE [input signature]), as
+    ``torch.Size`` and ``torch.dtype``; ``parameter``: a floating parameter of the model,
+    whose dtype stands for all of them.
+
+    Example:
+        >>> call_signature((torch.ones(2, 3),), {"mask": [torch.ones(2, dtype=torch.bool)]})
+        [('0', torch.Size([2, 3]), torch.float32), ('mask.0', torch.Size([2]), torch.bool)]
+    """
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(name: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append((name, v.shape, v.dtype))
+        elif isinstance(v, (tuple, list)):
+            for i, x in enumerate(v):
+                walk(f"{name}.{i}", x)
+        elif isinstance(v, Mapping):
+            for k in sorted(v, key=str):
+                walk(f"{name}.{k}", v[k])
+
+    for i, a in enumerate(args):
+        walk(str(i), a)
+    for k in sorted(kwargs):
+        walk(k, kwargs[k])
+    if parameter is not None:
+        out.append((PARAMETERS_KEY, torch.Size(()), parameter.dtype))
+    return out
+
+
+def input_signature(args: tuple[Any, ...], kwargs: dict[str, Any],
+                    parameter: torch.Tensor | None = None) -> InputSignature:
+    """:func:`call_signature` as plain data (shapes as int tuples, dtypes as names).
+
+    Example:
+        >>> input_signature((torch.ones(2, 3),), {})
+        (('0', (2, 3), 'float32'),)
+    """
+    return tuple((name, tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
+                 for name, shape, dtype in call_signature(args, kwargs, parameter))
+
+
+def first_floating_parameter(model: torch.nn.Module) -> torch.Tensor | None:
+    """The first floating-point parameter of ``model`` (None: it has none)."""
+    return next((p for p in model.parameters() if p.is_floating_point()), None)
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from memfit.profiling.inputs import iter_tensors
+from memfit.profiling.inputs import (
+    InputSignature,
+    first_floating_parameter,
+    input_signature,
+    iter_tensors,
+)
 from memfit.profiling.profile import ModuleRecord
 from memfit.profiling.tracker import StorageTracker
 
@@ -72,6 +77,7 @@ class ModuleRecorder:
         self._handles: list[RemovableHandle] = []
         self._mods: dict[str, _Mod] = {}
         self._model = model
+        self.root_signature: InputSignature = ()  # NOTE [input signature] in memfit.profiling.inputs
         for path, mod in model.named_modules():
             pbytes = 0
             seen: set[int] = set()
@@ -116,6 +122,8 @@ class ModuleRecorder:
             if rec.calls == 1 and not self.tracker.backward:
                 rec.first_op = self.tracker.pos + 1
                 rec.inputs = self._sids((args, kwargs))
+                if path == "":
+                    self.root_signature = input_signature(args, kwargs, first_floating_parameter(mod))
         return hook
 
     def _post(self, path: str) -> Any:

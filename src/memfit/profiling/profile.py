@@ -21,9 +21,9 @@ NOTE [storage lifetimes]
 NOTE [kernel workspaces]
     ``OpRecord.workspace_bytes`` is memory an op's kernel allocates internally and frees before
     returning, on top of its outputs (the im2col buffers of CPU convolutions). No dispatch mode
-    sees it; in measure mode on CPU the tracer measures it by running the op once more in
-    isolation under the CPU allocator meter (``allocator peak - new output bytes``, at least 0),
-    for ops whose name contains ``conv`` or ``scaled_dot_product``, once per distinct argument signature. It counts at op
+    sees it; in measure mode on CPU the tracer reads it for every op from the CPU allocator's
+    events inside the op's call in the traced run (``local peak - new output bytes``, at
+    least 0; NOTE [workspace measurement] in ``memfit.profiling.workspace``). It counts at op
     ``i`` only (not "just before" op ``i``), and again wherever a recompute replays op ``i``.
     Fake-mode profiles and CUDA workspaces are not modelled yet: ``workspace_bytes`` is 0 there.
 
@@ -47,6 +47,16 @@ NOTE [saved tensors]
     ``saved = True`` marks a storage that autograd packed for backward (a saved-tensor hook saw
     it). ``first_unpack`` is the backward op during which backward first read it; a region's
     recomputation happens just before the first of its saved storages is unpacked.
+    ``saves`` has one ``(op, first_unpack, released_after)`` per forward pack of it: ``op`` is
+    the forward op that saved it (its output, packed after it ran, or, packed in another
+    module than the op before, its input: ``OpRecord.packs``/``next_packs``), so a pack
+    belongs to the checkpoint of a region iff ``op`` is one of the region's ops;
+    ``first_unpack`` the backward op during which that pack was first read, ``released_after``
+    the op after which autograd let it go (its node ran), ``None`` for never. A storage
+    saved by a region's own op and read after it (the region's output, saved by its last
+    activation) is held by that node in the plain step, by nothing of the region's under
+    checkpointing (NOTE [region memory model] in ``memfit.planning.effects``). Profiles
+    written before the field have no ``saves``.
 """
 
 from __future__ import annotations
@@ -114,6 +124,7 @@ class StorageRecord:
     first_unpack: int | None = None
     last_forward_use: int | None = None
     autocast_cached: bool = False
+    saves: tuple[tuple[int, int | None, int | None], ...] = ()  # NOTE [saved tensors]
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,9 @@ class Profile:
     # calibrated (a profile made before calibration, or by the tracer alone): the defaults
     calibration: Calibration | None = None
     region_state_bytes: int = 0  # NOTE [region state bytes]
+    # the root module's first call: (name, shape, dtype) of each tensor, the parameters' dtype
+    # (NOTE [input signature] in memfit.profiling.inputs); () in profiles written before it
+    input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -269,7 +283,9 @@ class Profile:
                     )
                     for o in data["ops"]
                 ),
-                storages=tuple(StorageRecord(**{**s, "kind": StorageKind(s["kind"])}) for s in data["storages"]),
+                storages=tuple(StorageRecord(**{**s, "kind": StorageKind(s["kind"]),
+                                                "saves": tuple(tuple(x) for x in s.get("saves", ()))})
+                               for s in data["storages"]),
                 modules=tuple(
                     ModuleRecord(**{**m, "children": tuple(m["children"]), "inputs": tuple(m["inputs"]),
                                     "outputs": tuple(m["outputs"])})
@@ -313,6 +329,7 @@ def _scalar_fields(data: dict[str, Any]) -> dict[str, Any]:
         k: v for k, v in data.items() if k not in ("ops", "storages", "modules", "kind")
     }
     out["live_bytes"] = tuple(data["live_bytes"])
+    out["input_signature"] = tuple((str(n), tuple(s), str(d)) for n, s, d in data.get("input_signature", ()))
     cal = data.get("calibration")
     out["calibration"] = Calibration.from_dict(cal) if cal is not None else None
     return out

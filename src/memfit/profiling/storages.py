@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -90,10 +90,14 @@ class TracedStorage:
     first_unpack: int | None = None
     last_forward_use: int | None = None
     autocast_cached: bool = False
+    # NOTE [saved tensors] in memfit.profiling.profile: [op, first unpack, released after]
+    saves: list[list[int | None]] = field(default_factory=list)
 
     def freeze(self, sid: int) -> StorageRecord:
         """The frozen record of this storage, numbered ``sid`` (same fields, plus ``id``)."""
-        return StorageRecord(id=sid, **{f.name: getattr(self, f.name) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["saves"] = tuple((int(op), u, r) for op, u, r in self.saves)  # type: ignore[arg-type]
+        return StorageRecord(id=sid, **values)
 
 
 def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:

@@ -271,9 +271,10 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         # NOTE [calibration]: nothing runs in fake mode to time recompute against
         calibration=Calibration.default(FAKE_CALIBRATION) if fake else None,
         region_state_bytes=region_state_bytes(cost.name if cost is not None else dev.type),
+        input_signature=rec.root_signature,
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
                "repeats": repeats if not fake else 1,
-               "workspace_runs": tr.workspace_runs, "workspace_s": tr.workspace_s},
+               "workspace_measured": tr.workspace_measured, "workspace_s": tr.workspace_s},
     )
     log.info("profiled %s: %d ops (%d forward), peak %d bytes, %.3fs (%.1fx a step)",
              result.model, len(ops), n_forward, result.peak_bytes, cost_s,

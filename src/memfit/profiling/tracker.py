@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from memfit.profiling.storages import (
     storage_of,
 )
 from memfit.profiling.timer import OpTimer
-from memfit.profiling.workspace import WorkspaceProbe
+from memfit.profiling.workspace import WorkspaceMeter
 
 __all__ = ["StorageTracker", "OpTimer", "TracedOp", "TracedStorage", "live_timeline",
            "iter_arg_tensors", "op_flags"]
@@ -54,10 +55,11 @@ class TracedOp:
     next_packs: int = 0            # ... while another module ran (the next op's inputs)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Packed:
     tensor: torch.Tensor
     sid: int
+    save: list[int | None] | None = None  # its entry in the storage's ``saves``
 
 
 class StorageTracker(LiveStorages):
@@ -73,7 +75,7 @@ class StorageTracker(LiveStorages):
         count_flops: count FLOPs with ``torch.utils.flop_counter``'s formulas.
         module_of: returns the path of the innermost module running now.
         param_owner: ``id(parameter) -> module path``, to attribute gradient accumulation.
-        measure_workspace: measure kernel workspaces of convolutions on CPU (NOTE [workspace
+        measure_workspace: measure the kernel workspaces of every op on CPU (NOTE [workspace
             measurement]); needs ``record_ops``.
         autocast_devices: device types the step runs autocast on, to mark the casts its
             cache keeps (NOTE [autocast-cached storages] in ``memfit.profiling.profile``).
@@ -86,7 +88,8 @@ class StorageTracker(LiveStorages):
                  autocast_devices: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.autocast_devices = autocast_devices
-        self._probe = WorkspaceProbe() if measure_workspace else None
+        self._meter = WorkspaceMeter() if measure_workspace and record_ops else None
+        self._new_bytes: list[int] = []  # per op: bytes of the storages it created
         self.record_ops = record_ops
         self.time_ops = time_ops
         self.count_flops = count_flops
@@ -94,25 +97,42 @@ class StorageTracker(LiveStorages):
         self.param_owner = param_owner or {}
         self.ops: list[TracedOp] = []
         self._pending_unpack: list[int] = []
+        self._pending_saves: list[list[int | None]] = []
         self._seq: list[int] = []               # autograd sequence_nr peek at each forward op
         self._node: Any = None
         self._node_info: tuple[str, int | None] = ("", None)
 
     @property
-    def workspace_runs(self) -> int:
-        """Isolated workspace reruns done (cache misses)."""
-        return self._probe.runs if self._probe is not None else 0
+    def workspace_measured(self) -> bool:
+        """Whether kernel workspaces were measured (NOTE [workspace measurement])."""
+        return self._meter is not None and self._meter.enabled
 
     @property
     def workspace_s(self) -> float:
-        """Seconds spent in workspace reruns."""
-        return self._probe.seconds if self._probe is not None else 0.0
+        """Seconds spent starting, stopping and reading the workspace meter."""
+        return self._meter.seconds if self._meter is not None else 0.0
 
     # ---- phases --------------------------------------------------------------------------
+    def __enter__(self) -> StorageTracker:
+        if self._meter is not None:
+            self._meter.start()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._meter is not None:
+                self._meter.stop()
+
     def _finish(self) -> None:
         self._node = None
-        if self._pending_unpack and self.pos >= 0:
+        if (self._pending_unpack or self._pending_saves) and self.pos >= 0:
             self._resolve_unpacks(self.pos)
+        if self._meter is not None:  # NOTE [workspace measurement]
+            for op, ws in zip(self.ops, self._meter.workspaces(self._new_bytes), strict=True):
+                op.workspace_bytes = ws
 
     def _workspaces(self) -> Sequence[int]:
         return [op.workspace_bytes for op in self.ops]
@@ -121,22 +141,38 @@ class StorageTracker(LiveStorages):
     def pack(self, t: torch.Tensor) -> Any:
         # every pack counts, tracked storage or not: torch's checkpoint counts them all to
         # stop its replay (NOTE [region memory model] in memfit.planning.effects)
+        by = -1  # the forward op that saved it (NOTE [saved tensors] in memfit.profiling.profile)
         if self.record_ops and not self.backward and 0 <= self.pos < len(self.ops):
             op = self.ops[self.pos]
             if self.module_of() == op.module:
                 op.packs += 1
+                by = self.pos
             else:  # the next op's inputs, saved in its own module
                 op.next_packs += 1
+                by = self.pos + 1
         sid = self.sid(t)
         if sid is None:
             return t
         self.storages[sid].saved = True
-        return _Packed(t, sid)
+        if by < 0:
+            return _Packed(t, sid)
+        entry: list[int | None] = [by, None, None]
+        self.storages[sid].saves.append(entry)
+        packed = _Packed(t, sid, entry)
+        # autograd drops the packed object when the node holding it has run
+        self._finalizers.append(weakref.finalize(packed, self._on_release, entry))
+        return packed
+
+    def _on_release(self, entry: list[int | None]) -> None:
+        if not self._closed:
+            entry[2] = self.pos
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Packed):
             if self.storages[packed.sid].first_unpack is None:
                 self._pending_unpack.append(packed.sid)
+            if packed.save is not None and packed.save[1] is None:
+                self._pending_saves.append(packed.save)
             return packed.tensor
         return packed
 
@@ -148,6 +184,10 @@ class StorageTracker(LiveStorages):
             if self.storages[sid].first_unpack is None:
                 self.storages[sid].first_unpack = at
         self._pending_unpack.clear()
+        for entry in self._pending_saves:
+            if entry[1] is None:
+                entry[1] = at
+        self._pending_saves.clear()
 
     # ---- backward attribution -------------------------------------------------------------
     def _backward_origin(self) -> tuple[str, int | None]:
@@ -172,7 +212,7 @@ class StorageTracker(LiveStorages):
 
     # ---- the dispatch hook ---------------------------------------------------------------
     def _op_starts(self, i: int) -> None:
-        if self._pending_unpack:
+        if self._pending_unpack or self._pending_saves:
             self._resolve_unpacks(i)
 
     def _dispatch(self, i: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -190,12 +230,19 @@ class StorageTracker(LiveStorages):
         else:
             module, fwd = self.module_of(), None
             self._seq.append(peek_sequence_nr())
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        dt = time.perf_counter() - t0 if self.time_ops else 0.0
+        if self._meter is not None:
+            with self._meter.span():  # NOTE [workspace measurement]
+                t0 = time.perf_counter()
+                out = func(*args, **kwargs)
+                dt = time.perf_counter() - t0 if self.time_ops else 0.0
+        else:
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            dt = time.perf_counter() - t0 if self.time_ops else 0.0
         outs = out_tensors(out)
         metas = []
         aliased = True
+        new_bytes = 0
         for t in outs:
             st = storage_of(t)
             if st is None:
@@ -203,6 +250,7 @@ class StorageTracker(LiveStorages):
             sid = self._live_key.get(storage_key(st))
             if sid is None:
                 sid = self._new_output(st, i)
+                new_bytes += self.storages[sid].nbytes
                 aliased = False
             elif sid not in in_sids:
                 aliased = False
@@ -228,14 +276,12 @@ class StorageTracker(LiveStorages):
         if inplace or not aliased or not outs:
             moved = sum(t.numel() * t.element_size() for t in ins) + sum(
                 t.numel() * t.element_size() for t in outs)
-        ws = 0
-        if self._probe is not None and not inplace:
-            ws = self._probe(func, args, kwargs)  # NOTE [workspace measurement]
+        self._new_bytes.append(new_bytes)
         self.ops.append(TracedOp(
             name=str(func), module=module, backward=self.backward, inputs=tuple(in_sids),
             outputs=tuple(metas), time_s=dt, inplace=inplace,
             random=random, flops=flops, bytes_moved=moved,
-            forward_op=fwd, workspace_bytes=ws))
+            forward_op=fwd))
         return out
 
 

@@ -2,130 +2,135 @@
 
 NOTE [workspace measurement]
     A kernel's internal buffers (NOTE [kernel workspaces] in ``memfit.profiling.profile``) are
-    invisible to a dispatch mode, so with ``measure_workspace=True`` the tracker runs an op
-    that may have one (``memfit.ops.uses_workspace``: a convolution, an attention kernel, a
-    batch norm, a matrix product) and that writes no input once more right after its real call (a batch norm
-    in training without its running statistics, which it would update a second time;
-    same outputs and, on CPU, the same workspace), inside its dispatch handler (where the mode is
-    already off, so the rerun is not recorded), under ``torch.no_grad`` and the CPU allocator
-    meter (``memfit.profiling.meters.AllocatorMeter``); its outputs are dropped.
-    ``workspace = max(0, allocator peak - bytes of its new output storages)`` is the excess
-    over its outputs at the op's local peak. :class:`WorkspaceProbe` caches the result per op
-    and argument signature (shapes, strides, dtypes, devices, non-tensor arguments), so a
-    network measures each distinct convolution once. The rerun is outside the op's timed
-    span. CPU only: on CUDA workspaces come from the caching allocator
+    invisible to a dispatch mode. With ``measure_workspace=True`` the traced run runs under
+    the CPU allocator's event log (``torch.profiler`` with ``profile_memory=True``, as
+    ``memfit.profiling.meters.AllocatorMeter``), and the tracker marks each op's kernel call
+    with a profiler span (``memfit._torch.profiler_marker``, about 1 us). After the run, the
+    allocator events inside op ``i``'s span give its local peak (above the memory live when
+    it started), and ``workspace = max(0, local peak - bytes of its new output storages)``.
+    Every op is measured where it runs, with its real arguments, once: no op is named in
+    advance and none is run twice (a batch norm's running statistics are updated once, a
+    random op draws once). Measured so, with no list of ops:
+    - convolutions (im2col buffers), flash attention (its backward's per-thread scratch:
+      16,640 B on a 4-layer ViT's attention, +8.6% before), batch norm (per-channel
+      vectors), matrix products packing their operands (bfloat16 with AMX, or a transposed
+      float32 operand: 128 KiB for a 128 x 256 one);
+    - the ``linalg`` kernels and ``matrix_exp`` (Pade approximants: several products of the
+      matrix with itself; ``torch.nn.utils.parametrizations.orthogonal``'s backward of two
+      128 x 128 maps peaked 3,080,216 B over its profile before, 4.5x the plain peak).
+    The collector is off while the meter runs: a kernel releases the GIL, and a collection
+    in another thread (pytest-xdist's, a user's) that frees a tensor inside an op's span
+    lowered that op's workspace (a convolution's 110,592 B read 110,556 once). Before this,
+    a rerun of each op on a list, each under its own profiler session (4 ms per
+    distinct call), missed every op not on the list. The spans and events share the
+    profiler's clock. Under another torch profiler the meter does not start (it would end
+    that profiler's session) and measures nothing, with a warning. CPU only: on CUDA workspaces come from the caching allocator
     (``torch.cuda.max_memory_allocated``), not modelled yet.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
-from memfit.ops import uses_workspace, without_statistics
-from memfit.profiling.meters import allocator_peak
-from memfit.profiling.storages import iter_arg_tensors, out_tensors, storage_key, storage_of
+from memfit._native_output import silenced_fd
+from memfit._torch import cpu_marked_spans, cpu_memory_events, profiler_active, profiler_marker
 
-__all__ = ["WorkspaceProbe", "measure_workspace", "uses_workspace"]
+__all__ = ["WorkspaceMeter"]
 
 log = logging.getLogger(__name__)
 
-
-def measure_workspace(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
-    """Bytes ``func`` allocates inside itself beyond its new outputs, per the CPU allocator.
-
-    Runs ``func(*args, **kwargs)`` once under ``torch.no_grad`` and the allocator meter; the
-    outputs are dropped. Call it where no dispatch mode would record the rerun.
-
-    Example:
-        >>> x, w = torch.randn(1, 2, 8, 8, 8), torch.randn(4, 2, 3, 3, 3)
-        >>> conv = torch.ops.aten.convolution.default
-        >>> measure_workspace(conv, (x, w, None, [1] * 3, [1] * 3, [1] * 3, False, [0] * 3, 1), {}) > 0
-        True
-    """
-    held = {storage_key(st) for t in iter_arg_tensors(args, kwargs) if (st := storage_of(t)) is not None}
-    out_bytes: list[int] = []
-
-    def rerun() -> None:
-        out = func(*args, **kwargs)
-        seen: set[int] = set()
-        total = 0
-        for t in out_tensors(out):
-            st = storage_of(t)
-            if st is None:
-                continue
-            key = storage_key(st)
-            if key not in held and key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-        out_bytes.append(total)
-
-    with torch.no_grad():
-        peak = allocator_peak(rerun)
-    return max(0, peak - out_bytes[0])
+_MARK = "memfit.workspace_op"
 
 
-def _arg_key(x: Any) -> Any:
-    """A hashable signature of op arguments: tensors by shape, strides, dtype and device."""
-    if isinstance(x, torch.Tensor):
-        strides = x.stride() if x.layout is torch.strided else ()
-        return ("T", tuple(x.shape), tuple(strides), x.dtype, x.device.type, x.layout)
-    if isinstance(x, (list, tuple)):
-        return tuple(_arg_key(v) for v in x)
-    if isinstance(x, dict):
-        return tuple(sorted((str(k), _arg_key(v)) for k, v in x.items()))
-    return x
+class WorkspaceMeter:
+    """Kernel workspaces of every op of one run, from the CPU allocator's events (NOTE
+    [workspace measurement]).
 
-
-class WorkspaceProbe:
-    """Measures kernel workspaces op by op, once per op and argument signature.
+    ``start()`` before the run, ``span()`` around each op's kernel call, ``stop()`` after it,
+    then ``workspaces(new_output_bytes)``.
 
     Attributes:
-        enabled: False once measuring became impossible (another profiler is active).
-        runs: isolated reruns done (cache misses).
-        seconds: wall seconds spent in them.
+        enabled: False when the meter did not start (another profiler is recording).
+        seconds: wall seconds spent starting, stopping and reading the meter.
+
+    Example:
+        >>> import torch
+        >>> meter = WorkspaceMeter(); meter.start()
+        >>> x, w = torch.randn(1, 2, 8, 8, 8), torch.randn(4, 2, 3, 3, 3)
+        >>> with meter.span():
+        ...     y = torch.nn.functional.conv3d(x, w, padding=1)
+        >>> meter.stop(); meter.workspaces([y.untyped_storage().nbytes()])[0] > 0
+        True
     """
 
     def __init__(self) -> None:
         self.enabled = True
-        self.runs = 0
         self.seconds = 0.0
-        self._cache: dict[Any, int] = {}
+        self._prof: Any = None
+        self._gc_was_enabled = False
+        self._spans: list[tuple[int, int]] = []
+        self._events: list[tuple[int, int]] = []
 
-    def __call__(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
-        """Workspace bytes of this call of ``func`` (0 where not measured).
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
 
-        Only plain CPU tensors are measured: CUDA workspaces are not modelled, and subclasses
-        (fake tensors) allocate nothing.
-        """
-        if not self.enabled or not uses_workspace(func):
-            return 0
-        # batch norm in training: rerun without its statistics (same outputs, no second
-        # update of the model's buffers; its workspace measured the same on CPU)
-        args = without_statistics(func, args, kwargs)
-        if any(t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter)
-               for t in iter_arg_tensors(args, kwargs)):
-            return 0
-        key: Any
+        if profiler_active():  # starting one would end the caller's session
+            log.warning("kernel workspaces not measured: another torch profiler is recording")
+            self.enabled = False
+            return
+        t0 = time.perf_counter()
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         try:
-            key = (str(func), _arg_key(args), _arg_key(kwargs))
-            hash(key)
-        except TypeError:
-            key = None
-        hit = self._cache.get(key) if key is not None else None
-        if hit is None:
-            t0 = time.perf_counter()
-            try:
-                hit = measure_workspace(func, args, kwargs)
-            except RuntimeError as e:  # another profiler active: the meter cannot start
-                log.warning("workspace of %s not measured (%s); further ops are not measured", func, e)
-                self.enabled = False
-                return 0
-            self.runs += 1
-            self.seconds += time.perf_counter() - t0
-            if key is not None:
-                self._cache[key] = hit
-        return hit
+            with silenced_fd(2):  # the profiler's native side prints a line at each start and stop
+                prof.start()
+        except RuntimeError as e:  # another profiler active
+            log.warning("kernel workspaces not measured (%s)", e)
+            self.enabled = False
+        else:
+            self._prof = prof
+            self._gc_was_enabled = gc.isenabled()
+            gc.disable()  # no collection frees a tensor inside an op's span (NOTE above)
+        self.seconds += time.perf_counter() - t0
+
+    def span(self) -> Any:
+        """A context manager marking one op's kernel call."""
+        return profiler_marker(_MARK) if self._prof is not None else contextlib.nullcontext()
+
+    def stop(self) -> None:
+        if self._prof is None:
+            return
+        t0 = time.perf_counter()
+        if self._gc_was_enabled:
+            gc.enable()
+        with silenced_fd(2):
+            self._prof.stop()
+        self._events = cpu_memory_events(self._prof)
+        self._spans = cpu_marked_spans(self._prof, _MARK)
+        self._prof = None
+        self.seconds += time.perf_counter() - t0
+
+    def workspaces(self, new_output_bytes: Sequence[int]) -> list[int]:
+        """Per op (in span order): bytes its kernel held beyond its new outputs at its local
+        peak; all 0 when nothing was measured or the spans do not match the ops."""
+        n = len(new_output_bytes)
+        if not self._spans:
+            return [0] * n
+        if len(self._spans) != n:
+            log.warning("kernel workspaces not measured: %d op spans recorded for %d ops",
+                        len(self._spans), n)
+            return [0] * n
+        at = np.array([t for t, _ in self._events], dtype=np.int64)
+        cum = np.concatenate([[0], np.cumsum(np.array([b for _, b in self._events], dtype=np.int64))])
+        out = []
+        for (s, e), new in zip(self._spans, new_output_bytes, strict=True):
+            lo, hi = int(np.searchsorted(at, s, "left")), int(np.searchsorted(at, e, "right"))
+            peak = int((cum[lo + 1: hi + 1] - cum[lo]).max()) if hi > lo else 0
+            out.append(max(0, peak - int(new)))
+        return out

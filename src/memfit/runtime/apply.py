@@ -22,6 +22,7 @@ from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
 from memfit.runtime.hf_guard import install_guard, remove_guard
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
+from memfit.runtime.shapes import InputGuard
 from memfit.runtime.wrap import unwrap, wrap
 from memfit.step import model_device
 from memfit.units import parse_bytes
@@ -37,6 +38,7 @@ class _Applied:
     segments: list[SegmentHandle] = field(default_factory=list)
     host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
     guard: int | None = None  # id of the HF checkpointing guard (NOTE [checkpointed twice])
+    inputs: Any = None  # the handle of the input guard (NOTE [inputs other than the profiled ones])
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -160,7 +162,9 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             different models.
 
     Returns:
-        ``model``, with ``model.memfit_plan`` set to ``plan``.
+        ``model``, with ``model.memfit_plan`` set to ``plan``. A plan that records the inputs
+        it was profiled on (``Plan.input_signature``) warns once when the model is called on
+        others (NOTE [inputs other than the profiled ones] in ``memfit.runtime.shapes``).
 
     Raises:
         PlanMismatch: a module path the model lacks, a segment whose modules are not
@@ -223,6 +227,9 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
     if applied.host is not None:
         _say_offload_on_cpu(model, plan)
+    if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
+        applied.inputs = model.register_forward_pre_hook(
+            InputGuard(model, plan.input_signature, plan.model), with_kwargs=True)
     model._memfit_applied = applied  # type: ignore[assignment]
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
@@ -252,6 +259,8 @@ def _say_offload_on_cpu(model: nn.Module, plan: Plan) -> None:
 
 def _undo(model: nn.Module, applied: _Applied) -> None:
     remove_guard(model, applied.guard)
+    if applied.inputs is not None:
+        applied.inputs.remove()
     for path in applied.wrapped:
         unwrap(model.get_submodule(path))
     for handle in applied.segments:

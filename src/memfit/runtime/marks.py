@@ -4,15 +4,63 @@
 handle as ``_memfit_segment`` on each of its blocks. Both wrap and segment refuse a module the
 other already checkpoints; asking here, rather than in each other's module, keeps the runtime
 free of import cycles.
+
+NOTE [suspended plans]
+    Inside ``with plans_suspended():`` every module memfit checkpoints (wrapped, by a plan or
+    by hand, or a block of a chain segment) runs its forward plainly, as under
+    ``torch.no_grad`` (NOTE [when a region checkpoints] in ``memfit.runtime.wrap``): no
+    checkpoint, no region state, no call counted by the divergence check, no input guard.
+    Nothing on the module changes, so leaving the block finds the plan exactly as it was (its
+    wrappers, policies, check counters, host pool), unlike ``memfit.twins.lifted_plan``,
+    which removes the plan and applies it afresh. ``memfit.profile`` traces a planned model
+    so: a profile describes the plain step, whatever plan the model carries (traced under its
+    plan, a fitted model's profile read its planned peak as the plain one, 3.05 MiB for 8.13,
+    and ``plan`` found nothing to checkpoint). The flag is a counter on a class, not a
+    context variable: ``torch.compile`` reads it (it cannot trace ``ContextVar.get``); the
+    step is run on one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark"]
+__all__ = ["WRAP_ATTR", "SEGMENT_ATTR", "is_wrapped", "segment_mark", "plans_suspended",
+           "suspended", "carries_plan"]
+
+class _Suspended:
+    depth = 0  # open ``plans_suspended`` blocks
+
+
+@contextlib.contextmanager
+def plans_suspended() -> Iterator[None]:
+    """Run memfit's checkpointed modules plainly inside the block (NOTE [suspended plans]).
+
+    Example:
+        >>> with plans_suspended():
+        ...     suspended()
+        True
+    """
+    _Suspended.depth += 1
+    try:
+        yield
+    finally:
+        _Suspended.depth -= 1
+
+
+def suspended() -> bool:
+    """Whether memfit's checkpoints run plainly now (NOTE [suspended plans])."""
+    return _Suspended.depth > 0
+
+
+def carries_plan(model: nn.Module) -> bool:
+    """Whether memfit checkpoints any module of ``model`` (a plan applied, a module wrapped, a
+    chain segment)."""
+    return any(WRAP_ATTR in m.__dict__ or SEGMENT_ATTR in m.__dict__ or "_memfit_applied" in m.__dict__
+               for m in model.modules())
 
 WRAP_ATTR = "_memfit_wrap"
 SEGMENT_ATTR = "_memfit_segment"

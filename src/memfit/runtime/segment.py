@@ -100,7 +100,7 @@ from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime import policies as _policies
 from memfit.runtime.bindings import watch_inputs
 from memfit.runtime.divergence import CheckSampler
-from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark
+from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark, suspended
 from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
 from memfit.runtime.segment_compiled import SegmentForward, SegmentTrace
 
@@ -176,6 +176,8 @@ class SegmentHandle:
     def wants_checkpoint(self, pos: int, args: Any, kwargs: Any) -> bool:
         """Whether autograd records block ``pos``'s call (NOTE [when a region checkpoints])."""
         if not torch.is_grad_enabled():  # also in eval(): NOTE [when a region checkpoints], wrap.py
+            return False
+        if suspended():  # NOTE [suspended plans] in memfit.runtime.marks
             return False
         found = []
         map_tensors((args, kwargs), lambda t: found.append(t.requires_grad))

@@ -35,7 +35,7 @@ from memfit.errors import WrapError
 from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
 from memfit.runtime.divergence import CheckSampler
-from memfit.runtime.marks import WRAP_ATTR, is_wrapped, segment_mark
+from memfit.runtime.marks import WRAP_ATTR, is_wrapped, segment_mark, suspended
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
 
@@ -79,8 +79,9 @@ class _CheckpointedForward:
             inner = type(module).forward.__get__(module, type(module))
         else:
             inner = state.instance_forward
-        # NOTE [when a region checkpoints]: whenever autograd records, train() or eval().
-        if not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
+        # NOTE [when a region checkpoints]: whenever autograd records, train() or eval(),
+        # and no one suspended the plans (NOTE [suspended plans] in memfit.runtime.marks)
+        if suspended() or not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
             return inner(*args, **kwargs)
         return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
                           name=state.name, modules=(module,), watch_buffers=state.watch_buffers)
