@@ -35,6 +35,7 @@ NOTE [the forward's tensors]
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -103,13 +104,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def watch_inputs(name: str, inputs: Any, outputs: Any) -> None:
     """Raise a clear error if an input of the region is written in place between its forward
     and its replay (NOTE [the forward's tensors], rule 5)."""
-    kept = [(i, t, tensor_version(t)) for i, t in enumerate(_tensors(inputs))]
+    # weakly: a reference here would keep each input until the outputs' graph is freed, past
+    # the moment torch's checkpoint frees it (it is dead then, and can be written no more)
+    kept = [(i, weakref.ref(t), tensor_version(t)) for i, t in enumerate(_tensors(inputs))]
     targets = [t for t in _tensors(outputs) if t.requires_grad]
     if not kept or not targets:
         return
 
     def check(grad: torch.Tensor) -> None:
-        for i, t, version in kept:
+        for i, ref, version in kept:
+            t = ref()
+            if t is None:
+                continue
             now = tensor_version(t)
             if now != version:
                 raise RecomputeMismatch(
