@@ -155,6 +155,22 @@ def _module_parameters() -> None:
     assert lin.weight is new
 
 
+def _sac_rearm() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def keep_mm(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return (CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    caching, cached = create_selective_checkpoint_contexts(keep_mm)
+    x = torch.randn(3, 3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False,
+                                            context_fn=lambda: (caching, cached))
+    out.sum().backward(retain_graph=True)
+    assert T.sac_rearm(cached) == 1  # the mm's entry, consumed by the replay
+    out.sum().backward()  # recomputes the mm instead of "Trying to backward an extra time"
+
+
 def _hooked() -> tuple[nn.Module, list[str], object, object]:
     lin, calls = nn.Linear(2, 2), []
 
@@ -484,6 +500,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "no_python_dispatch": _no_python_dispatch,
     "outer_saved_tensors_hooks": _outer_saved_tensors_hooks,
     "sac_op_output": _sac_op_output,
+    "sac_rearm": _sac_rearm,
     "sac_forget": _sac_forget,
     "require_sac_storage": _require_sac_storage,
     "sac_set_storage": _sac_storage_entries,
@@ -618,7 +635,7 @@ def test_an_older_torch_is_refused_naming_it_and_the_range(monkeypatch, version)
 @pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.1"])
 def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="memfit._torch"):
+    with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
         T.require_supported_torch()
     assert caplog.records == []
 
@@ -626,7 +643,7 @@ def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
 @pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20260101+cpu", "3.0.0"])
 def test_a_newer_torch_is_let_through_with_a_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="memfit._torch"):
+    with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
         T.require_supported_torch()
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {version} is newer than the releases memfit is tested with ({T._TESTED}, "

@@ -5,13 +5,9 @@ NOTE [private torch APIs]
     op schemas, storage identities, autograd sequence numbers, a checkpoint that can be
     entered and left in different functions. The rules:
 
-    0. memfit supports the torch releases its test suite has passed on (``SUPPORTED_TORCH``,
-       the range ``pyproject.toml`` declares; ``./run test-torch VERSION`` runs the suite on
-       another). An older torch is refused when this module is first imported (rule 2), by
-       ``UnsupportedTorch`` naming the installed version and the range: older releases
-       behave differently where no probe below looks (dynamo failing to compile a wrapped
-       model, ``checkpoint`` without some of the keyword options memfit passes). A newer
-       torch is let through with a warning in the log; the probes below say what it lacks.
+    0. memfit supports the releases its suite has passed on (``SUPPORTED_TORCH``, as
+       ``pyproject.toml`` declares; ``memfit.torch_range``): an older torch is refused at this
+       module's first import (``UnsupportedTorch`` naming both), a newer one logged.
     1. This module is the only one of memfit that imports ``torch._*`` or ``torch.utils._*``
        or reads a private attribute of a torch object (``._schema``, ``._cdata``,
        ``._version``...). Every other module uses the names defined here;
@@ -33,10 +29,9 @@ NOTE [private torch APIs]
        allocator meter (the profiler's kineto results, an attribute of a finished profile;
        ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
        dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
-    5. Two lookups fall back instead of raising, as memfit did before they moved here:
-       ``sac_forget`` returns False if the selective-checkpoint cache is laid out differently
-       (torch then raises its own "has been mutated" error), and ``outer_saved_tensors_hooks``
-       returns None (autograd's default) if torch cannot report the saved-tensor hook stack.
+    5. Some lookups fall back instead of raising: ``sac_forget`` (False) and ``sac_rearm`` (0)
+       if the selective-checkpoint cache is laid out differently, ``outer_saved_tensors_hooks``
+       (None: autograd's default) if torch cannot report the saved-tensor hook stack.
 
     Consequence: supporting a new torch means changing this file (and its test) only.
 """
@@ -45,8 +40,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
-import re
 from collections.abc import Callable, Generator
 from typing import Any, cast
 
@@ -56,60 +49,27 @@ import torch.utils.checkpoint
 from torch import nn
 
 from memfit.errors import UnsupportedTorch
+from memfit.torch_range import (  # noqa: F401  (re-exported: rule 0)
+    _TESTED,
+    SUPPORTED_TORCH,
+    require_supported_torch,
+    torch_release,
+)
 
 __all__ = [
-    "SUPPORTED_TORCH",
-    "require_supported_torch",
-    "TorchDispatchMode",
-    "FakeTensorMode",
-    "FAKE_TENSOR_LOGGER",
-    "OpOverload",
-    "OpOverloadPacket",
-    "tree_flatten",
-    "tree_map",
-    "op_schema",
-    "op_packet",
-    "op_namespace",
-    "written_tensors",
-    "is_view_tensor",
-    "storage_key",
-    "tensor_version",
-    "module_parameters",
-    "module_buffers",
-    "forward_pre_hooks",
-    "remove_forward_pre_hook",
-    "set_display_name",
-    "clear_display_name",
-    "current_autograd_node",
-    "node_sequence_nr",
-    "peek_sequence_nr",
-    "no_python_dispatch",
-    "outer_saved_tensors_hooks",
-    "sac_op_output",
-    "sac_forget",
-    "sac_rearm",
-    "require_sac_storage",
-    "sac_set_storage",
-    "sac_saved_tensor",
-    "sac_is_entry",
-    "traced_source_fn",
-    "require_chain_segments",
-    "open_checkpoint",
-    "close_checkpoint",
-    "cpu_memory_events",
-    "profiler_marker",
-    "cpu_marked_spans",
-    "profiler_active",
+    "SUPPORTED_TORCH", "require_supported_torch", "TorchDispatchMode", "FakeTensorMode",
+    "FAKE_TENSOR_LOGGER", "OpOverload", "OpOverloadPacket", "tree_flatten", "tree_map",
+    "op_schema", "op_packet", "op_namespace", "written_tensors", "is_view_tensor",
+    "storage_key", "tensor_version", "module_parameters", "module_buffers",
+    "forward_pre_hooks", "remove_forward_pre_hook", "set_display_name", "clear_display_name",
+    "current_autograd_node", "node_sequence_nr", "peek_sequence_nr", "no_python_dispatch",
+    "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
+    "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
+    "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
+    "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
 ]
 
-log = logging.getLogger(__name__)
-
-# Rule 0: the oldest and newest (major, minor) releases the suite has passed on, and the
-# versions it passed with. pyproject.toml declares the same range (a test checks it).
-_OLDEST = (2, 13)
-_NEWEST = (2, 14)
-_TESTED = "2.13.0, 2.14.1"
-SUPPORTED_TORCH = f">={_OLDEST[0]}.{_OLDEST[1]},<{_NEWEST[0]}.{_NEWEST[1] + 1}"
+require_supported_torch()  # rule 0
 
 
 def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> UnsupportedTorch:
@@ -120,38 +80,6 @@ def unsupported(what: str, *, feature: str | None = None, advice: str = "") -> U
         f"supports torch {SUPPORTED_TORCH} (tested with {_TESTED}): install a supported "
         f"torch{'; or ' + advice if advice else ''}"
     )
-
-
-def torch_release(version: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a torch version string (``"2.14.1+cpu"``, ``"2.16.0.dev20260101"``
-    -> ``(2, 14)``, ``(2, 16)``); None if it does not start with two numbers."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def require_supported_torch() -> None:
-    """Raise ``UnsupportedTorch`` if the installed torch is older than ``SUPPORTED_TORCH``;
-    log a warning if it is newer (NOTE [private torch APIs], rule 0). Called when this module
-    is first imported."""
-    version = torch.__version__
-    release = torch_release(version)
-    if release is None:
-        log.warning("cannot tell the release of torch %r; memfit supports torch %s",
-                    version, SUPPORTED_TORCH)
-        return
-    if release < _OLDEST:
-        raise UnsupportedTorch(
-            f"memfit needs torch {SUPPORTED_TORCH}, but torch {version} is installed (memfit "
-            f"is tested with {_TESTED}): install a supported torch, e.g. "
-            f"pip install 'torch{SUPPORTED_TORCH}'"
-        )
-    if release > _NEWEST:
-        log.warning("torch %s is newer than the releases memfit is tested with (%s, "
-                    "supported %s); memfit checks the private APIs it needs, but was not "
-                    "tested on this torch", version, _TESTED, SUPPORTED_TORCH)
-
-
-require_supported_torch()
 
 
 def lookup(path: str) -> Any:
@@ -265,8 +193,7 @@ def is_view_tensor(t: torch.Tensor) -> bool:
 
 
 def module_parameters(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """The module's own parameter slots, by name: the live dict (``functional_call`` puts
-    its tensors there for the call)."""
+    """The module's own parameter slots by name, the live dict (``functional_call``'s too)."""
     return module._parameters  # type: ignore[return-value]
 
 
@@ -335,12 +262,9 @@ def sac_op_output(ctx: Any) -> Any:
 
 
 def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
-    """Turn a saved entry of torch's selective-checkpoint cache back into "recompute".
-
-    Used when the forward writes in place into a tensor the cache holds (NOTE [forced
-    recompute] in ``memfit.runtime.policies``). Returns False if this torch lays the cache
-    out differently (rule 5).
-    """
+    """Turn a saved entry of torch's selective-checkpoint cache back into "recompute" (the
+    forward writes in place into a tensor the cache holds: NOTE [forced recompute] in
+    ``memfit.runtime.policies``). False if this torch lays the cache out otherwise (rule 5)."""
     storage = getattr(caching_mode, "storage", None)
     marker = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
     if storage is None or marker is None or op not in storage or index not in storage[op]:
@@ -350,11 +274,9 @@ def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
 
 
 def sac_rearm(cached_mode: Any) -> int:
-    """Turn the entries a replay consumed back into "recompute", so that another backward
-    through the region (``retain_graph=True``, double backward) recomputes those ops instead
-    of raising torch's "Trying to backward an extra time". Returns how many were turned; 0
-    on a torch that lays the cache out differently (rule 5).
-    """
+    """Turn the cache entries a replay consumed back into "recompute": another backward
+    (``retain_graph``, double backward) recomputes them instead of torch's "Trying to backward
+    an extra time". Returns how many; 0 on a torch with another cache layout (rule 5)."""
     storage = getattr(cached_mode, "storage", None)
     consumed = getattr(torch.utils.checkpoint, "_CONSUMED", None)
     marker = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
@@ -491,17 +413,11 @@ def _chain_segments_unsupported(what: str) -> UnsupportedTorch:
 
 def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]],
                     inputs: list[torch.Tensor]) -> Generator[None, None, None]:
-    """Enter torch's non-reentrant checkpoint; the ops run until ``close_checkpoint`` are its
+    """Enter torch's non-reentrant checkpoint (RNG preserved, default determinism check,
+    early stop); the ops run until ``close_checkpoint`` (or ``.close()``: abandoned) are its
     region, ``fn(*inputs)`` its recomputation (NOTE [chain segments] in
-    ``memfit.runtime.segment``). RNG state preserved, default determinism check, early stop.
-
-    Returns:
-        The open checkpoint: pass it to ``close_checkpoint``, or ``.close()`` it to abandon it.
-
-    Raises:
-        UnsupportedTorch: this torch's generator has other parameters (rule 4), or its call
-            returned something else than a generator that yields.
-    """
+    ``memfit.runtime.segment``). Raises ``UnsupportedTorch`` if this torch's generator takes
+    other parameters (rule 4) or does not yield once."""
     require_chain_segments()
     assert _generator is not None
     gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs)
