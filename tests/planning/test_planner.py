@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from profile_builders import chain_profile, decoder_profile, residual_block, unet_profile
 
@@ -117,11 +115,10 @@ def test_plan_json_round_trip(chain6, tmp_path):
 
 
 @pytest.mark.slow
-def test_96_block_decoder_plans_in_under_5s():
+def test_96_block_decoder_plans_with_the_chain_solver():
+    """Its planning time is a benchmark (``python -m benchmarks.planner_speed``: 5 s target),
+    not asserted here: a unit test's wall clock moves with the machine's load."""
     prof = decoder_profile(96, param_bytes=512)  # 2,691 forward ops, 28 per block
     assert len(prof.forward_ops) > 96 * 25
-    t0 = time.perf_counter()
     p = plan(prof, budget=0.4)
-    took = time.perf_counter() - t0
     assert p.solver == "chain" and p.predicted_peak_bytes <= p.budget_bytes
-    assert took < 5.0, f"planning took {took:.2f} s"

@@ -371,17 +371,12 @@ def resolve(policy: Any) -> Policy | None:
 
 
 class RegionPolicy:
-    """The per-call policy function handed to ``create_selective_checkpoint_contexts``.
-
-    Counts op occurrences (NOTE [op keys]) and enforces NOTE [forced recompute]. One instance
-    per checkpointed call, so counts restart at 0 for each call.
-    """
+    """The per-call policy function handed to ``create_selective_checkpoint_contexts``: counts
+    op occurrences (NOTE [op keys], from 0 in each call), enforces NOTE [forced recompute]."""
 
     def __init__(self, policy: Policy, recorder: Any = None, *, generators: Any = None) -> None:
         self.policy = policy
-        # An unwatched call's explicit generators (memfit.runtime.generators.GeneratorReplay,
-        # NOTE [explicit generators] rule 3): told when an op drew from one.
-        self.generators = generators
+        self.generators = generators  # an unwatched call's (NOTE [explicit generators] rule 3)
         # The forward's op recorder (memfit.runtime.divergence.OpRecorder), fed here instead
         # of by a dispatch mode of its own: torch consults the policy for every op the
         # recorder would see, in the same order, with the op's output.
