@@ -41,6 +41,7 @@ NOTE [op keys]
 from __future__ import annotations
 
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -384,11 +385,13 @@ class RegionPolicy:
         self.recorder = recorder
         self.counts: dict[str, int] = {}
         # The caching mode this policy decides for (set by the caller), and the saved
-        # entries by the storage their tensors live in: data_ptr -> [(op, index)].
+        # entries by storage: data_ptr -> (weak reference to it, [(op, index)]). The reference
+        # tells it from a later storage at its address: an offloaded output's device storage
+        # dies at its last use in the forward, and a write into the next one must not count.
         self.caching_mode: Any = None
         # The (op, k) occurrences whose outputs go to the host (memfit.runtime.offload).
         self.offloads: set[tuple[Any, int]] = set()
-        self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
+        self._saved: dict[int, tuple[weakref.ref, list[tuple[Any, int]]]] = {}
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self.recorder is not None:
@@ -407,18 +410,30 @@ class RegionPolicy:
                 self.offloads.add((op, k))
             if self.caching_mode is not None:
                 for t in _tensors(sac_op_output(ctx)):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr:
-                        self._saved[ptr].append((op, k))
+                    self._note_saved(t.untyped_storage(), op, k)
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _note_saved(self, storage: torch.UntypedStorage, op: Any, k: int) -> None:
+        ptr = storage.data_ptr()
+        held = self._saved.get(ptr)
+        if ptr and (held is None or held[0]() is not storage):  # none, or one freed since
+            held = self._saved[ptr] = (weakref.ref(storage), [])
+        if held is not None:
+            held[1].append((op, k))
 
     def _forget_written(self, op: Any, args: tuple, kwargs: dict) -> None:
         """A saved tensor written in place later in the forward must be recomputed instead:
         the cache would hand the recomputation the written value (torch raises)."""
         for t in written_tensors(op, args, kwargs):
-            for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
-                sac_forget(self.caching_mode, saved_op, index)
+            # the very storage saved: one Python object while it lives (NOTE [storage
+            # identity and frees] in memfit.profiling.storages)
+            storage = t.untyped_storage()
+            held = self._saved.get(storage.data_ptr())
+            if held is not None and held[0]() is storage:
+                del self._saved[storage.data_ptr()]
+                for saved_op, index in held[1]:
+                    sac_forget(self.caching_mode, saved_op, index)
 
 
 def _returning(policy: Policy) -> Callable[[], Policy]:
