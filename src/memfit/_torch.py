@@ -29,16 +29,17 @@ NOTE [private torch APIs]
        ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
        working: chain segments (torch's non-reentrant checkpoint generator with the
        positional parameters memfit passes, returning a generator that yields once;
-       ``require_chain_segments``), the CPU
-       allocator meter (the profiler's kineto results, an attribute of a finished profile;
-       ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
-       dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
+       ``require_chain_segments``), the CPU allocator meter (the profiler's kineto results,
+       an attribute of a finished profile; ``cpu_memory_events``) and offload (the
+       selective-checkpoint modes' shared ``storage`` dict and its ``_VersionWrapper``
+       entries; ``require_sac_storage``).
     5. Two lookups fall back instead of raising, as memfit did before they moved here:
        ``sac_forget`` returns False if the selective-checkpoint cache is laid out differently
        (torch then raises its own "has been mutated" error), and ``outer_saved_tensors_hooks``
        returns None (autograd's default) if torch cannot report the saved-tensor hook stack.
 
-    Consequence: supporting a new torch means changing this file (and its test) only.
+    Consequence: supporting a new torch means changing this file (and its test) only, and
+    the range it declares with ``pyproject.toml`` once the suite has passed on that torch.
 """
 
 from __future__ import annotations
