@@ -6,12 +6,17 @@ import copy
 import functools
 import inspect
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from runtime_helpers import CallCounter, GPTBlock, Residual, pair
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 
 from memfit.errors import RecomputeMismatch
 from memfit.runtime import policies as P
@@ -124,6 +129,32 @@ def test_forced_recompute_rules():
     assert rp(None, torch.ops.aten.rand.default) is CheckpointPolicy.MUST_RECOMPUTE
     assert rp(None, torch.ops.aten.mm.default) is CheckpointPolicy.MUST_SAVE
     assert rp(None, torch.ops.aten.gelu.default) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_write_into_a_later_storage_at_a_saved_address_forgets_nothing(monkeypatch):
+    # An offloaded output's device storage dies at its last use in the forward and the
+    # allocator may give its address to a later tensor: a write into that one must not turn
+    # the saved entry back into recompute. numpy memory stands in for the reused address.
+    forgotten = []
+    monkeypatch.setattr(P, "sac_forget", lambda mode, op, index: forgotten.append((op, index)))
+    rp = P.RegionPolicy(P.save_ops("aten.mm"))
+    mode = type("Mode", (), {})()  # held weakly by the policy: kept alive here
+    rp.caching_mode = mode
+    mm, mul_ = torch.ops.aten.mm.default, torch.ops.aten.mul_.Tensor
+    memory = np.zeros((2, 2), dtype=np.float32)
+    out = torch.from_numpy(memory)  # the saved output
+    ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+    assert rp(ctx, mm, out, out) is CheckpointPolicy.MUST_SAVE
+    del ctx, out  # its storage is freed; the memory stays
+    later = torch.from_numpy(memory)  # another storage at the same address
+    assert rp(SelectiveCheckpointContext(is_recompute=False, op_output=later), mul_, later,
+              later) is CheckpointPolicy.MUST_RECOMPUTE
+    assert forgotten == []
+    saved = torch.ones(2, 2)  # a saved output itself written in place is forgotten
+    assert rp(SelectiveCheckpointContext(is_recompute=False, op_output=saved), mm, saved,
+              saved) is CheckpointPolicy.MUST_SAVE
+    rp(SelectiveCheckpointContext(is_recompute=False, op_output=saved), mul_, saved, saved)
+    assert forgotten == [(mm, 1)]
 
 
 def test_op_keys_count_per_overload_from_zero_each_call():

@@ -377,22 +377,18 @@ class RegionPolicy:
     def __init__(self, policy: Policy, recorder: Any = None, *, generators: Any = None) -> None:
         self.policy = policy
         self.generators = generators  # an unwatched call's (NOTE [explicit generators] rule 3)
-        # The forward's op recorder (memfit.runtime.divergence.OpRecorder), fed here instead
-        # of by a dispatch mode of its own: torch consults the policy for every op the
-        # recorder would see, in the same order, with the op's output.
-        self.recorder = recorder
+        self.recorder = recorder  # the forward's OpRecorder, fed here (no mode of its own)
         self.counts: dict[str, int] = {}
-        # The caching mode this policy decides for (set by the caller), and the saved
-        # entries by the storage their tensors live in: data_ptr -> [(op, index)].
-        self._caching_mode: Any = None
-        # The (op, k) occurrences whose outputs go to the host (memfit.runtime.offload).
-        self.offloads: set[tuple[Any, int]] = set()
-        self._saved: defaultdict[int, list[tuple[Any, int]]] = defaultdict(list)
+        self._caching_mode: Any = None  # set by the caller (the caching_mode property)
+        self.offloads: set[tuple[Any, int]] = set()  # (op, k) whose outputs go to the host
+        # Saved entries by storage: data_ptr -> (weak reference to it, [(op, index)]); the
+        # reference tells it from a later storage at its address (an offloaded output's dies
+        # at its last use in the forward; a write into the next one must not count).
+        self._saved: dict[int, tuple[weakref.ref, list[tuple[Any, int]]]] = {}
 
     @property
     def caching_mode(self) -> Any:
-        """The caching mode this policy decides for, held weakly: the mode holds this policy,
-        its cache the saved outputs; a cycle would keep them after a graph dropped unused."""
+        """Held weakly: it holds this policy, and a cycle would outlive a graph dropped unused."""
         return None if self._caching_mode is None else self._caching_mode()
 
     @caching_mode.setter
@@ -403,9 +399,8 @@ class RegionPolicy:
         if self.recorder is not None:
             self.recorder.note(op, sac_op_output(ctx), args, kwargs)
         name = op_name(op)
-        counts = self.counts
-        k = counts.get(name, 0)
-        counts[name] = k + 1
+        k = self.counts.get(name, 0)
+        self.counts[name] = k + 1
         if must_recompute(op, args, kwargs):
             if self.generators is not None and kwargs.get("generator") is not None:
                 self.generators.saw_unwatched(op)
@@ -418,19 +413,28 @@ class RegionPolicy:
                 self.offloads.add((op, k))
             if self._caching_mode is not None:
                 for t in _tensors(sac_op_output(ctx)):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr:
-                        self._saved[ptr].append((op, k))
+                    self._note_saved(t.untyped_storage(), op, k)
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _note_saved(self, storage: torch.UntypedStorage, op: Any, k: int) -> None:
+        ptr = storage.data_ptr()
+        held = self._saved.get(ptr)
+        if ptr and (held is None or held[0]() is not storage):  # none, or one freed since
+            held = self._saved[ptr] = (weakref.ref(storage), [])
+        if held is not None:
+            held[1].append((op, k))
 
     def _forget_written(self, op: Any, args: tuple, kwargs: dict) -> None:
         """A saved tensor written in place later in the forward must be recomputed instead:
         the cache would hand the recomputation the written value (torch raises)."""
         for t in written_tensors(op, args, kwargs):
-            for saved_op, index in self._saved.pop(t.untyped_storage().data_ptr(), ()):
+            storage = t.untyped_storage()  # NOTE [storage identity and frees] (profiling)
+            held = self._saved.get(storage.data_ptr())
+            if held is not None and held[0]() is storage:
+                del self._saved[storage.data_ptr()]
                 mode = self.caching_mode
-                if mode is not None:
+                for saved_op, index in held[1] if mode is not None else ():
                     sac_forget(mode, saved_op, index)
 
 
@@ -443,6 +447,4 @@ def _returning(policy: Policy) -> Callable[[], Policy]:
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
+    return [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else []
