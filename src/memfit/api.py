@@ -9,16 +9,24 @@ NOTE [re-fitting]
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
+from memfit.errors import InfeasibleBudget
+from memfit.planning.plan import Plan
+from memfit.profiling.profile import Profile
 from memfit.step import Step
+from memfit.units import format_bytes
 
-__all__ = ["fit"]
+if TYPE_CHECKING:
+    from memfit.planning.job import JobSpec
+
+__all__ = ["fit", "plan", "job_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +37,7 @@ def fit(
     model: M,
     example_inputs: Any = None,
     *,
-    budget: int | float | str,
+    budget: int | float | str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
@@ -37,6 +45,13 @@ def fit(
     tune_time_limit_s: float | None = None,
     src: int = 0,
     group: Any = None,
+    device_memory: int | str | None = None,
+    optimizer: torch.optim.Optimizer | str | None = None,
+    optimizer_state_dtype: torch.dtype | str | None = None,
+    master_weights: bool = False,
+    world_size: int | None = None,
+    sharding: str = "none",
+    reserve: int | str | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -66,6 +81,20 @@ def fit(
             every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
             ``memfit.distributed``): every rank of ``group`` must call ``fit``.
         group: the ``torch.distributed`` process group to plan for (default the whole job).
+        device_memory: instead of (or with) ``budget``: the device's memory, which the whole
+            job must fit (int bytes or ``"80GiB"``): weights, gradients, optimizer states,
+            the optimizer step, activations and a reserve (NOTE [the job's memory] in
+            ``memfit.planning.job``). The breakdown is ``model.memfit_plan.memory``.
+        optimizer: with ``device_memory``: the optimizer instance (its class and param
+            groups are measured on fake tensors, NOTE [optimizer memory on fake tensors]), a
+            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``) or None (none).
+        optimizer_state_dtype: the optimizer states' dtype (default the parameters').
+        master_weights: mixed precision's fp32 copy of every trainable parameter.
+        world_size, sharding: the model states sharded over ``world_size`` devices
+            (``"none"``, ``"optimizer"``, ``"gradients"``, ``"full"``; NOTE [sharded model
+            states]); ``world_size`` defaults to the process group's size, else 1.
+        reserve: memory for the CUDA context and the allocator (NOTE [reserve]): bytes or a
+            size; default 0 on a CPU, 1 GiB + 2% of ``device_memory`` on a GPU.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -102,6 +131,12 @@ def fit(
     if tune and _on_meta(model):
         raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
                          "device; materialize the model or plan without tune")
+    if tune and budget is None:
+        raise TypeError("fit(tune=True) measures plans against budget=: give budget")
+    if tune and device_memory is not None:
+        raise ValueError("fit(tune=True) with device_memory= is not supported yet: tuning "
+                         "measures activation plans against budget=; plan for the device "
+                         "without tune")
     if tune and is_distributed():
         raise ValueError("fit(tune=True) in a distributed job is not supported: each rank would "
                          "time its own candidates and could choose another plan; fit without "
@@ -124,10 +159,18 @@ def fit(
             if tune:
                 from memfit.tuning import tune as measure_plans
 
+                assert budget is not None  # refused above
                 new_plan = measure_plans(the_step, prof, budget, solver=solver,
                                          time_limit_s=tune_time_limit_s)
             else:
-                new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver),
+                job = job_spec(prof, device_memory=device_memory, optimizer=optimizer,
+                               optimizer_state_dtype=optimizer_state_dtype,
+                               master_weights=master_weights, world_size=world_size,
+                               sharding=sharding, reserve=reserve)
+                if job is None and budget is None:
+                    raise TypeError("fit needs budget= (a cap on the activation peak) or "
+                                    "device_memory= (the device the whole job must fit)")
+                new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
                                      src=src, group=group)  # NOTE [one plan per job]
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
     except BaseException:
@@ -176,3 +219,106 @@ def _on_meta(model: nn.Module) -> bool:
     for p in model.parameters():
         return p.device.type == "meta"
     return False
+
+
+def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
+         device_memory: int | str | None = None,
+         optimizer: torch.optim.Optimizer | str | None = None,
+         optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
+         world_size: int | None = None, sharding: str = "none", reserve: int | str | None = None,
+         **options: Any) -> Plan:
+    """The fastest plan for ``budget`` (``memfit.planning.planner.plan``), or for a device the
+    whole job must fit: ``device_memory`` with ``optimizer`` and the rest as in ``fit``.
+
+    ``options`` go to the planner (``time_limit_s``, ``offload``, ``host_budget``,
+    ``target``). ``memfit.plan(profile, device_memory="80GiB", optimizer="adamw")``.
+
+    Raises:
+        InfeasibleBudget: nothing fits; with ``device_memory``, its ``memory`` is the
+            breakdown with the smallest plan and ``fits_with`` what would fit.
+    """
+    from memfit.planning.planner import plan as make_plan
+
+    job = job_spec(profile, device_memory=device_memory, optimizer=optimizer,
+                   optimizer_state_dtype=optimizer_state_dtype, master_weights=master_weights,
+                   world_size=world_size, sharding=sharding, reserve=reserve)
+    try:
+        return make_plan(profile, budget=budget, solver=solver, job=job, **options)
+    except InfeasibleBudget as e:
+        raise _with_state_dtype_hint(e, profile, job, optimizer, optimizer_state_dtype,
+                                     budget, solver, options) from None
+
+
+def job_spec(profile: Profile, *, device_memory: int | str | None,
+             optimizer: torch.optim.Optimizer | str | None = None,
+             optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
+             world_size: int | None = None, sharding: str = "none",
+             reserve: int | str | None = None) -> JobSpec | None:
+    """The ``JobSpec`` of a device (None when ``device_memory`` is None and nothing else is
+    given); the optimizer is measured on fake tensors over the profile's parameters."""
+    from memfit.planning.job import JobSpec, default_reserve_bytes
+    from memfit.profiling.optimizer import optimizer_memory
+
+    if device_memory is None:
+        given = {"optimizer": optimizer, "optimizer_state_dtype": optimizer_state_dtype,
+                 "world_size": world_size, "reserve": reserve}
+        extra = [k for k, v in given.items() if v is not None]
+        extra += ["master_weights"] if master_weights else []
+        extra += ["sharding"] if sharding != "none" else []
+        if extra:
+            raise TypeError(f"{', '.join(extra)} describe the job on a device, and count only "
+                            "against device_memory=; give device_memory (e.g. '80GiB') too")
+        return None
+    memory = _bytes_arg("device_memory", device_memory)
+    cuda = not profile.device.lower().startswith("cpu")
+    opt = optimizer_memory(optimizer, profile.parameters, state_dtype=optimizer_state_dtype,
+                           master_weights=master_weights, cuda=cuda)
+    if world_size is None:
+        from memfit.distributed import is_distributed
+
+        world_size = torch.distributed.get_world_size() if is_distributed() else 1
+    reserve_bytes = (default_reserve_bytes(memory, profile.device) if reserve is None
+                     else _bytes_arg("reserve", reserve, zero=True))
+    return JobSpec(memory, opt, reserve_bytes, world_size, sharding)
+
+
+def _bytes_arg(name: str, value: int | str, zero: bool = False) -> int:
+    from memfit.units import parse_bytes
+
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{name} must be int bytes or a size such as '80GiB', got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        n = parse_bytes(value) if isinstance(value, str) else value
+    except ValueError as e:
+        raise ValueError(f"cannot parse {name}={value!r}: {e}") from None
+    if n < 0 or (n == 0 and not zero):
+        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'} bytes, got {value!r}")
+    return n
+
+
+def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec | None,
+                           optimizer: Any, state_dtype: Any, budget: Any, solver: str,
+                           options: dict[str, Any]) -> InfeasibleBudget:
+    """``e`` with bf16 optimizer states named when they would make the job fit (computed)."""
+    if job is None or optimizer is None or str(state_dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
+        return e
+    from memfit.planning.planner import plan as make_plan
+    from memfit.profiling.optimizer import optimizer_memory
+
+    cuda = not profile.device.lower().startswith("cpu")
+    bf16 = optimizer_memory(optimizer, profile.parameters, state_dtype="bfloat16", cuda=cuda)
+    if bf16.state_bytes + bf16.step_bytes >= job.optimizer.state_bytes + job.optimizer.step_bytes:
+        return e
+    trial = dataclasses.replace(job, optimizer=bf16)
+    try:
+        p = make_plan(profile, budget=budget, solver=solver, job=trial, **options)
+    except InfeasibleBudget:
+        return e
+    assert p.memory is not None
+    hint = (f"optimizer_state_dtype='bfloat16' ({bf16.name}: {format_bytes(bf16.state_bytes)} "
+            f"of states; the job then needs {format_bytes(p.memory.total_bytes)})")
+    message = f"{e}{'; ' if e.fits_with else chr(10) + 'Would fit: '}{hint}"
+    return InfeasibleBudget(message, budget_bytes=e.budget_bytes,
+                            min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
+                            fits_with=(*e.fits_with, hint))

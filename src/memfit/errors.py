@@ -6,6 +6,8 @@ Bad arguments (wrong type, unparseable value) raise ``ValueError``/``TypeError``
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "MemfitError",
     "InfeasibleBudget",
@@ -29,14 +31,21 @@ class InfeasibleBudget(MemfitError):
     """No plan in the plan space fits the budget.
 
     Attributes:
-        budget_bytes: the budget asked for.
-        min_feasible_bytes: the smallest predicted peak any plan reaches.
+        budget_bytes: the activation budget asked for (for a whole job, what the device left).
+        min_feasible_bytes: the smallest predicted activation peak any plan reaches.
+        memory: for a plan made for a device (``device_memory=``), the job's breakdown with
+            the smallest plan (``memfit.planning.job.JobMemory``); else None.
+        fits_with: what would make it fit, computed (another sharding, a smaller batch, a
+            state dtype), one phrase each.
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int,
+                 memory: Any = None, fits_with: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+        self.memory = memory
+        self.fits_with = fits_with
 
 
 class ModelError(MemfitError):

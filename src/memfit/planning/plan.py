@@ -19,7 +19,7 @@ NOTE [plan schema]
     memfit reads. The optional ``"tuning"`` object (``Tuning``: what ``memfit.tune`` measured)
     was added within version 2: files without it read as ``tuning=None``, and readers that
     predate it ignore it. ``"host_peak_bytes"`` (offload) is optional too: a file without it
-    reads as 0.
+    reads as 0, and so is ``"memory"`` (the job's breakdown, ``JobMemory``): absent, None.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
+from memfit.planning.job import JobMemory
 
 __all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan", "TunedCandidate", "Tuning"]
 
@@ -153,6 +154,9 @@ class Plan:
     input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # what measured selection timed (``memfit.tune``); a measurement, not part of the plan
     tuning: Tuning | None = field(default=None, compare=False, hash=False)
+    # the whole job's memory on the device, for a plan made for ``device_memory`` (NOTE [the
+    # job's memory] in memfit.planning.job); None for an activation budget alone
+    memory: JobMemory | None = None
 
     @property
     def overhead(self) -> float:
@@ -192,6 +196,7 @@ class Plan:
             ],
             "extra": self.extra,
             "tuning": None if self.tuning is None else self.tuning.to_dict(),
+            "memory": None if self.memory is None else self.memory.to_dict(),
         }
 
     @classmethod
@@ -225,6 +230,7 @@ class Plan:
                 input_signature=tuple((str(n), tuple(int(d) for d in s), str(t))
                                       for n, s, t in data.get("input_signature", ())),
                 tuning=None if data.get("tuning") is None else Tuning.from_dict(data["tuning"]),
+                memory=None if data.get("memory") is None else JobMemory.from_dict(data["memory"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
@@ -293,6 +299,8 @@ class Plan:
             lines.append(f"  kept ops include {draws} dropout draw(s): the mask is kept, 1 byte per "
                          "element, and not drawn again in the replay")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.memory is not None:
+            lines.extend(self.memory.lines())
         if self.tuning is not None:
             lines.extend(self.tuning.lines())
         return "\n".join(lines)

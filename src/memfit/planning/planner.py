@@ -8,6 +8,14 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
+from memfit.planning.job import (
+    JobMemory,
+    JobSpec,
+    activation_budget,
+    job_memory,
+    model_memory,
+    smallest_world_size,
+)
 from memfit.planning.offload import OffloadSpec, link_of
 from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import writes_buffers
@@ -18,16 +26,16 @@ from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
-__all__ = ["plan", "refuse_over_budget", "MAX_RETRIES"]
+__all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
 
 
-def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
+def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
          time_limit_s: float = 10.0, offload: bool = False, host_budget: int | str | None = None,
-         target: str | DevicePreset | None = None) -> Plan:
+         target: str | DevicePreset | None = None, job: JobSpec | None = None) -> Plan:
     """Find the checkpoint plan with the least recompute time whose peak fits ``budget``.
 
     Planning reads a :class:`~memfit.profiling.profile.Profile` only (it never runs a model):
@@ -54,6 +62,11 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
         target: the device preset whose host link times the copies (``"a100"``, ``"h100"``,
             ``"h200"``); default: the profile's own (its fake-mode target). Needed for a
             profile measured on a GPU.
+        job: the device and what else the job keeps on it (``memfit.planning.job.JobSpec``;
+            ``memfit.plan`` makes it from ``device_memory=`` and ``optimizer=``): the
+            activation budget is what the device leaves after weights, optimizer states and
+            the reserve (NOTE [the job's memory]), capped by ``budget`` if given too; the plan
+            carries the breakdown as ``plan.memory``.
 
     Returns:
         A :class:`~memfit.planning.plan.Plan` whose ``predicted_peak_bytes`` and
@@ -61,7 +74,9 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
 
     Raises:
         InfeasibleBudget: no plan fits; the message and ``min_feasible_bytes`` give the smallest
-            predicted peak any plan reaches. A baseline's fixed plan is returned even over the
+            predicted peak any plan reaches. With ``job``: also when the job does not fit with
+            the smallest plan; ``memory`` is that plan's breakdown, the message says what would
+            fit (sharding over more devices). A baseline's fixed plan is returned even over the
             budget (with a note), for comparison; ``memfit.fit`` refuses to apply it.
         NoBlocks: (a ``ValueError``) a baseline found no blocks to checkpoint (NOTE [baseline
             blocks] in ``memfit.planning.solvers.baselines``).
@@ -81,6 +96,63 @@ def plan(profile: Profile, *, budget: int | float | str, solver: str = "auto",
             f"plan takes a memfit.Profile, got {type(profile).__name__}; profile the step first "
             "(prof = memfit.profile(model, example_inputs); memfit.plan(prof, budget=...)) or "
             "use memfit.fit(model, example_inputs, budget=...) to profile, plan and apply")
+    args = (solver, time_limit_s, offload, host_budget, target)
+    if job is None:
+        if budget is None:
+            raise TypeError("plan needs budget= (a cap on the activation peak) or "
+                            "device_memory= (the device the whole job must fit)")
+        return _plan_activations(profile, budget, *args)
+    return plan_for_device(profile, job, budget, *args)
+
+
+def plan_for_device(profile: Profile, job: JobSpec, budget: int | float | str | None,
+                    *args: Any) -> Plan:
+    """``plan`` with a ``job`` (NOTE [the job's memory] in ``memfit.planning.job``)."""
+    mm = model_memory(profile.parameters, profile.buffer_bytes, job)
+    cap = activation_budget(mm, job)
+    result: Plan | None = None
+    if cap > 0 and mm.gradients_bytes + mm.optimizer_step_bytes <= cap:
+        wanted = cap if budget is None or _is_min(budget) else min(cap, resolve_budget(budget, profile.peak_bytes))
+        try:
+            result = _plan_activations(profile, "min" if _is_min(budget) else wanted, *args)
+        except InfeasibleBudget:
+            result = None
+    if result is not None:
+        memory = job_memory(mm, job, result.predicted_peak_bytes)
+        if memory.fits:
+            return dataclasses.replace(result, memory=memory)
+    smallest = _plan_activations(profile, "min", *args)
+    raise _job_infeasible(profile, job, mm, job_memory(mm, job, smallest.predicted_peak_bytes))
+
+
+def _job_infeasible(profile: Profile, job: JobSpec, mm: Any, memory: JobMemory) -> InfeasibleBudget:
+    """The error for a job that does not fit with its smallest plan: the breakdown, the
+    shortfall, and the sharding that would fit (computed)."""
+    fits_with: list[str] = []
+    if memory.fits:  # the smallest plan fits the device, but not a budget= also given
+        fits_with.append(f"a budget of at least {memory.activations_bytes} bytes")
+    n = smallest_world_size(profile.parameters, profile.buffer_bytes, job, memory.activations_bytes)
+    if n is not None and job.world_size < n and not any(p.sharded for p in profile.parameters):
+        fits_with.append(f"full sharding (FSDP / ZeRO-3) over {n} devices")
+    step = mm.gradients_bytes + mm.optimizer_step_bytes
+    why = (f"its optimizer step alone (gradients + step transients, {format_bytes(step)}) needs "
+           f"more than the {format_bytes(max(memory.activation_budget_bytes, 0))} the weights and "
+           "states leave" if step > memory.activation_budget_bytes
+           else f"its smallest plan peaks at {format_bytes(memory.activations_bytes)} of activations")
+    return InfeasibleBudget(
+        f"the job does not fit {format_bytes(job.device_memory_bytes)}: {why}; with that plan it "
+        f"needs {format_bytes(memory.total_bytes)} ({memory.total_bytes} bytes), "
+        f"{format_bytes(memory.total_bytes - job.device_memory_bytes)} more than the device has.\n"
+        + "\n".join(memory.lines())
+        + ("\nWould fit: " + "; ".join(fits_with) if fits_with else ""),
+        budget_bytes=max(memory.activation_budget_bytes, 0),
+        min_feasible_bytes=memory.activations_bytes, memory=memory, fits_with=tuple(fits_with))
+
+
+def _plan_activations(profile: Profile, budget: int | float | str, solver: str, time_limit_s: float,
+                      offload: bool, host_budget: int | str | None,
+                      target: str | DevicePreset | None) -> Plan:
+    """``plan`` for an activation budget alone."""
     solve = get_solver(solver)
     notes: list[str] = []
     spec = _offload_spec(profile, offload, host_budget, target, notes)

@@ -81,6 +81,7 @@ __all__ = [
     "StorageRecord",
     "OpRecord",
     "ModuleRecord",
+    "ParameterRecord",
     "Profile",
     "op_signature",
 ]
@@ -199,6 +200,23 @@ class ModuleRecord:
 
 
 @dataclass(frozen=True)
+class ParameterRecord:
+    """One parameter of the model (NOTE [the job's memory] in ``memfit.planning.job``).
+
+    ``shape`` and ``nbytes`` are what this process holds: for a DTensor (an FSDP shard) its
+    local shard, with ``sharded = True``. ``trainable`` is ``requires_grad``: it gets a
+    gradient and optimizer state.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    trainable: bool = True
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
 class Profile:
     """One training step, op by op. See the module docstring for the invariants.
 
@@ -227,6 +245,10 @@ class Profile:
     # the root module's first call: (name, shape, dtype) of each tensor, the parameters' dtype
     # (NOTE [input signature] in memfit.profiling.inputs); () in profiles written before it
     input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    # the model's parameters and the bytes of its buffers (the weights the device holds
+    # besides activations; NOTE [the job's memory]); () and 0 in profiles written before them
+    parameters: tuple[ParameterRecord, ...] = ()
+    buffer_bytes: int = 0
     schema_version: int = PROFILE_SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -330,6 +352,8 @@ def _scalar_fields(data: dict[str, Any]) -> dict[str, Any]:
     }
     out["live_bytes"] = tuple(data["live_bytes"])
     out["input_signature"] = tuple((str(n), tuple(s), str(d)) for n, s, d in data.get("input_signature", ()))
+    out["parameters"] = tuple(ParameterRecord(**{**r, "shape": tuple(r["shape"])})
+                              for r in data.get("parameters", ()))
     cal = data.get("calibration")
     out["calibration"] = Calibration.from_dict(cal) if cal is not None else None
     return out

@@ -23,6 +23,7 @@ from memfit.errors import ProfileMismatch
 from memfit.profiling.calibrate import Calibration
 from memfit.profiling.costmodel import op_time_s, preset
 from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
+from memfit.profiling.model_state import buffer_bytes, describe_parameters
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.profile import (
     OpRecord,
@@ -272,6 +273,7 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         calibration=Calibration.default(FAKE_CALIBRATION) if fake else None,
         region_state_bytes=region_state_bytes(cost.name if cost is not None else dev.type),
         input_signature=rec.root_signature,
+        parameters=describe_parameters(model), buffer_bytes=buffer_bytes(model),
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
                "repeats": repeats if not fake else 1,
                "workspace_measured": tr.workspace_measured, "workspace_s": tr.workspace_s},

@@ -1,0 +1,247 @@
+"""The whole job's memory on one device: weights, gradients, optimizer states, activations.
+
+NOTE [the job's memory]
+    A training job holds on each device, besides the step's activations: the weights (every
+    parameter and buffer, ``Profile.parameters`` and ``buffer_bytes``), one gradient per
+    trainable parameter, the optimizer's states (Adam's two moments, SGD's momentum; master
+    weights in mixed precision) and, while ``optimizer.step()`` runs, its transient tensors
+    (a foreach Adam's sqrt of the second moments: one state's size; a single-tensor Adam's
+    two temporaries of the largest parameter; a fused one's none). Measured on fake tensors
+    by ``memfit.profiling.optimizer``; this module only adds them up.
+
+    Gradients are counted once. The profile's activation peak already holds the gradients
+    that backward has allocated by then (a step starts with ``.grad`` None, as after
+    ``zero_grad(set_to_none=True)``, torch's default), so they are not added to it again.
+    The job's peak is the larger of its two phases:
+
+        forward + backward:  weights + optimizer states + activation peak (gradients inside)
+        optimizer step:      weights + optimizer states + gradients + the step's transients
+
+    plus the reserve (NOTE [reserve]). The activation budget a plan must meet is therefore
+    ``device_memory - reserve - weights - optimizer states`` (the phase that plans change),
+    and the step phase must fit on its own: if ``gradients + step transients`` exceed that
+    budget no plan can help. ``budget=`` keeps its meaning (a cap on the activation peak
+    alone); given with ``device_memory`` the smaller of the two caps holds.
+
+NOTE [sharded model states]
+    With ``world_size = N`` and ``sharding`` (ZeRO's stages, FSDP's strategies):
+    ``"optimizer"`` divides optimizer states and the step's transients by N (ZeRO-1),
+    ``"gradients"`` also the gradients (ZeRO-2, FSDP ``SHARD_GRAD_OP``), ``"full"`` also the
+    parameters (ZeRO-3, FSDP ``FULL_SHARD``; buffers stay whole), each rounded up to whole
+    bytes per rank. The activation peak is the profile's, taken on the unsharded model: it
+    keeps the whole gradients backward allocates and leaves out the parameters FSDP gathers
+    for the units in flight, so it is not exact under sharding (a conservative count of the
+    gradients, none of the gathered parameters: give ``reserve=`` for them). A profile of a
+    model that is already sharded (FSDP2 DTensor shards) holds per-rank sizes: sharding it
+    again is refused.
+
+NOTE [reserve]
+    Memory the job needs that no tensor accounts for. On a CPU it is 0 (malloc, no context).
+    On a CUDA device: the CUDA context and library workspaces (cuBLAS, cuDNN) outside
+    torch's allocator, and the caching allocator's rounding and fragmentation inside it. The
+    default is 1 GiB plus 2% of the device's memory (2.6 GiB on an 80 GiB card); it is an
+    assumption until ``benchmarks/gpu_check.py`` measures it on a GPU. Pass ``reserve=``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from memfit.units import format_bytes
+
+__all__ = ["OptimizerMemory", "JobSpec", "JobMemory", "SHARDINGS", "model_memory", "activation_budget",
+           "job_memory", "default_reserve_bytes", "smallest_world_size"]
+
+SHARDINGS = ("none", "optimizer", "gradients", "full")
+_GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What an optimizer keeps and allocates on the device (NOTE [the job's memory]).
+
+    Attributes:
+        name: what was measured, e.g. ``"AdamW (foreach, bfloat16 states)"``.
+        state_bytes: kept between steps: states, and master weights where there are any.
+        step_bytes: allocated and freed inside ``optimizer.step()``, on top of the states.
+    """
+
+    name: str
+    state_bytes: int
+    step_bytes: int
+
+    @classmethod
+    def none(cls) -> OptimizerMemory:
+        return cls("no optimizer", 0, 0)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The device a plan is for and what else the job keeps on it."""
+
+    device_memory_bytes: int
+    optimizer: OptimizerMemory
+    reserve_bytes: int
+    world_size: int = 1
+    sharding: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.device_memory_bytes <= 0:
+            raise ValueError(f"device_memory must be positive bytes, got {self.device_memory_bytes}")
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve must be >= 0 bytes, got {self.reserve_bytes}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """The job's memory on one device, by part (NOTE [the job's memory]); bytes.
+
+    ``total_bytes = weights + optimizer + max(activations, gradients + optimizer_step) +
+    reserve``: ``activations_bytes`` is the plan's predicted activation peak, which holds
+    the gradients allocated by then.
+    """
+
+    device_memory_bytes: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    optimizer_step_bytes: int
+    activations_bytes: int
+    reserve_bytes: int
+    total_bytes: int
+    optimizer: str = "no optimizer"
+    world_size: int = 1
+    sharding: str = "none"
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device_memory_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Device memory left over (negative: the shortfall)."""
+        return self.device_memory_bytes - self.total_bytes
+
+    @property
+    def activation_budget_bytes(self) -> int:
+        """The most the activation peak may reach on this device."""
+        return self.device_memory_bytes - self.reserve_bytes - self.weights_bytes - self.optimizer_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobMemory:
+        kinds = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: (str(v) if kinds[k] == "str" else int(v)) for k, v in data.items()})  # type: ignore[arg-type]
+
+    def lines(self) -> list[str]:
+        """The breakdown as a table."""
+        shard = (f", {self.sharding} sharding over {self.world_size} devices"
+                 if self.sharding != "none" else "")
+        rows = [("weights", self.weights_bytes, "parameters and buffers"),
+                ("gradients", self.gradients_bytes, "one per trainable parameter; inside the "
+                 "activation peak, so counted once"),
+                ("optimizer states", self.optimizer_bytes, self.optimizer),
+                ("optimizer step", self.optimizer_step_bytes, "transient, while step() runs"),
+                ("activations", self.activations_bytes, "the plan's predicted peak"),
+                ("reserve", self.reserve_bytes, "CUDA context, allocator (NOTE [reserve])")]
+        out = [f"  device memory {format_bytes(self.device_memory_bytes)}{shard}"]
+        out += [f"    {name:<17}{format_bytes(n):>12}  {why}" for name, n, why in rows]
+        verdict = (f"fits, {format_bytes(self.free_bytes)} free" if self.fits
+                   else f"does NOT fit: {format_bytes(-self.free_bytes)} short")
+        out.append(f"    {'total':<17}{format_bytes(self.total_bytes):>12}  {verdict} "
+                   "(weights + states + max(activations, gradients + step) + reserve)")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Weights, gradients, optimizer states and step transients on one device, sharded."""
+
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    optimizer_step_bytes: int
+
+
+def model_memory(parameters: Iterable[Any], buffer_bytes: int, spec: JobSpec) -> ModelMemory:
+    """The model's share of one device under ``spec`` (NOTE [sharded model states]).
+
+    ``parameters`` are ``memfit.profiling.profile.ParameterRecord`` s (anything with
+    ``nbytes``, ``trainable`` and ``sharded``).
+
+    Example:
+        >>> from memfit.profiling.profile import ParameterRecord
+        >>> ps = [ParameterRecord("w", (10,), "float32", 40)]
+        >>> model_memory(ps, 0, JobSpec(1000, OptimizerMemory("sgd", 40, 0), 0, 2, "full"))
+        ModelMemory(weights_bytes=20, gradients_bytes=20, optimizer_bytes=20, optimizer_step_bytes=0)
+    """
+    params = list(parameters)
+    n = spec.world_size if spec.sharding != "none" else 1
+    if n > 1 and any(p.sharded for p in params):
+        raise ValueError(
+            f"the profile's parameters are already sharded (DTensor shards: a per-rank profile), "
+            f"so sharding={spec.sharding!r} over world_size={spec.world_size} would divide them "
+            "again; plan it with sharding='none', or profile the unsharded model")
+    weights = sum(p.nbytes for p in params)
+    grads = sum(p.nbytes for p in params if p.trainable)
+    states, step = spec.optimizer.state_bytes, spec.optimizer.step_bytes
+
+    def per_rank(b: int, stages: tuple[str, ...]) -> int:
+        return math.ceil(b / n) if spec.sharding in stages else b
+
+    return ModelMemory(per_rank(weights, ("full",)) + buffer_bytes,
+                       per_rank(grads, ("gradients", "full")),
+                       per_rank(states, ("optimizer", "gradients", "full")),
+                       per_rank(step, ("optimizer", "gradients", "full")))
+
+
+def activation_budget(mm: ModelMemory, spec: JobSpec) -> int:
+    """The largest activation peak the device leaves room for (NOTE [the job's memory])."""
+    return spec.device_memory_bytes - spec.reserve_bytes - mm.weights_bytes - mm.optimizer_bytes
+
+
+def job_memory(mm: ModelMemory, spec: JobSpec, activations_bytes: int) -> JobMemory:
+    """The breakdown for a plan whose activation peak is ``activations_bytes``."""
+    total = (mm.weights_bytes + mm.optimizer_bytes + spec.reserve_bytes
+             + max(activations_bytes, mm.gradients_bytes + mm.optimizer_step_bytes))
+    return JobMemory(spec.device_memory_bytes, mm.weights_bytes, mm.gradients_bytes,
+                     mm.optimizer_bytes, mm.optimizer_step_bytes, activations_bytes,
+                     spec.reserve_bytes, total, spec.optimizer.name, spec.world_size, spec.sharding)
+
+
+def default_reserve_bytes(device_memory_bytes: int, device: str) -> int:
+    """NOTE [reserve]: 0 on a CPU; 1 GiB + 2% of ``device_memory_bytes`` on a GPU.
+
+    Example:
+        >>> round(default_reserve_bytes(80 << 30, "h100") / (1 << 30), 2)
+        2.6
+    """
+    if device.lower().startswith("cpu"):
+        return 0
+    return _GiB + device_memory_bytes // 50
+
+
+def smallest_world_size(parameters: Iterable[Any], buffer_bytes: int, spec: JobSpec,
+                        activations_bytes: int, limit: int = 1024) -> int | None:
+    """The fewest devices (powers of two up to ``limit``) over which the job fits with full
+    sharding, for an activation peak of ``activations_bytes``; None if none does."""
+    params = list(parameters)
+    n = 2
+    while n <= limit:
+        trial = JobSpec(spec.device_memory_bytes, spec.optimizer, spec.reserve_bytes, n, "full")
+        if job_memory(model_memory(params, buffer_bytes, trial), trial, activations_bytes).fits:
+            return n
+        n *= 2
+    return None

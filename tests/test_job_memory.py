@@ -1,0 +1,159 @@
+"""The whole job's memory (NOTE [the job's memory]): optimizer states measured on fake tensors
+against the CPU allocator, a plan for ``device_memory`` against three real AdamW steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memfit
+from memfit import InfeasibleBudget, zoo
+from memfit.planning.job import JobSpec, OptimizerMemory, job_memory, model_memory
+from memfit.profiling.meters import AllocatorMeter
+from memfit.profiling.model_state import describe_parameters
+from memfit.profiling.optimizer import optimizer_memory
+from memfit.profiling.profile import ParameterRecord
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+
+
+def _real_step_memory(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the first real step leaves allocated, its peak), by the CPU allocator, with the
+    gradients already in place."""
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with AllocatorMeter() as m:
+        opt.step()
+    states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor))
+    return states, m.peak_bytes
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),
+], ids=["adamw", "adamw-foreach", "adam-amsgrad-wd", "sgd-momentum", "sgd"])
+def test_optimizer_memory_is_what_the_real_step_allocates(make):
+    model = _model()
+    opt = make(model.parameters())
+    measured = optimizer_memory(opt)  # before the real step: the twin allocates, not opt
+    assert opt.state == {} or all(not s for s in opt.state.values())
+    states, peak = _real_step_memory(opt, model)
+    assert measured.state_bytes == states
+    # Adam's real step also allocates 12 B of 0-d scalar temporaries (the Python floats
+    # lerp_/addcmul_ take, wrapped) that fake tensors never materialize; nothing else differs
+    extra = peak - measured.state_bytes - measured.step_bytes
+    assert extra == (12 if isinstance(opt, torch.optim.Adam | torch.optim.AdamW) else 0)
+
+
+def test_a_name_counts_the_trainable_parameters_in_the_state_dtype():
+    ps = [ParameterRecord("w", (1000, 64), "bfloat16", 128_000),
+          ParameterRecord("frozen", (4096,), "bfloat16", 8192, trainable=False)]
+    bf16 = optimizer_memory("adamw", ps, cuda=True)
+    fp32 = optimizer_memory("adamw", ps, state_dtype="float32", cuda=True)
+    master = optimizer_memory("adamw", ps, master_weights=True, cuda=True)
+    assert bf16.state_bytes == 2 * 128_000            # exp_avg, exp_avg_sq; step on the host
+    assert bf16.step_bytes == 128_000                  # foreach: sqrt of the second moments
+    assert fp32.state_bytes == 2 * 256_000 and fp32.step_bytes == 256_000
+    assert master.state_bytes == 3 * 256_000           # + the fp32 master copy
+    assert optimizer_memory("sgd", ps) == OptimizerMemory(
+        "SGD (single-tensor, states in the parameters' dtype)", 0, 0)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        optimizer_memory("lion", ps)
+    with pytest.raises(ValueError, match="master_weights keeps fp32"):
+        optimizer_memory("adamw", ps, state_dtype="bfloat16", master_weights=True)
+
+
+def test_sharding_divides_the_model_states_and_refuses_a_sharded_profile():
+    ps = [ParameterRecord("w", (10,), "float32", 40), ParameterRecord("f", (3,), "float32", 12, trainable=False)]
+    opt = OptimizerMemory("x", 80, 40)
+    # parameters 52 B (40 trainable), buffers 7 B (never sharded), over 4 ranks
+    expect = {"none": (52 + 7, 40, 80, 40), "optimizer": (52 + 7, 40, 20, 10),
+              "gradients": (52 + 7, 10, 20, 10), "full": (13 + 7, 10, 20, 10)}
+    for sharding, want in expect.items():
+        mm = model_memory(ps, 7, JobSpec(10_000, opt, 0, 4, sharding))
+        assert (mm.weights_bytes, mm.gradients_bytes, mm.optimizer_bytes, mm.optimizer_step_bytes) == want
+    sharded = [ParameterRecord("w", (10,), "float32", 40, sharded=True)]
+    with pytest.raises(ValueError, match="already sharded"):
+        model_memory(sharded, 0, JobSpec(10_000, opt, 0, 4, "full"))
+
+
+def test_gradients_count_once_the_larger_phase_wins():
+    ps = [ParameterRecord("w", (100,), "float32", 400)]
+    spec = JobSpec(100_000, OptimizerMemory("x", 800, 300), 1000)
+    mm = model_memory(ps, 0, spec)
+    # forward/backward phase: activations 5,000 (gradients inside) beat gradients + step 700
+    assert job_memory(mm, spec, 5000).total_bytes == 400 + 800 + 5000 + 1000
+    # optimizer-step phase: gradients 400 + step 300 beat activations 600
+    assert job_memory(mm, spec, 600).total_bytes == 400 + 800 + 700 + 1000
+
+
+def test_a_zoo_gpt_with_adamw_fits_its_device_memory_over_three_real_steps():
+    torch.manual_seed(0)
+    model = zoo.gpt(n_layer=4, d_model=128, n_head=4, seq_len=128, dropout=0.0)
+    x = torch.randint(0, 512, (4, 128))
+    prof = memfit.profile(model, x)
+    opt_mem = optimizer_memory("adamw", prof.parameters)
+    weights = sum(p.nbytes for p in prof.parameters) + prof.buffer_bytes
+    grads = sum(p.nbytes for p in prof.parameters if p.trainable)
+    device = weights + grads + opt_mem.state_bytes + prof.peak_bytes // 2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    memfit.fit(model, x, device_memory=device, optimizer=opt)
+    mem = model.memfit_plan.memory
+    assert mem is not None and mem.fits and mem.device_memory_bytes == device
+    assert (mem.weights_bytes, mem.gradients_bytes, mem.optimizer_bytes) == (
+        weights, grads, opt_mem.state_bytes)
+    assert model.memfit_plan.predicted_peak_bytes < prof.peak_bytes  # it had to checkpoint
+
+    with AllocatorMeter() as m:
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            out.sum().backward()  # the loss fit profiled, the output held through backward
+            del out
+            opt.step()
+    measured = weights + m.peak_bytes
+    torch.testing.assert_close(measured, mem.total_bytes, rtol=0.03, atol=0)
+    assert measured <= device * 1.03
+
+
+def test_an_honest_no_names_the_shortfall_and_what_would_fit():
+    torch.manual_seed(0)
+    model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
+    prof = memfit.profile(model, torch.randint(0, 256, (2, 32)))
+    weights = sum(p.nbytes for p in prof.parameters) + prof.buffer_bytes
+    with pytest.raises(InfeasibleBudget) as e:
+        memfit.plan(prof, device_memory=3 * weights, optimizer="adamw")
+    err = e.value
+    assert err.memory is not None and not err.memory.fits
+    assert err.memory.total_bytes > 3 * weights
+    assert "does not fit" in str(err) and "short" in str(err)
+    assert any("full sharding" in f for f in err.fits_with)
+    # each thing it names does fit: sharding over that many devices
+    n = int(next(f for f in err.fits_with if "sharding" in f).split(" over ")[1].split()[0])
+    p = memfit.plan(prof, device_memory=3 * weights, optimizer="adamw", world_size=n, sharding="full")
+    assert p.memory is not None and p.memory.fits and p.memory.world_size == n
+
+
+def test_device_memory_options_without_device_memory_are_refused():
+    model = torch.nn.Linear(4, 4)
+    prof = memfit.profile(model, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="give device_memory"):
+        memfit.plan(prof, budget="50%", optimizer="adamw")
+    with pytest.raises(TypeError, match="budget= .* or device_memory="):
+        memfit.plan(prof)
+    with pytest.raises(ValueError, match="cannot parse device_memory"):
+        memfit.plan(prof, device_memory="lots")
+
+
+def test_describe_parameters_counts_tied_weights_once():
+    model = zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=16)
+    records = describe_parameters(model)
+    assert sum(r.nbytes for r in records) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len({r.name for r in records}) == len(records)
