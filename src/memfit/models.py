@@ -143,11 +143,13 @@ def split_options(text: str) -> dict[str, Any]:
     return options
 
 
-def _zoo_model(name: str, option_text: str) -> LoadedModel:
+def _zoo_model(name: str, option_text: str, batch: int | None = None) -> LoadedModel:
     from memfit import zoo
 
     options = split_options(option_text)
     input_opts = {k: options.pop(k) for k in ("batch", "size") if k in options}
+    if batch is not None:
+        input_opts["batch"] = batch
     factory = zoo.MODELS[name]
     params = inspect.signature(factory).parameters
     unknown = sorted(set(options) - set(params))
@@ -224,7 +226,8 @@ def load_model(
         dtype: the dtype of those inputs (default float32); a Hugging Face model's parameter
             dtype (``--dtype``).
         batch, seq_len: the token batch of a Hugging Face config (default 1 and the config's
-            context length, capped at 4096).
+            context length, capped at 4096). ``batch`` also sizes a zoo model's inputs (over
+            its spec's ``batch=``) and the first dimension of ``input_shapes``.
 
     Returns:
         A ``LoadedModel``: the module (in train mode), its example inputs, a name, and a
@@ -249,7 +252,7 @@ def load_model(
         if input_shapes:
             raise ModelSpecError("input_shapes (--input-shape) apply to module:factory models; "
                                  "size zoo models with batch= and size= in the spec")
-        return _zoo_model(name, option_text)
+        return _zoo_model(name, option_text, batch)
 
     if spec.endswith(".json"):
         from memfit.integrations import hf
@@ -276,10 +279,15 @@ def load_model(
         made = factory()
     except Exception as e:  # the user's factory failed: say so in one line
         raise ModelSpecError(f"{spec}() failed: {type(e).__name__}: {e}") from None
+    if input_shapes and batch is not None:
+        input_shapes = [(batch, *s[1:]) for s in input_shapes]
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         model, inputs = made
         if input_shapes:
             inputs = _random_inputs(input_shapes, dtype or torch.float32)
+        elif batch is not None:
+            raise ModelSpecError(f"{spec} returns its own example inputs, which cannot be "
+                                 "resized to another batch; pass --input-shape")
     elif isinstance(made, nn.Module):
         model = made
         if not input_shapes:

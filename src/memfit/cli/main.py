@@ -140,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _describe(e: Exception, code: int, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The one-line message of ``e`` (after ``memfit CMD: ``) and the JSON object's extras."""
+    if isinstance(e, InfeasibleBudget) and e.memory is not None:  # a whole job: the breakdown
+        return (f"error: {e}", {"budget_bytes": e.budget_bytes,
+                                "min_feasible_bytes": e.min_feasible_bytes,
+                                "memory": e.memory.to_dict(), "fits_with": list(e.fits_with)})
     if isinstance(e, InfeasibleBudget):
         from memfit.units import format_bytes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.cli.job import add_job_arguments, job_options, plan_for_job, run_max_batch
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
@@ -25,9 +26,10 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
                         description="Profile MODEL and find the checkpoint plan with the least "
                                     "recomputation whose peak activation memory fits the budget.")
     add_model_arguments(p, target=True)
-    p.add_argument("--budget", required=True, type=budget_arg,
+    p.add_argument("--budget", type=budget_arg,
                    help="cap on peak activation memory: 60%%, 0.6 (of the un-checkpointed peak), "
                         "6GiB, 500MB, bytes, or min (the smallest any plan reaches)")
+    add_job_arguments(p)
     p.add_argument("--solver", choices=SOLVERS, default="auto", help="solver (default auto)")
     p.add_argument("--tune", action="store_true",
                    help="time the solver's best few plans and the baseline plans that fit on the "
@@ -41,7 +43,16 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.budget is None and args.device_memory is None:
+        raise UsageError("give --budget (a cap on the activation peak) or --device-memory (the "
+                         "device the whole job must fit, e.g. 80GiB)")
+    job_options(args)  # job arguments without --device-memory: exit 2 before any profiling
+    if args.max_batch:
+        return run_max_batch(args)
     lm = load_from_args(args)
+    if args.tune and args.device_memory is not None:
+        raise UsageError("--tune measures plans against --budget; plan for --device-memory "
+                         "without --tune")
     if args.tune and (lm.on_meta or args.target != "cpu"):
         raise UsageError("--tune times real steps on this machine: give a model with weights and "
                          "no --target, or plan without --tune")
@@ -57,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
         p = tune(step, prof, args.budget, solver=args.solver, time_limit_s=args.tune_limit,
                  progress=not args.no_progress and not args.json)
+    elif args.device_memory is not None:
+        p = plan_for_job(args, prof, lm)
+        refuse_over_budget(p)
     else:
         p = plan(prof, budget=args.budget, solver=args.solver)
         refuse_over_budget(p)  # a baseline's fixed plan may not fit: exit 3, no plan written

@@ -274,6 +274,8 @@ class Plan:
             + (f" (+{self.overhead:.1%} step time)" if self.plain_step_s else "")
             + (f", host {format_bytes(self.host_peak_bytes)}" if self.host_peak_bytes else ""),
         ]
+        if self.memory is not None:
+            lines.extend(self.memory.lines())
         if not self.regions:
             lines.append("  no checkpointing: every activation is kept")
         else:
@@ -299,8 +301,6 @@ class Plan:
             lines.append(f"  kept ops include {draws} dropout draw(s): the mask is kept, 1 byte per "
                          "element, and not drawn again in the replay")
         lines.extend(f"  note: {n}" for n in self.notes)
-        if self.memory is not None:
-            lines.extend(self.memory.lines())
         if self.tuning is not None:
             lines.extend(self.tuning.lines())
         return "\n".join(lines)

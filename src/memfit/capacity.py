@@ -1,0 +1,231 @@
+"""``largest_batch``: the largest batch (or sequence) whose best plan fits the device.
+
+NOTE [largest batch search]
+    ``make(n)`` builds the step for size ``n``; whether it fits is decided by profiling it
+    and planning it for the device (NOTE [the job's memory] in ``memfit.planning.job``): it
+    fits when the smallest plan's whole-job total fits ``device_memory`` and, with
+    ``max_overhead``, the fastest plan that fits predicts at most that recompute. Profiles
+    cost a traced step each, so the search makes few: it probes 1 and 2, then predicts the
+    size where the smallest plan's total meets the device from the last two probes (the
+    total is close to affine in the batch: activations grow with it, model states do not),
+    probes that size and the next, and narrows the bracket between the largest size that
+    fits and the smallest that does not, by the prediction while it falls inside the
+    bracket, else by halving it (by doubling while nothing fails yet). It ends when the
+    two are adjacent, so the answer ``n`` fits and ``n + 1`` was planned and does not fit
+    with any plan (or ``n`` is ``limit``). Fitting is assumed monotone in ``n``.
+
+    Probes are traced with one run (``repeats=1``), which times ops slowly but counts every
+    byte; with ``max_overhead`` they are calibrated profiles (``memfit.profile``), as the
+    overhead is a time ratio. The answer's plan is made from a calibrated profile of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.errors import InfeasibleBudget
+from memfit.planning.plan import Plan
+from memfit.profiling.profile import Profile
+from memfit.units import format_bytes
+
+__all__ = ["largest_batch", "BatchFit", "Probe"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One size the search profiled and planned."""
+
+    n: int
+    fits: bool
+    smallest_total_bytes: int   # the whole job with the smallest plan
+    overhead: float | None      # the fastest fitting plan's predicted overhead (None: none fits)
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """The answer of ``largest_batch``.
+
+    Attributes:
+        batch: the largest ``n`` whose best plan fits.
+        plan: that plan (``plan.memory`` is its breakdown).
+        probes: every size profiled, in order (NOTE [largest batch search]).
+    """
+
+    batch: int
+    plan: Plan
+    probes: tuple[Probe, ...]
+
+    @property
+    def overhead(self) -> float:
+        """The plan's predicted recompute, a fraction of the plain step."""
+        return self.plan.overhead
+
+    def __str__(self) -> str:
+        over = next((p for p in self.probes if p.n == self.batch + 1), None)
+        tail = (f"; {self.batch + 1} needs {format_bytes(over.smallest_total_bytes)} with its "
+                "smallest plan" if over is not None and not over.fits and over.overhead is None
+                else f"; {self.batch + 1} fits no plan within the overhead cap" if over is not None
+                else "")
+        return (f"largest batch that fits: {self.batch} (+{self.overhead:.1%} predicted step time, "
+                f"{len(self.probes)} sizes profiled{tail})\n{self.plan}")
+
+
+def largest_batch(make: Callable[[int], tuple[torch.nn.Module, Any]], *,
+                  device_memory: int | str, optimizer: Any = None,
+                  max_overhead: float | None = None, target: str | None = None,
+                  solver: str = "auto", limit: int = 1 << 20,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None, **job: Any) -> BatchFit:
+    """The largest ``n`` for which ``make(n)``'s step has a plan that fits ``device_memory``.
+
+    Args:
+        make: ``n -> (model, example_inputs)``; the caller decides what ``n`` is (batch
+            size, sequence length). It may return the same model each time.
+        device_memory, optimizer: the device and the optimizer (an instance, or a name:
+            ``"adamw"``), as in ``memfit.fit``; further ``job`` options likewise
+            (``optimizer_state_dtype``, ``master_weights``, ``world_size``, ``sharding``,
+            ``reserve``).
+        max_overhead: the most predicted recompute allowed, a fraction of the plain step
+            (``0.2``: +20%); default None: any.
+        target: plan for a device preset in fake mode (``"h100"``); default: where the
+            model is (fake mode for a model on the meta device).
+        solver: the planner's solver. limit: the largest ``n`` tried.
+        loss_fn: output -> loss, as in ``memfit.fit``.
+
+    Returns:
+        A :class:`BatchFit`: ``.batch``, ``.plan``, ``.overhead``, ``.probes``.
+
+    Raises:
+        InfeasibleBudget: not even ``n = 1`` fits (its breakdown on ``.memory``).
+
+    Example:
+        >>> make = lambda n: (model, torch.randint(0, 512, (n, 128)))      # doctest: +SKIP
+        >>> memfit.largest_batch(make, device_memory="80GiB", optimizer="adamw").batch  # doctest: +SKIP
+    """
+    if max_overhead is not None and not (isinstance(max_overhead, int | float) and max_overhead >= 0):
+        raise ValueError(f"max_overhead must be a fraction >= 0 (0.2 for +20%), got {max_overhead!r}")
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, got {limit!r}")
+    probes: dict[int, Probe] = {}
+
+    def probe(n: int) -> Probe:
+        if n not in probes:
+            probes[n] = _probe(n, make, loss_fn, target, solver, max_overhead, device_memory,
+                               optimizer, job, calibrated=max_overhead is not None)
+        return probes[n]
+
+    first = probe(1)
+    if not first.fits:
+        _raise_for_one(make, loss_fn, target, solver, device_memory, optimizer, job, max_overhead)
+    lo, hi = 1, None if limit > 1 else 2
+    while hi is None or hi - lo > 1:
+        n = _next_size(lo, hi, probes, device_memory_bytes=_device_bytes(device_memory), limit=limit)
+        if n is None:
+            break
+        if probe(n).fits:
+            lo = n
+        else:
+            hi = n
+    best = _final_plan(lo, make, loss_fn, target, solver, max_overhead, device_memory, optimizer, job)
+    return BatchFit(lo, best, tuple(probes.values()))
+
+
+def _next_size(lo: int, hi: int | None, probes: dict[int, Probe], *, device_memory_bytes: int,
+               limit: int) -> int | None:
+    """The next size to probe (NOTE [largest batch search]); None when the search is done."""
+    top = limit if hi is None else hi - 1
+    if lo >= top:
+        return None
+    guess: int | None = None
+    pts = sorted(probes.values(), key=lambda p: p.n)[-2:] if hi is None else [
+        probes[lo], probes[hi]]
+    if len(pts) == 2 and pts[1].smallest_total_bytes > pts[0].smallest_total_bytes:
+        slope = (pts[1].smallest_total_bytes - pts[0].smallest_total_bytes) / (pts[1].n - pts[0].n)
+        guess = pts[0].n + math.floor((device_memory_bytes - pts[0].smallest_total_bytes) / slope)
+    if guess is not None and lo < guess <= top and guess not in probes:
+        return guess
+    if guess is not None and guess in probes and guess + 1 <= top and guess + 1 not in probes:
+        return guess + 1  # the prediction was probed: the size above it settles the bracket
+    if hi is None:
+        return min(2 * lo, limit)
+    return (lo + hi) // 2
+
+
+def _device_bytes(device_memory: int | str) -> int:
+    from memfit.api import _bytes_arg
+
+    return _bytes_arg("device_memory", device_memory)
+
+
+def _profile(n: int, make: Callable[[int], tuple[torch.nn.Module, Any]],
+             loss_fn: Callable[[Any], torch.Tensor] | None, target: str | None,
+             calibrated: bool) -> Profile:
+    made = make(n)
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise TypeError(f"make({n}) must return (model, example_inputs), got {type(made).__name__}")
+    model, inputs = made
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    fake = on_meta or (target is not None and target != "cpu")
+    if calibrated:
+        from memfit.calibration import profile
+
+        return profile(model, inputs, loss_fn=loss_fn, mode="fake" if fake else "measure",
+                       target=target or "cpu")
+    from memfit.profiling.tracer import profile as trace
+
+    return trace(model, inputs, loss_fn=loss_fn, mode="fake" if fake else "measure",
+                 target=target or "cpu", repeats=1)
+
+
+def _probe(n: int, make: Any, loss_fn: Any, target: str | None, solver: str,
+           max_overhead: float | None, device_memory: int | str, optimizer: Any,
+           job: dict[str, Any], calibrated: bool) -> Probe:
+    from memfit.api import job_spec
+    from memfit.planning.job import job_memory, model_memory
+    from memfit.planning.planner import plan
+
+    prof = _profile(n, make, loss_fn, target, calibrated)
+    spec = job_spec(prof, device_memory=device_memory, optimizer=optimizer, **job)
+    assert spec is not None
+    try:
+        p = plan(prof, job=spec, solver=solver)
+    except InfeasibleBudget as e:
+        assert e.memory is not None
+        return Probe(n, False, e.memory.total_bytes, None)
+    smallest = plan(prof, budget="min", solver=solver)
+    total = job_memory(model_memory(prof.parameters, prof.buffer_bytes, spec), spec,
+                       smallest.predicted_peak_bytes).total_bytes
+    fits = max_overhead is None or p.overhead <= max_overhead
+    return Probe(n, fits, total, p.overhead)
+
+
+def _final_plan(n: int, make: Any, loss_fn: Any, target: str | None, solver: str,
+                max_overhead: float | None, device_memory: int | str, optimizer: Any,
+                job: dict[str, Any]) -> Plan:
+    from memfit.api import plan
+
+    prof = _profile(n, make, loss_fn, target, calibrated=True)
+    return plan(prof, device_memory=device_memory, optimizer=optimizer, solver=solver, **job)
+
+
+def _raise_for_one(make: Any, loss_fn: Any, target: str | None, solver: str,
+                   device_memory: int | str, optimizer: Any, job: dict[str, Any],
+                   max_overhead: float | None) -> None:
+    from memfit.api import plan
+
+    prof = _profile(1, make, loss_fn, target, calibrated=max_overhead is not None)
+    try:
+        p = plan(prof, device_memory=device_memory, optimizer=optimizer, solver=solver, **job)
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"not even a batch of 1 fits: {e}", budget_bytes=e.budget_bytes,
+                               min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
+                               fits_with=e.fits_with) from None
+    raise InfeasibleBudget(
+        f"a batch of 1 fits only with a plan of +{p.overhead:.1%} predicted step time, above "
+        f"max_overhead={max_overhead}; raise max_overhead or the device memory",
+        budget_bytes=p.budget_bytes or 0, min_feasible_bytes=p.predicted_peak_bytes,
+        memory=p.memory)
