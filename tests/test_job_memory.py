@@ -157,3 +157,46 @@ def test_describe_parameters_counts_tied_weights_once():
     records = describe_parameters(model)
     assert sum(r.nbytes for r in records) == sum(p.numel() * p.element_size() for p in model.parameters())
     assert len({r.name for r in records}) == len(records)
+
+
+LLAMA_7B_PARAMETERS = 6_738_415_616  # LLaMA-7B: 32 layers, d 4096, MLP 11008, vocab 32000
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from memfit.models import load_model
+    from memfit.profiling.tracer import profile as trace
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "llama-7b.json"
+    lm = load_model(str(config), dtype=torch.bfloat16, seq_len=4096)
+    prof = trace(lm.model, lm.example_inputs, loss_fn=lm.loss_fn, mode="fake", target="h100")
+    assert sum(torch.Size(p.shape).numel() for p in prof.parameters) == LLAMA_7B_PARAMETERS
+    p = memfit.plan(prof, device_memory="80GiB", optimizer="adamw", solver="chain")
+    mem = p.memory
+    assert mem is not None and mem.fits and mem.total_bytes <= 80 * 2**30
+    assert mem.gradients_bytes == 2 * LLAMA_7B_PARAMETERS
+    assert mem.optimizer_bytes == 4 * LLAMA_7B_PARAMETERS  # two bf16 moments; steps on the host
+    assert mem.optimizer_step_bytes == 2 * LLAMA_7B_PARAMETERS  # foreach: sqrt of one moment
+    assert mem.reserve_bytes == 2**30 + 80 * 2**30 // 50
+    with pytest.raises(InfeasibleBudget) as e:
+        memfit.plan(prof, device_memory="80GiB", optimizer="adamw",
+                    optimizer_state_dtype="float32", solver="chain")
+    err = e.value
+    assert err.memory is not None and err.memory.optimizer_bytes == 8 * LLAMA_7B_PARAMETERS
+    assert err.memory.total_bytes > 80 * 2**30
+    assert any("over 2 devices" in f for f in err.fits_with)
+    assert any("optimizer_state_dtype='bfloat16'" in f for f in err.fits_with)
+
+
+def test_fit_that_does_not_fit_names_the_largest_batch_that_does():
+    # at seq 128 the smallest plans' totals are 3.53, 4.57, 5.60, 6.63 MiB for batches 1-4
+    model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=128)
+    x = torch.randint(0, 512, (4, 128))
+    with pytest.raises(InfeasibleBudget) as e:
+        memfit.fit(model, x, device_memory="5MiB", optimizer="adamw")
+    assert e.value.memory is not None and e.value.memory.total_bytes > 5 * 2**20
+    assert any(f.startswith("a batch of 2 ") for f in e.value.fits_with), e.value.fits_with
+    assert not hasattr(model, "memfit_plan")  # nothing applied

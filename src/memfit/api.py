@@ -170,8 +170,20 @@ def fit(
                 if job is None and budget is None:
                     raise TypeError("fit needs budget= (a cap on the activation peak) or "
                                     "device_memory= (the device the whole job must fit)")
-                new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
-                                     src=src, group=group)  # NOTE [one plan per job]
+                try:
+                    new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
+                                         src=src, group=group)  # NOTE [one plan per job]
+                except InfeasibleBudget as e:
+                    if job is None or is_distributed() or step is not None:
+                        raise
+                    from memfit.capacity import batch_of, sliced_maker, with_largest_batch
+
+                    raise with_largest_batch(
+                        e, sliced_maker(model, example_inputs), batch_of(example_inputs),
+                        loss_fn=loss_fn, solver=solver, device_memory=device_memory,
+                        optimizer=optimizer, optimizer_state_dtype=optimizer_state_dtype,
+                        master_weights=master_weights, world_size=world_size,
+                        sharding=sharding, reserve=reserve) from None
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
     except BaseException:
         for _, m, old in previous:

@@ -33,7 +33,7 @@ from memfit.planning.plan import Plan
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes
 
-__all__ = ["largest_batch", "BatchFit", "Probe"]
+__all__ = ["largest_batch", "BatchFit", "Probe", "with_largest_batch", "batch_of", "sliced_maker"]
 
 
 @dataclass(frozen=True)
@@ -229,3 +229,34 @@ def _raise_for_one(make: Any, loss_fn: Any, target: str | None, solver: str,
         f"max_overhead={max_overhead}; raise max_overhead or the device memory",
         budget_bytes=p.budget_bytes or 0, min_feasible_bytes=p.predicted_peak_bytes,
         memory=p.memory)
+
+
+def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[torch.nn.Module, Any]],
+                       batch: int | None, **search: Any) -> InfeasibleBudget:
+    """``e`` (a job that does not fit at ``batch``) with the largest smaller batch that fits
+    with its smallest plan named, found by ``largest_batch``; ``e`` itself when none does."""
+    if e.memory is None or batch is None or batch <= 1:
+        return e
+    try:
+        found = largest_batch(make, limit=batch - 1, **search)
+    except (InfeasibleBudget, ValueError, TypeError):
+        return e
+    hint = f"a batch of {found.batch} (the largest that fits, +{found.overhead:.1%} step time)"
+    return InfeasibleBudget(f"{e}; {hint}" if e.fits_with else f"{e}\nWould fit: {hint}",
+                            budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes,
+                            memory=e.memory, fits_with=(*e.fits_with, hint))
+
+
+def batch_of(inputs: Any) -> int | None:
+    """The batch of example inputs: the leading size their tensors share (None: none)."""
+    from memfit.profiling.inputs import iter_tensors
+
+    sizes = {int(t.shape[0]) for t in iter_tensors(inputs) if t.dim()}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def sliced_maker(model: torch.nn.Module, inputs: Any) -> Callable[[int], tuple[torch.nn.Module, Any]]:
+    """``n -> (model, the first n rows of every input tensor)``, for sizes below the batch."""
+    from memfit.profiling.inputs import map_tensors
+
+    return lambda n: (model, map_tensors(lambda t: t[:n] if t.dim() else t, inputs))

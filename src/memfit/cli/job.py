@@ -120,27 +120,12 @@ def _maker(args: argparse.Namespace) -> Any:
 def _with_largest_batch(e: InfeasibleBudget, args: argparse.Namespace, lm: Any) -> InfeasibleBudget:
     """``e`` with the largest batch that fits with the smallest plan, when there is one below
     the batch asked for (computed by ``largest_batch``)."""
-    from memfit.capacity import largest_batch
+    from memfit.capacity import batch_of, with_largest_batch
 
-    batch = _batch_of(lm)
-    if batch is None or batch <= 1:
-        return e
     try:
         make = _maker(args)
-        found = largest_batch(make, target=None if args.target == "cpu" else args.target,
-                              solver=args.solver, loss_fn=lm.loss_fn, limit=batch - 1,
-                              **_checked(job_options(args)))
-    except (InfeasibleBudget, UsageError):
+    except UsageError:
         return e
-    hint = f"a batch of {found.batch} (the largest that fits, +{found.overhead:.1%} step time)"
-    return InfeasibleBudget(f"{e}; {hint}" if e.fits_with else f"{e}\nWould fit: {hint}",
-                            budget_bytes=e.budget_bytes, min_feasible_bytes=e.min_feasible_bytes,
-                            memory=e.memory, fits_with=(*e.fits_with, hint))
-
-
-def _batch_of(lm: Any) -> int | None:
-    import torch
-
-    x = lm.example_inputs
-    first = x if isinstance(x, torch.Tensor) else x[0] if isinstance(x, tuple) and x else None
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None
+    return with_largest_batch(e, make, batch_of(lm.example_inputs),
+                              target=None if args.target == "cpu" else args.target,
+                              solver=args.solver, loss_fn=lm.loss_fn, **_checked(job_options(args)))
