@@ -165,6 +165,8 @@ def _sdpa_profile(q_shape: tuple[int, ...], dtype: torch.dtype = BF16, *, kv_hea
     ("head dim 260: math", dict(q_shape=(1, 2, 64, 260), dropout=0.1), "aten._safe_softmax.default",
      "math"),
     ("gqa", dict(q_shape=(2, 8, 128, 64), kv_heads=2, gqa=True, causal=True), FLASH, "flash"),
+    ("fp32 gqa: math", dict(q_shape=(2, 8, 128, 64), dtype=torch.float32, kv_heads=2, gqa=True,
+                            causal=True), "aten._safe_softmax.default", "math"),
     ("h100 bf16", dict(q_shape=(2, 8, 256, 128), target="h100"), FLASH, "flash"),
 ])
 def test_sdpa_backend_follows_torchs_rules(case: str, kwargs: dict, op: str, backend: str) -> None:
@@ -250,6 +252,8 @@ SM86 = CudaArch("sm86", 8, 6)
     ("gqa", _call((1, 8, 128, 64), k=(1, 2, 128, 64), gqa=True), "a100", Backend.FLASH, None),
     ("gqa, 3 into 8", _call((1, 8, 128, 64), k=(1, 3, 128, 64), gqa=True), "a100", Backend.MATH,
      "divide"),
+    ("fp32 gqa", _call((1, 8, 128, 64), torch.float32, k=(1, 2, 128, 64), gqa=True), "a100",
+     Backend.MATH, "dtype"),
     ("sm86 training d 256 dropout", _call((1, 4, 128, 256), dropout=0.1), SM86, Backend.EFFICIENT,
      "training with head dim 256"),
     ("sm86 inference d 256", _call((1, 4, 128, 256), dropout=0.1, grad=False), SM86,

@@ -17,9 +17,11 @@ NOTE [SDPA backend choice]
        wins; a disabled one (``torch.backends.cuda.enable_*_sdp``) never passes; with all four
        disabled, or none passing, CUDA raises "No available kernel".
     1. Every fused backend: q, k, v 4-D, dense (not nested), same batch size, non-zero
-       sequence lengths, last dimension of stride 1; the same number of heads unless
-       ``enable_gqa`` (then the heads of k and v divide those of q; flash and efficient also
-       need k and v to have the same heads).
+       sequence lengths, last dimension of stride 1 (and the mask's); the same number of
+       heads, except with ``enable_gqa`` in flash (the heads of k, equal to v's, divide q's)
+       and cuDNN (k's and v's heads each divide q's). Memory-efficient attention takes no
+       GQA in torch 2.13 (its meta backward gives k's gradient q's heads; later sources
+       allow it).
     2. Flash: no ``attn_mask``; q, k, v of one head dim, at most 256 (not a multiple of 8:
        padded to one, the output sliced back); sm80 to sm121; fp16 or bf16; ``is_causal``
        only with as many queries as keys; on sm86-89/sm120-121 when training, head dim at
@@ -166,18 +168,18 @@ def _sm_in(arch: CudaArch, low: tuple[int, int], high: tuple[int, int]) -> bool:
     return low <= (arch.major, arch.minor) <= high
 
 
-def _dense(c: SdpaCall, gqa_same_kv: bool, ignore_singleton: bool) -> str | None:
+def _dense(c: SdpaCall, gqa: bool, gqa_same_kv: bool, ignore_singleton: bool) -> str | None:
     """Rule 1 (after the 4-D check)."""
     q, k, v = c.q, c.k, c.v
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         return "q, k and v have different batch sizes"
-    if c.enable_gqa:
+    if c.enable_gqa and gqa:
         if gqa_same_kv and k.shape[1] != v.shape[1]:
             return "k and v have different numbers of heads"
         if q.shape[1] % k.shape[1] or (not gqa_same_kv and q.shape[1] % v.shape[1]):
             return "the heads of k and v do not divide those of q"
     elif not q.shape[1] == k.shape[1] == v.shape[1]:
-        return "q, k and v have different numbers of heads (enable_gqa is off)"
+        return "q, k and v have different numbers of heads" + ("" if gqa else " (no GQA here)")
     if q.shape[2] == 0 or k.shape[2] == 0:
         return "a sequence length is 0"
     unit = q.stride[-1] == 1 and k.stride[-1] == 1 and v.stride[-1] == 1
@@ -205,7 +207,7 @@ def _flash(c: SdpaCall, arch: CudaArch) -> str | None:
         return "is_causal with as many queries as keys only"
     if not (c.q.dtype == c.k.dtype == c.v.dtype and c.q.dtype in _HALF):
         return f"dtype {c.q.dtype}: flash needs float16 or bfloat16"
-    return _dense(c, gqa_same_kv=True, ignore_singleton=True)
+    return _dense(c, gqa=True, gqa_same_kv=True, ignore_singleton=True)
 
 
 def _gemm_alignment(c: SdpaCall, arch: CudaArch) -> int:
@@ -228,7 +230,7 @@ def _efficient(c: SdpaCall, arch: CudaArch) -> str | None:
         for t in (c.q, c.k, c.v):
             if math.prod(t.shape) and (t.offset * t.itemsize) % (a * t.itemsize):
                 return f"a storage offset is not aligned to {a * t.itemsize} bytes"
-    problem = _dense(c, gqa_same_kv=True, ignore_singleton=False)
+    problem = _dense(c, gqa=False, gqa_same_kv=True, ignore_singleton=False)
     if problem is not None:
         return problem
     allowed = ("float16", "float32", "bfloat16") if arch.major >= 8 else ("float16", "float32")
@@ -257,7 +259,7 @@ def _cudnn(c: SdpaCall, arch: CudaArch, settings: SdpSettings) -> str | None:
         return f"sm{arch.major}{arch.minor} is outside sm80-sm121"
     if c.dropout_p * 16 != math.floor(c.dropout_p * 16):
         return f"dropout {c.dropout_p} is not a multiple of 1/16"
-    problem = _dense(c, gqa_same_kv=False, ignore_singleton=True)
+    problem = _dense(c, gqa=True, gqa_same_kv=False, ignore_singleton=True)
     if problem is not None:
         return problem
     b, h, sq, dqk = c.q.shape
