@@ -227,6 +227,40 @@ def test_sdpa_kernel_settings_are_followed() -> None:
         _sdpa_profile((2, 8, 256, 64), mask=True)
 
 
+def test_sdpa_kernel_inside_the_forward_is_followed() -> None:
+    class Pinned(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            with sdpa_kernel([SDPBackend.MATH]):  # torch reads the flags at each call
+                slow = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return slow + F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    q = torch.zeros(2, 8, 128, 64, dtype=BF16, device="meta", requires_grad=True)
+    p = profile(Pinned(), q, mode="fake", target="a100")
+    assert p.extra["cuda_kernels"] == {"sdpa:flash": 1, "sdpa:math": 1}
+
+
+def test_only_the_dropout_cuda_fuses_is_rewritten() -> None:
+    """CUDA fuses out-of-place training dropout with 0 < p < 1 (``torch.dropout`` or
+    ``F.dropout``); in-place, evaluation, p = 0 and feature dropout take the branch it shares
+    with the CPU."""
+
+    class Drops(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.dropout(x, 0.25, True) + F.dropout(x, p=0.5)           # fused: 2
+            y = y + F.dropout(x, 0.1, training=False) + F.dropout(x, 0.0)    # no draw
+            y = F.dropout(y * 1, 0.1, inplace=True)                          # bernoulli_
+            return F.dropout2d(y.view(2, 4, 4, 4), 0.1).sum()                # bernoulli_
+
+    x = torch.zeros(2, 64, device="meta", requires_grad=True)
+    gpu = profile(Drops(), x, mode="fake", target="h200")
+    names = [o.name for o in gpu.forward_ops]
+    assert gpu.extra["cuda_kernels"] == {"native_dropout": 2}
+    assert names.count("aten.native_dropout.default") == 2
+    assert names.count("aten.bernoulli_.float") == 2
+    cpu = profile(Drops(), x, mode="fake", target="cpu")
+    assert [o.name for o in cpu.forward_ops].count("aten.bernoulli_.float") == 4
+
+
 def _call(q: tuple[int, ...], dtype: torch.dtype = BF16, *, k: tuple[int, ...] | None = None,
           dropout: float = 0.0, causal: bool = False, gqa: bool = False,
           grad: bool = True) -> SdpaCall:

@@ -81,12 +81,6 @@ class CudaKernels(TorchFunctionMode):
         self.arch = arch
         self.ops = cuda_fake_ops()
         self.counts: Counter[str] = Counter()
-        self._settings: SdpSettings | None = None
-
-    def __enter__(self) -> CudaKernels:
-        self._settings = SdpSettings.current()  # read once per trace, as torch reads them
-        super().__enter__()
-        return self
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -129,9 +123,8 @@ class CudaKernels(TorchFunctionMode):
         if not (q.dtype == k.dtype == v.dtype and min(q.dim(), k.dim(), v.dim()) >= 2) or (
                 mask is not None and (causal or mask.dtype not in (torch.bool, q.dtype))):
             return NotImplemented  # torch raises its own error for these
-        assert self._settings is not None
-        backend = select_backend(SdpaCall.of(q, k, v, mask, p, causal, gqa), self.arch,
-                                 self._settings)
+        settings = SdpSettings.current()  # per call, as torch reads them (sdpa_kernel blocks)
+        backend = select_backend(SdpaCall.of(q, k, v, mask, p, causal, gqa), self.arch, settings)
         if backend is None:
             raise RuntimeError("No available kernel. Aborting execution. (scaled_dot_product_"
                                f"attention on {self.arch.name}: every backend is refused or "
@@ -151,7 +144,8 @@ class CudaKernels(TorchFunctionMode):
                 bias = _pad_mask(bias, q, k)
             return self.ops["_scaled_dot_product_efficient_attention"](
                 q, k, v, bias, grad, float(p), bool(causal), scale=scale)[0]
-        return self._math(q, k, v, bias, float(p), bool(causal), scale, bool(gqa))
+        return self._math(q, k, v, bias, float(p), bool(causal), scale, bool(gqa),
+                          settings.math_reduced_precision)
 
     def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, causal: bool,
                scale: float | None) -> torch.Tensor:
@@ -164,11 +158,10 @@ class CudaKernels(TorchFunctionMode):
         return out.narrow(-1, 0, d) if d % 8 else out
 
     def _math(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, p: float,
-              causal: bool, scale: float | None, gqa: bool) -> torch.Tensor:
-        """``_scaled_dot_product_attention_math`` as CUDA runs it: its dropout the fused one."""
+              causal: bool, scale: float | None, gqa: bool, reduced: bool) -> torch.Tensor:
+        """``_scaled_dot_product_attention_math`` as CUDA runs it: its dropout the fused one
+        (``reduced``: fp16/bf16 kept, ``allow_fp16_bf16_reduction_math_sdp``)."""
         origin = q.dtype
-        assert self._settings is not None
-        reduced = self._settings.math_reduced_precision
 
         def acc(t: torch.Tensor) -> torch.Tensor:
             low = t.dtype in (torch.float16, torch.bfloat16)
