@@ -33,8 +33,13 @@ NOTE [CUDA kernels in fake mode]
        bytes without a fused activation) where meta runs ``native_batch_norm``;
        ``F.rms_norm`` runs the fused ``_fused_rms_norm`` kernel on CUDA (saves the input and
        an fp32 rstd) where meta decomposes it (saving the fp32 upcast of the input: about
-       4 bytes per element more); ``torch.autocast("cuda")`` does nothing to meta tensors,
-       so such a step is traced in float32 (NOTE [fake mode under autocast]).
+       4 bytes per element more); ``softmax``/``log_softmax`` with ``dtype=float32`` of an
+       fp16 CUDA tensor run one half-to-float kernel where meta casts first (a transient fp32
+       copy of the input, the same output saved); ``torch.autocast("cuda")`` does nothing to
+       meta tensors, so such a step is traced in float32 (NOTE [fake mode under autocast]).
+       Hugging Face models under fake tensors pass SDPA an explicit causal mask where on real
+       tensors they pass ``is_causal=True`` (their mask skip treats fake tensors as tracing):
+       memory-efficient attention then, not flash (a 2 s^2-byte bias per layer more in bf16).
 """
 
 from __future__ import annotations
