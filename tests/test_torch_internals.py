@@ -471,6 +471,28 @@ def _traced_source_fn() -> None:
         ("aten.t.default", nn.Linear), ("aten.addmm.default", nn.Linear)]
 
 
+def _sdp_priority_order() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+               SDPBackend.CUDNN_ATTENTION)
+    assert T.sdp_priority_order()[:4] == tuple(int(b) for b in default)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True):
+        assert T.sdp_priority_order()[:2] == (int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.MATH))
+    assert T.sdp_priority_order()[:4] == tuple(int(b) for b in default)
+
+
+def _cuda_fake_ops() -> None:
+    found = T.cuda_fake_ops()
+    assert {n: str(op) for n, op in found.items()} == {n: f"aten.{n}.default" for n in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_safe_softmax")}
+    with T.FakeTensorMode():  # each has a meta kernel: fake mode runs it on the meta device
+        q = torch.empty(1, 2, 8, 16, dtype=torch.bfloat16, device="meta")
+        out, lse = found["_scaled_dot_product_flash_attention"](q, q, q, 0.0, True)[:2]
+        assert out.shape == q.shape and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
+
+
 EXERCISES: dict[str, Callable[[], None]] = {
     "SUPPORTED_TORCH": _supported_torch,
     "require_supported_torch": _require_supported_torch,
@@ -514,6 +536,8 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "profiler_marker": _profiler_marker,
     "cpu_marked_spans": _profiler_marker,
     "profiler_active": _profiler_active,
+    "sdp_priority_order": _sdp_priority_order,
+    "cuda_fake_ops": _cuda_fake_ops,
 }
 
 

@@ -8,30 +8,24 @@ NOTE [private torch APIs]
     0. memfit supports the releases its suite has passed on (``SUPPORTED_TORCH``, as
        ``pyproject.toml`` declares; ``memfit.torch_range``): an older torch is refused at this
        module's first import (``UnsupportedTorch`` naming both), a newer one logged.
-    1. This module is the only one of memfit that imports ``torch._*`` or ``torch.utils._*``
-       or reads a private attribute of a torch object (``._schema``, ``._cdata``,
-       ``._version``...). Every other module uses the names defined here;
-       ``tests/test_torch_internals.py`` scans the source for exceptions and exercises every
-       name on the installed torch.
-    2. Each API is looked up when this module is first imported: by ``memfit.ops`` (the op
-       facts that profiling, planning and runtime share) and by every profiling and runtime
-       module, so at the first ``memfit.profile``, ``memfit.plan``, ``memfit.wrap``... of a
-       process (or the first import of such a module). ``import memfit`` itself, and loading
-       a ``Profile`` or ``Plan`` from JSON, do not import it.
-    3. A missing API that every stage needs raises ``memfit.errors.UnsupportedTorch`` (also an
-       ``ImportError``) from that import, naming the API, the installed torch version and the
-       supported range (``SUPPORTED_TORCH``).
-    4. A missing API that only one feature needs is recorded at import and raised, as
-       ``UnsupportedTorch``, when that feature is first used, so that the rest of memfit keeps
-       working: chain segments (torch's non-reentrant checkpoint generator with the
-       positional parameters memfit passes, returning a generator that yields once;
-       ``require_chain_segments``), the CPU
-       allocator meter (the profiler's kineto results, an attribute of a finished profile;
-       ``cpu_memory_events``) and offload (the selective-checkpoint modes' shared ``storage``
-       dict and its ``_VersionWrapper`` entries; ``require_sac_storage``).
-    5. Some lookups fall back instead of raising: ``sac_forget`` (False) and ``sac_rearm`` (0)
-       if the selective-checkpoint cache is laid out differently, ``outer_saved_tensors_hooks``
-       (None: autograd's default) if torch cannot report the saved-tensor hook stack.
+    1. Only this module imports ``torch._*`` or ``torch.utils._*``, reads a private attribute
+       of a torch object (``._schema``, ``._cdata``...) or names an ``aten._*`` op; the rest
+       use the names defined here (``tests/test_torch_internals.py`` scans the source and
+       exercises every name on the installed torch).
+    2. Each API is looked up at this module's first import (by ``memfit.ops`` and every
+       profiling and runtime module); ``import memfit`` and loading a ``Profile`` or ``Plan``
+       from JSON do not import it.
+    3. A missing API that every stage needs raises ``memfit.errors.UnsupportedTorch`` (an
+       ``ImportError``) from that import, naming it, the torch version and the range.
+    4. A missing API that one feature needs raises ``UnsupportedTorch`` when the feature is
+       first used, the rest of memfit working on: chain segments (the non-reentrant
+       checkpoint generator, called positionally, yielding once; ``require_chain_segments``),
+       the CPU allocator meter (kineto results; ``cpu_memory_events``), offload (the
+       selective-checkpoint ``storage`` dict of ``_VersionWrapper``; ``require_sac_storage``),
+       GPU-faithful fake mode (the CUDA attention ops; ``cuda_fake_ops``).
+    5. Some lookups fall back instead: ``sac_forget`` (False), ``sac_rearm`` (0),
+       ``outer_saved_tensors_hooks`` (None: autograd's default), ``sdp_priority_order``
+       (torch's default order).
 
     Consequence: supporting a new torch means changing this file (and its test) only.
 """
@@ -67,6 +61,7 @@ __all__ = [
     "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
     "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
     "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
+    "sdp_priority_order", "cuda_fake_ops",
 ]
 
 require_supported_torch()  # rule 0
@@ -332,10 +327,8 @@ def sac_is_entry(value: Any) -> bool:
 
 
 def sac_saved_tensor(leaf: Any) -> tuple[torch.Tensor, int] | None:
-    """The tensor a ``_VersionWrapper`` leaf holds and its version when cached (None: a
-    non-tensor leaf, or one that holds what a user's saved-tensor pack hook made of the
-    tensor: from torch 2.14 on, a checkpoint called with ``respect_saved_tensors_hooks=True``
-    caches that, with the unpack hook to apply when it is read)."""
+    """The tensor a ``_VersionWrapper`` leaf holds and its version when cached (None: not a
+    tensor, or a user's pack hook's result: torch 2.14's ``respect_saved_tensors_hooks``)."""
     if getattr(leaf, "unpack_hook", None) is not None:
         return None
     val = leaf.val
@@ -346,10 +339,8 @@ _current_meta = getattr(torch.fx.traceback, "get_current_meta", None)
 
 
 def traced_source_fn() -> Any:
-    """While AOTAutograd traces a graph that dynamo captured: the innermost source of the node
-    being traced (the module class or torch function it came from; memfit reads it for
-    NOTE [op keys under torch.compile] in ``memfit.runtime.checkpoint``), else None (also on
-    a torch that records it differently: rule 5)."""
+    """While AOTAutograd traces a dynamo graph: the innermost source (module class or torch
+    function) of the node traced (NOTE [op keys under torch.compile]), else None (rule 5)."""
     meta = _current_meta() if _current_meta is not None else None
     stack = meta.get("source_fn_stack") if isinstance(meta, dict) else None
     if not stack or not isinstance(stack[-1], tuple) or len(stack[-1]) != 2:
@@ -357,11 +348,8 @@ def traced_source_fn() -> Any:
     return stack[-1][1]
 
 
-# The parameters memfit passes to the generator, positionally, in this order; the region's
-# inputs follow as ``*args``. torch 2.14 made the generator function a wrapper that returns
-# the generator of ``_checkpoint_without_reentrant_generator_impl`` (keeping this order, and
-# adding the keyword-only ``respect_saved_tensors_hooks`` after ``*args``), so the check is on
-# what memfit passes, not on the whole signature or on being a generator function.
+# What memfit passes to the generator, positionally; the inputs follow as ``*args``. torch 2.14
+# wraps the generator (same order, a keyword-only parameter added): the check is on these.
 _GENERATOR_POSITIONAL = (
     "fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
 )
@@ -371,10 +359,8 @@ _GENERATOR_WANTED = (f"{_GENERATOR_NAME}({', '.join(_GENERATOR_POSITIONAL)}, *ar
 
 
 def generator_problem(generator: Any) -> str | None:
-    """What is wrong with a candidate checkpoint generator (None: memfit can call it as
-    ``generator(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop,
-    *inputs)``). Whether the call returns a generator is checked when it is made
-    (``open_checkpoint``)."""
+    """What is wrong with a candidate checkpoint generator (None: memfit can call it with
+    ``_GENERATOR_POSITIONAL`` and ``*inputs``; what it returns: ``open_checkpoint``)."""
     if generator is None:
         return _GENERATOR_NAME
     try:
@@ -413,11 +399,9 @@ def _chain_segments_unsupported(what: str) -> UnsupportedTorch:
 
 def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]],
                     inputs: list[torch.Tensor]) -> Generator[None, None, None]:
-    """Enter torch's non-reentrant checkpoint (RNG preserved, default determinism check,
-    early stop); the ops run until ``close_checkpoint`` (or ``.close()``: abandoned) are its
-    region, ``fn(*inputs)`` its recomputation (NOTE [chain segments] in
-    ``memfit.runtime.segment``). Raises ``UnsupportedTorch`` if this torch's generator takes
-    other parameters (rule 4) or does not yield once."""
+    """Enter torch's non-reentrant checkpoint (RNG preserved, default determinism check, early
+    stop): the ops until ``close_checkpoint`` are its region, ``fn(*inputs)`` its replay (NOTE
+    [chain segments]). ``UnsupportedTorch`` if the generator differs (rule 4)."""
     require_chain_segments()
     assert _generator is not None
     gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs)
@@ -445,13 +429,9 @@ def close_checkpoint(gen: Generator[None, None, None]) -> None:
 
 # ---- torch.profiler ------------------------------------------------------------------------
 def cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
-    """``(time_ns, bytes)`` of the CPU allocator's alloc (+) and free (-) events recorded by a
-    finished ``torch.profiler.profile(profile_memory=True)``, in time order (ties keep record
-    order).
-
-    Raises:
-        UnsupportedTorch: this torch's profiler keeps no kineto results (rule 4).
-    """
+    """``(time_ns, bytes)`` of the CPU allocator's alloc (+) and free (-) events a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (ties: record
+    order). ``UnsupportedTorch`` if the profiler keeps no kineto results (rule 4)."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
         raise unsupported("torch.profiler.profile().profiler.kineto_results",
@@ -476,13 +456,9 @@ def profiler_marker(name: str) -> Any:
 
 
 def cpu_marked_spans(prof: Any, name: str) -> list[tuple[int, int]]:
-    """``(start_ns, end_ns)`` of the spans named ``name`` (:func:`profiler_marker`) recorded by
-    a finished ``torch.profiler.profile``, on the clock of :func:`cpu_memory_events`, in
-    time order.
-
-    Raises:
-        UnsupportedTorch: this torch's profiler keeps no kineto results (rule 4).
-    """
+    """``(start_ns, end_ns)`` of the spans named ``name`` (:func:`profiler_marker`) a finished
+    ``torch.profiler.profile`` recorded, on :func:`cpu_memory_events`'s clock, in time
+    order. ``UnsupportedTorch`` if the profiler keeps no kineto results (rule 4)."""
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if results is None:
         raise unsupported("torch.profiler.profile().profiler.kineto_results",
@@ -498,3 +474,24 @@ def profiler_active() -> bool:
     back empty). False where torch cannot tell."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(enabled()) if enabled is not None else False
+
+
+# ---- CUDA kernels fake mode dispatches (NOTE [CUDA kernels in fake mode], profiling.cuda_kernels)
+_CUDA_FAKE_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_safe_softmax")
+
+
+def sdp_priority_order() -> tuple[int, ...]:
+    """SDPA backends (``SDPBackend`` values) in the order CUDA tries them (rule 5)."""
+    get = getattr(torch._C, "_get_sdp_priority_order", None)
+    return tuple(int(b) for b in get()) if get is not None else (1, 2, 0, 3)
+
+
+def cuda_fake_ops() -> dict[str, OpOverload]:
+    """The CUDA attention ops fake mode calls itself, by packet name (rule 4)."""
+    found = {n: getattr(getattr(torch.ops.aten, n, None), "default", None) for n in _CUDA_FAKE_OPS}
+    for name, op in found.items():
+        if op is None:
+            raise unsupported(f"torch.ops.aten.{name}", feature="GPU-faithful fake mode",
+                              advice="profile with target='cpu'")
+    return found  # type: ignore[return-value]

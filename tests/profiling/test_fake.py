@@ -31,9 +31,11 @@ from memfit.profiling.tracer import profile
 
 
 def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:
+    # target "cpu": the CPU's kernels, as measured here (a GPU target traces a GPU's dropout:
+    # test_fake_gpu.py)
     model, x = TinyGPT(), gpt_inputs()
     real = profile(model, x, loss_fn=lambda out: out, repeats=1)
-    fake = profile(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
+    fake = profile(model, x, loss_fn=lambda out: out, mode="fake", target="cpu")
     assert [o.name for o in fake.ops] == [o.name for o in real.ops]
     assert fake.signature == real.signature
     key = lambda s: (s.nbytes, s.kind, s.created_by, s.freed_after, s.saved,  # noqa: E731
@@ -42,7 +44,7 @@ def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:
     # fake mode models no kernel workspace (NOTE [kernel workspaces]): the tensors, exactly
     tensors = tuple(v - o.workspace_bytes for v, o in zip(real.live_bytes, real.ops, strict=True))
     assert fake.live_bytes == tensors and fake.peak_bytes == max(tensors)
-    assert fake.cost_model == "roofline:h100" and fake.mode == "fake"
+    assert fake.cost_model == "roofline:cpu" and fake.mode == "fake"
     assert all(p.grad is None for p in model.parameters())   # the model was not touched
 
 

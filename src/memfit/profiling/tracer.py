@@ -80,6 +80,7 @@ class _Setup:
     state: dict[str, torch.Tensor] | None   # fake-mode parameters and buffers, by name
     device: torch.device
     outer: Any                              # the fake mode, or a null context
+    kernels: Any = None                     # CudaKernels for a CUDA target in fake mode
 
 
 @contextlib.contextmanager
@@ -112,20 +113,23 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
         def step() -> None:
             st.run(forward=su.forward, on_backward=tracker.begin_backward)
     try:
-        with su.outer, rec, tracker.saved_tensors_hooks(), tracker:
+        with su.outer, su.kernels or contextlib.nullcontext(), rec, \
+                tracker.saved_tensors_hooks(), tracker:
             step()
     finally:
         tracker.close()
     yield tracker, rec
 
 
-def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None) -> _Setup:
+def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None,
+           target: str = "cpu") -> _Setup:
     model = step.model
     args, kwargs = step.inputs
     if mode is ProfileMode.FAKE:
         if step.call is not None:
             raise ValueError("fake mode profiles model(*example_inputs); a step given as a "
                              "callable runs real tensors: profile it in measure mode")
+        from memfit.profiling.cuda_kernels import cuda_kernels_for
         from memfit.profiling.fake import fake_device, meta_inputs, meta_state, new_fake_mode
 
         fake_mode = new_fake_mode()
@@ -137,7 +141,9 @@ def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None) -> 
         def forward(*a: Any, **k: Any) -> Any:
             return torch.func.functional_call(model, state, a, k, tie_weights=True, strict=False)
 
-        return _Setup(step.with_inputs(args, kwargs), forward, state, torch.device("meta"), fake_mode)
+        # NOTE [CUDA kernels in fake mode]: a CUDA target's dropout and attention kernels
+        return _Setup(step.with_inputs(args, kwargs), forward, state, torch.device("meta"),
+                      fake_mode, cuda_kernels_for(target))
     if device is None:
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else "cpu"
@@ -173,7 +179,8 @@ def profile(
             about 4.5 plain steps: 4.4x in a benchmark run of the zoo GPT 8x512).
             1: the traced run's own op times, which run slow.
         target: device preset of the cost model in fake mode (``"cpu"``, ``"a100"``,
-            ``"h100"``, ``"h200"``); ignored in measure mode.
+            ``"h100"``, ``"h200"``); a GPU preset also traces the dropout and attention
+            kernels that GPU runs (NOTE [CUDA kernels in fake mode]); ignored in measure mode.
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -190,7 +197,8 @@ def profile(
     t_begin = time.perf_counter()
     the_step = _as_step(model, example_inputs, loss_fn)
     model = the_step.model
-    su = _setup(the_step, mode, device)
+    cost = preset(target) if mode is ProfileMode.FAKE else None
+    su = _setup(the_step, mode, device, cost.name if cost is not None else "cpu")
     dev = su.device
     fake = mode is ProfileMode.FAKE
     keep = ModelState(model, su.step.inputs, buffers=not fake)
@@ -238,7 +246,6 @@ def profile(
     finally:
         keep.restore()
 
-    cost = preset(target) if fake else None
     ops = []
     n_forward = tr.n_forward if tr.n_forward is not None else len(tr.ops)
     for i, op in enumerate(tr.ops):
@@ -276,7 +283,9 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         parameters=describe_parameters(model), buffer_bytes=buffer_bytes(model),
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
                "repeats": repeats if not fake else 1,
-               "workspace_measured": tr.workspace_measured, "workspace_s": tr.workspace_s},
+               "workspace_measured": tr.workspace_measured, "workspace_s": tr.workspace_s,
+               **({"cuda_kernels": dict(sorted(su.kernels.counts.items()))}
+                  if su.kernels is not None else {})},
     )
     log.info("profiled %s: %d ops (%d forward), peak %d bytes, %.3fs (%.1fx a step)",
              result.model, len(ops), n_forward, result.peak_bytes, cost_s,
@@ -310,10 +319,10 @@ def _sync(dev: torch.device) -> None:
 
 
 def _forward_ops(model: Any, example_inputs: Any, loss_fn: LossFn | None,
-                 mode: ProfileMode) -> list[OpRecord]:
+                 mode: ProfileMode, target: str = "cpu") -> list[OpRecord]:
     """The forward ops (names and module paths) of one traced forward and loss, with grads,
-    buffers and RNG state restored afterwards."""
-    su = _setup(_as_step(model, example_inputs, loss_fn), mode, None)
+    buffers and RNG state restored afterwards (fake mode: the kernels of ``target``)."""
+    su = _setup(_as_step(model, example_inputs, loss_fn), mode, None, target)
     with ModelState(su.step.model, su.step.inputs, buffers=mode is ProfileMode.MEASURE) as keep:
         keep.reset()
         with _traced(su, time_ops=False, count_flops=False, forward_only=True) as (tr, _):
@@ -352,7 +361,9 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
         >>> m = torch.nn.Linear(4, 4); x = torch.randn(2, 4)
         >>> check_profile_matches(profile(m, x, repeats=1), m, x)   # same model: no error
     """
-    got = _forward_ops(model, example_inputs, loss_fn, ProfileMode(profile.mode))
+    mode = ProfileMode(profile.mode)  # a fake-mode profile's device is its target
+    got = _forward_ops(model, example_inputs, loss_fn, mode,
+                       profile.device if mode is ProfileMode.FAKE else "cpu")
     sig = op_signature(got)
     if sig == profile.signature:
         return
