@@ -26,7 +26,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.planning.job import JobSpec
 
-__all__ = ["fit", "plan", "job_spec"]
+__all__ = ["fit", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,8 @@ def fit(
                 new_plan = measure_plans(the_step, prof, budget, solver=solver,
                                          time_limit_s=tune_time_limit_s)
             else:
+                from memfit.device_memory import job_spec
+
                 job = job_spec(prof, device_memory=device_memory, optimizer=optimizer,
                                optimizer_state_dtype=optimizer_state_dtype,
                                master_weights=master_weights, world_size=world_size,
@@ -249,6 +251,7 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: s
         InfeasibleBudget: nothing fits; with ``device_memory``, its ``memory`` is the
             breakdown with the smallest plan and ``fits_with`` what would fit.
     """
+    from memfit.device_memory import job_spec
     from memfit.planning.planner import plan as make_plan
 
     job = job_spec(profile, device_memory=device_memory, optimizer=optimizer,
@@ -259,54 +262,6 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: s
     except InfeasibleBudget as e:
         raise _with_state_dtype_hint(e, profile, job, optimizer, optimizer_state_dtype,
                                      budget, solver, options) from None
-
-
-def job_spec(profile: Profile, *, device_memory: int | str | None,
-             optimizer: torch.optim.Optimizer | str | None = None,
-             optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
-             world_size: int | None = None, sharding: str = "none",
-             reserve: int | str | None = None) -> JobSpec | None:
-    """The ``JobSpec`` of a device (None when ``device_memory`` is None and nothing else is
-    given); the optimizer is measured on fake tensors over the profile's parameters."""
-    from memfit.planning.job import JobSpec, default_reserve_bytes
-    from memfit.profiling.optimizer import optimizer_memory
-
-    if device_memory is None:
-        given = {"optimizer": optimizer, "optimizer_state_dtype": optimizer_state_dtype,
-                 "world_size": world_size, "reserve": reserve}
-        extra = [k for k, v in given.items() if v is not None]
-        extra += ["master_weights"] if master_weights else []
-        extra += ["sharding"] if sharding != "none" else []
-        if extra:
-            raise TypeError(f"{', '.join(extra)} describe the job on a device, and count only "
-                            "against device_memory=; give device_memory (e.g. '80GiB') too")
-        return None
-    memory = _bytes_arg("device_memory", device_memory)
-    cuda = not profile.device.lower().startswith("cpu")
-    opt = optimizer_memory(optimizer, profile.parameters, state_dtype=optimizer_state_dtype,
-                           master_weights=master_weights, cuda=cuda)
-    if world_size is None:
-        from memfit.distributed import is_distributed
-
-        world_size = torch.distributed.get_world_size() if is_distributed() else 1
-    reserve_bytes = (default_reserve_bytes(memory, profile.device) if reserve is None
-                     else _bytes_arg("reserve", reserve, zero=True))
-    return JobSpec(memory, opt, reserve_bytes, world_size, sharding)
-
-
-def _bytes_arg(name: str, value: int | str, zero: bool = False) -> int:
-    from memfit.units import parse_bytes
-
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"{name} must be int bytes or a size such as '80GiB', got "
-                        f"{type(value).__name__} {value!r}")
-    try:
-        n = parse_bytes(value) if isinstance(value, str) else value
-    except ValueError as e:
-        raise ValueError(f"cannot parse {name}={value!r}: {e}") from None
-    if n < 0 or (n == 0 and not zero):
-        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'} bytes, got {value!r}")
-    return n
 
 
 def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec | None,

@@ -156,9 +156,9 @@ def _next_size(lo: int, hi: int | None, probes: dict[int, Probe], *, device_memo
 
 
 def _device_bytes(device_memory: int | str) -> int:
-    from memfit.api import _bytes_arg
+    from memfit.device_memory import parse_size
 
-    return _bytes_arg("device_memory", device_memory)
+    return parse_size("device_memory", device_memory)
 
 
 def _profile(n: int, make: Callable[[int], tuple[torch.nn.Module, Any]],
@@ -184,7 +184,7 @@ def _profile(n: int, make: Callable[[int], tuple[torch.nn.Module, Any]],
 def _probe(n: int, make: Any, loss_fn: Any, target: str | None, solver: str,
            max_overhead: float | None, device_memory: int | str, optimizer: Any,
            job: dict[str, Any], calibrated: bool) -> Probe:
-    from memfit.api import job_spec
+    from memfit.device_memory import job_spec
     from memfit.planning.job import job_memory, model_memory
     from memfit.planning.planner import plan
 
@@ -203,23 +203,28 @@ def _probe(n: int, make: Any, loss_fn: Any, target: str | None, solver: str,
     return Probe(n, fits, total, p.overhead)
 
 
+def _plan(prof: Profile, solver: str, device_memory: int | str, optimizer: Any,
+          job: dict[str, Any]) -> Plan:
+    from memfit.device_memory import job_spec
+    from memfit.planning.planner import plan
+
+    return plan(prof, solver=solver,
+                job=job_spec(prof, device_memory=device_memory, optimizer=optimizer, **job))
+
+
 def _final_plan(n: int, make: Any, loss_fn: Any, target: str | None, solver: str,
                 max_overhead: float | None, device_memory: int | str, optimizer: Any,
                 job: dict[str, Any]) -> Plan:
-    from memfit.api import plan
-
     prof = _profile(n, make, loss_fn, target, calibrated=True)
-    return plan(prof, device_memory=device_memory, optimizer=optimizer, solver=solver, **job)
+    return _plan(prof, solver, device_memory, optimizer, job)
 
 
 def _raise_for_one(make: Any, loss_fn: Any, target: str | None, solver: str,
                    device_memory: int | str, optimizer: Any, job: dict[str, Any],
                    max_overhead: float | None) -> None:
-    from memfit.api import plan
-
     prof = _profile(1, make, loss_fn, target, calibrated=max_overhead is not None)
     try:
-        p = plan(prof, device_memory=device_memory, optimizer=optimizer, solver=solver, **job)
+        p = _plan(prof, solver, device_memory, optimizer, job)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"not even a batch of 1 fits: {e}", budget_bytes=e.budget_bytes,
                                min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,

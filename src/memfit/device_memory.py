@@ -1,0 +1,60 @@
+"""The job on its device, from the user's words: ``device_memory="80GiB"``,
+``optimizer="adamw"`` ... as a ``memfit.planning.job.JobSpec`` (NOTE [the job's memory])."""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.planning.job import JobSpec
+from memfit.profiling.profile import Profile
+
+__all__ = ["job_spec", "parse_size"]
+
+
+def job_spec(profile: Profile, *, device_memory: int | str | None,
+             optimizer: torch.optim.Optimizer | str | None = None,
+             optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
+             world_size: int | None = None, sharding: str = "none",
+             reserve: int | str | None = None) -> JobSpec | None:
+    """The ``JobSpec`` of a device (None when ``device_memory`` is None and nothing else is
+    given); the optimizer is measured on fake tensors over the profile's parameters."""
+    from memfit.planning.job import default_reserve_bytes
+    from memfit.profiling.optimizer import optimizer_memory
+
+    if device_memory is None:
+        given = {"optimizer": optimizer, "optimizer_state_dtype": optimizer_state_dtype,
+                 "world_size": world_size, "reserve": reserve}
+        extra = [k for k, v in given.items() if v is not None]
+        extra += ["master_weights"] if master_weights else []
+        extra += ["sharding"] if sharding != "none" else []
+        if extra:
+            raise TypeError(f"{', '.join(extra)} describe the job on a device, and count only "
+                            "against device_memory=; give device_memory (e.g. '80GiB') too")
+        return None
+    memory = parse_size("device_memory", device_memory)
+    cuda = not profile.device.lower().startswith("cpu")
+    opt = optimizer_memory(optimizer, profile.parameters, state_dtype=optimizer_state_dtype,
+                           master_weights=master_weights, cuda=cuda)
+    if world_size is None:
+        from memfit.distributed import is_distributed
+
+        world_size = torch.distributed.get_world_size() if is_distributed() else 1
+    reserve_bytes = (default_reserve_bytes(memory, profile.device) if reserve is None
+                     else parse_size("reserve", reserve, zero=True))
+    return JobSpec(memory, opt, reserve_bytes, world_size, sharding)
+
+
+def parse_size(name: str, value: int | str, zero: bool = False) -> int:
+    """``value`` (int bytes or a size such as ``"80GiB"``) as bytes; ``name`` for the error."""
+    from memfit.units import parse_bytes
+
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{name} must be int bytes or a size such as '80GiB', got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        n = parse_bytes(value) if isinstance(value, str) else value
+    except ValueError as e:
+        raise ValueError(f"cannot parse {name}={value!r}: {e}") from None
+    if n < 0 or (n == 0 and not zero):
+        raise ValueError(f"{name} must be {'>= 0' if zero else 'positive'} bytes, got {value!r}")
+    return n
