@@ -75,7 +75,7 @@ class BatchFit:
                 f"{len(self.probes)} sizes profiled{tail})\n{self.plan}")
 
 
-def largest_batch(make: Callable[[int], tuple[torch.nn.Module, Any]], *,
+def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
                   device_memory: int | str, optimizer: Any = None,
                   max_overhead: float | None = None, target: str | None = None,
                   solver: str = "auto", limit: int = 1 << 20,
@@ -83,8 +83,9 @@ def largest_batch(make: Callable[[int], tuple[torch.nn.Module, Any]], *,
     """The largest ``n`` for which ``make(n)``'s step has a plan that fits ``device_memory``.
 
     Args:
-        make: ``n -> (model, example_inputs)``; the caller decides what ``n`` is (batch
-            size, sequence length). It may return the same model each time.
+        make: ``n -> (model, example_inputs)``, or ``(model, example_inputs, loss_fn)`` for
+            a loss made for those inputs; the caller decides what ``n`` is (batch size,
+            sequence length). It may return the same model each time.
         device_memory, optimizer: the device and the optimizer (an instance, or a name:
             ``"adamw"``), as in ``memfit.fit``; further ``job`` options likewise
             (``optimizer_state_dtype``, ``master_weights``, ``world_size``, ``sharding``,
@@ -161,13 +162,15 @@ def _device_bytes(device_memory: int | str) -> int:
     return parse_size("device_memory", device_memory)
 
 
-def _profile(n: int, make: Callable[[int], tuple[torch.nn.Module, Any]],
+def _profile(n: int, make: Callable[[int], tuple[Any, ...]],
              loss_fn: Callable[[Any], torch.Tensor] | None, target: str | None,
              calibrated: bool) -> Profile:
     made = make(n)
-    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module)):
         raise TypeError(f"make({n}) must return (model, example_inputs), got {type(made).__name__}")
-    model, inputs = made
+    model, inputs = made[:2]
+    if len(made) == 3:  # (model, inputs, loss_fn): a loss that depends on the inputs
+        loss_fn = made[2]
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     fake = on_meta or (target is not None and target != "cpu")
     if calibrated:
@@ -236,7 +239,7 @@ def _raise_for_one(make: Any, loss_fn: Any, target: str | None, solver: str,
         memory=p.memory)
 
 
-def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[torch.nn.Module, Any]],
+def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[Any, ...]],
                        batch: int | None, **search: Any) -> InfeasibleBudget:
     """``e`` (a job that does not fit at ``batch``) with the largest smaller batch that fits
     with its smallest plan named, found by ``largest_batch``; ``e`` itself when none does."""

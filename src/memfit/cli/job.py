@@ -105,10 +105,10 @@ def _maker(args: argparse.Namespace) -> Any:
 
     first = load_from_args(args)
 
-    def make(n: int) -> tuple[Any, Any]:
+    def make(n: int) -> tuple[Any, Any, Any]:
         lm = load_model(args.model, input_shapes=args.input_shape, dtype=args.dtype, batch=n,
                         seq_len=args.seq_len)
-        return first.model, lm.example_inputs
+        return first.model, lm.example_inputs, lm.loss_fn
 
     try:
         make(1)
