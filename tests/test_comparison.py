@@ -1,6 +1,6 @@
 """verify's comparison of a planned step with the plain step: bitwise on CPU or with
 deterministic algorithms, else within the plain step's run-to-run spread (NOTE [comparison
-modes] in ``memfit.comparison``). The spread mode is forced here on CPU, with the second plain
+modes] in ``memfit.measuring.comparison``). The spread mode is forced here on CPU, with the second plain
 run perturbed by hand where a GPU's atomics would have perturbed it."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from memfit import zoo
-from memfit.comparison import (
+from memfit.measuring.comparison import (
     SPREAD_FACTOR,
     SPREAD_FLOOR_ULPS,
     Comparison,
     compare_steps,
     comparison_for,
 )
+from memfit.measuring.twins import StepResult
+from memfit.measuring.verification import verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
-from memfit.twins import StepResult
-from memfit.verification import verify
 
 BITWISE, SPREAD = Comparison.BITWISE, Comparison.WITHIN_PLAIN_SPREAD
 
@@ -162,7 +162,7 @@ def test_verify_forced_within_plain_spread_on_cpu_passes_bitwise_and_says_so(pla
 def _perturbing_record_step(monkeypatch, name: str, second_plain: float, planned: float) -> None:
     """verify's ``record_step`` with ``name``'s gradient moved by ``second_plain`` in the second
     plain run and by ``planned`` in the planned run (the third call), as atomics would."""
-    import memfit.verification as verification
+    import memfit.measuring.verification as verification
 
     real, calls = verification.record_step, []
 
@@ -207,7 +207,7 @@ def test_verify_refuses_an_unknown_comparison(planned_gpt):
                          ids=["default-on-cpu", "bitwise", "within-plain-spread"])
 def test_verify_runs_the_plain_step_twice_only_to_compare_within_its_spread(
         planned_gpt, monkeypatch, comparison, records):
-    import memfit.verification as verification
+    import memfit.measuring.verification as verification
 
     real, calls = verification.record_step, []
     monkeypatch.setattr(verification, "record_step", lambda step, **kw: calls.append(1) or real(step, **kw))

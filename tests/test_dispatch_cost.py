@@ -1,15 +1,15 @@
 """The fixed charges measured on this machine (NOTE [measured dispatch charges] in
-``memfit.dispatch_cost``) and how the calibration uses them (NOTE [calibration cost] in
-``memfit.calibration``). No test asserts a speed: the measured values only have to be
+``memfit.measuring.dispatch_cost``) and how the calibration uses them (NOTE [calibration cost] in
+``memfit.measuring.calibration``). No test asserts a speed: the measured values only have to be
 plausible, and what is derived from them is checked exactly."""
 
 from __future__ import annotations
 
 import torch
 
-from memfit.calibration import profile as calibrated_profile
-from memfit.dispatch_cost import DispatchCharges, _checked, measure_dispatch_charges
-from memfit.profiling.calibrate import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.measuring.calibration import profile as calibrated_profile
+from memfit.measuring.dispatch_cost import DispatchCharges, _checked, measure_dispatch_charges
+from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
 
 
 def test_measured_charges_are_positive_and_all_measured_on_cpu() -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from memfit import zoo
+from memfit.measuring.report import RowKind, Sweep, SweepRow, print_sweep
+from memfit.measuring.tradeoff import sweep
 from memfit.planning.plan import Plan, Region
-from memfit.report import RowKind, Sweep, SweepRow, print_sweep
-from memfit.tradeoff import sweep
 
 MIB = 1024**2
 
@@ -109,9 +109,9 @@ def test_sweep_measures_budgets_and_baselines(tmp_path):
     # repeatable when no step frees memory allocated before it: NOTE [repeatable steps])
     import copy
 
+    from memfit.measuring.twins import make_step
     from memfit.profiling.measure import measure
     from memfit.runtime.apply import apply
-    from memfit.twins import make_step
 
     for r in (row70, rowmin, every):
         twin = apply(copy.deepcopy(model), r.plan)

@@ -1,4 +1,4 @@
-"""Measured plan selection (``memfit.tuning``): candidates, interleaved timing, the record.
+"""Measured plan selection (``memfit.measuring.tuning``): candidates, interleaved timing, the record.
 
 Timing tests use hand-made candidates on a model whose modules advance an injected clock (or
 sleep) on every forward call, so a plan that recomputes a "slow" module is slower by a known
@@ -15,11 +15,18 @@ import torch
 from torch import nn
 
 from memfit import zoo
+from memfit.measuring.tuning import (
+    RESOLVE_FRACTIONS,
+    Candidate,
+    candidates,
+    plan_key,
+    time_candidates,
+    tune,
+)
 from memfit.planning.plan import Plan, Region, TunedCandidate, Tuning
 from memfit.planning.planner import plan as make_plan
 from memfit.profiling.tracer import profile
 from memfit.step import Step
-from memfit.tuning import RESOLVE_FRACTIONS, Candidate, candidates, plan_key, time_candidates, tune
 
 WIDTH = 16
 

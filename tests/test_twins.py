@@ -1,4 +1,4 @@
-"""memfit.twins: a step on a plain or planned copy of the model, measured; the model left as
+"""memfit.measuring.twins: a step on a plain or planned copy of the model, measured; the model left as
 found."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from memfit import zoo
+from memfit.measuring.twins import plain_copy, record_step, twin_step
 from memfit.planning.plan import Plan, Region
 from memfit.runtime.apply import apply
 from memfit.step import Step
-from memfit.twins import plain_copy, record_step, twin_step
 
 
 def _plan(*paths: str) -> Plan:

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from memfit import zoo
+from memfit.measuring.verification import PEAK_ATOL_BYTES, peak_tolerance, rng_state_bytes, verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
 from memfit.step import Step
 from memfit.units import format_bytes
-from memfit.verification import PEAK_ATOL_BYTES, peak_tolerance, rng_state_bytes, verify
 
 
 def _small_gpt(n_layer: int = 2) -> nn.Module:
@@ -145,12 +145,12 @@ def test_verify_needs_a_plan():
 
 
 def test_verify_is_public_even_after_importing_its_module():
-    # memfit.verify is the function; its module is memfit.verification, so importing the
+    # memfit.verify is the function; its module is memfit.measuring.verification, so importing the
     # module does not shadow the function on the package (as a memfit/verify.py would).
-    import memfit.verification  # noqa: F401
+    import memfit.measuring.verification  # noqa: F401
 
     assert memfit.verify is verify
-    assert memfit.VerifyReport is memfit.verification.VerifyReport
+    assert memfit.VerifyReport is memfit.measuring.verification.VerifyReport
 
 
 # ---- peak tolerance on tiny steps (NOTE [peak tolerance]) ----------------------------------

@@ -1,4 +1,4 @@
-"""verify on a model that has no twin (NOTE [models without twins] in ``memfit.twins``): both
+"""verify on a model that has no twin (NOTE [models without twins] in ``memfit.measuring.twins``): both
 steps on the model itself, its plan lifted for the plain one, and the model left as it was.
 
 Here the model cannot be deep-copied (it holds a lock); FSDP-sharded and DDP models take the
@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from memfit import zoo
+from memfit.measuring.twins import UncopyableModel, no_twin_reason, plain_copy
+from memfit.measuring.verification import verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
-from memfit.twins import UncopyableModel, no_twin_reason, plain_copy
-from memfit.verification import verify
 
 
 def _uncopyable_planned_gpt(paths: tuple[str, ...]) -> tuple[nn.Module, torch.Tensor, Plan]:
@@ -82,7 +82,7 @@ def test_verify_in_place_reports_a_plan_that_does_not_apply():
                          ids=["bitwise", "within-plain-spread"])
 def test_verify_in_place_runs_the_plain_step_twice_only_to_compare_within_its_spread(
         monkeypatch, comparison, plain_runs):
-    import memfit.verification as verification
+    import memfit.measuring.verification as verification
 
     model, x, plan = _uncopyable_planned_gpt(("blocks.0",))
     state = {k: v.clone() for k, v in model.state_dict().items()}

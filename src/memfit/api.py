@@ -58,7 +58,7 @@ def fit(
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
         tune: time the solver's best few plans and the baseline plans that fit on the model
-            itself and apply the fastest measured (``memfit.tuning.tune``); the medians are on
+            itself and apply the fastest measured (``memfit.measuring.tuning.tune``); the medians are on
             ``model.memfit_plan.tuning``. Default False: the solver's plan, untimed.
         tune_time_limit_s: seconds of stepping tuning may spend (default: 10 profiled plain
             steps).
@@ -89,9 +89,9 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    from memfit.calibration import profile
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
+    from memfit.measuring.calibration import profile
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
     from memfit.runtime.apply import apply, unapply
@@ -122,7 +122,7 @@ def fit(
                 warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
             prof = profile(the_step, mode=mode)
             if tune:
-                from memfit.tuning import tune as measure_plans
+                from memfit.measuring.tuning import tune as measure_plans
 
                 new_plan = measure_plans(the_step, prof, budget, solver=solver,
                                          time_limit_s=tune_time_limit_s)

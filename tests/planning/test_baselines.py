@@ -11,11 +11,11 @@ from torch import nn
 import memfit
 from memfit.api import fit
 from memfit.errors import InfeasibleBudget
+from memfit.measuring.report import RowKind
+from memfit.measuring.tradeoff import sweep
 from memfit.planning.planner import plan
 from memfit.planning.solvers.baselines import NoBlocks
 from memfit.profiling.tracer import profile
-from memfit.report import RowKind
-from memfit.tradeoff import sweep
 
 D, N_BLOCKS, BATCH = 16, 4, 8
 BLOCKS = [(f"blocks.{i}",) for i in range(N_BLOCKS)]

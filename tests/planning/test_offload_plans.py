@@ -19,13 +19,13 @@ from profile_builders import TICK, chain_profile, random_chain, residual_block
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
 from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, milp
 from memfit.profiling.costmodel import PRESETS, DevicePreset
+from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
 
 MM, GELU = "aten.mm.default#0", "aten.gelu.default#0"
 MIN_PEAK = 520  # the toy's smallest peak (hand-checked: layers.0 recompute-all)
@@ -49,8 +49,8 @@ def _ops(p: Plan) -> list[tuple[str, dict[str, OpPolicy]]]:
 
 # layers.0 reruns ops 1..3 (mm 8 ticks, gelu 1, add 1) after its region charge; offloading an
 # op removes its ticks, adds OFFLOAD_TENSOR_S and the selective-mode charge of 3 ops
-_RECOMPUTE_S = REGION_OVERHEAD_S + 3 * OP_OVERHEAD_S + 10 * TICK
-_OFFLOAD_BOTH_S = REGION_OVERHEAD_S + 3 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S) + TICK + 2 * OFFLOAD_TENSOR_S
+_RECOMPUTE_S = DEFAULT_REGION_S + 3 * DEFAULT_OP_S + 10 * TICK
+_OFFLOAD_BOTH_S = DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S) + TICK + 2 * OFFLOAD_TENSOR_S
 
 
 @pytest.mark.parametrize(("rate", "decisions", "expect_s"), [

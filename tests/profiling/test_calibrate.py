@@ -1,6 +1,6 @@
 """The calibrated recompute time model: the fit, the Profile JSON, fake mode, a measured model.
 
-NOTE [calibration] in ``memfit.profiling.calibrate``. No test asserts a speed: measured
+NOTE [calibration] in ``memfit.timemodel``. No test asserts a speed: measured
 timings only feed the fit, and the tests check what is derived from them exactly.
 """
 
@@ -13,12 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from memfit.calibration import MIN_BLOCKS, STEADY_CHECK
-from memfit.calibration import profile as calibrated_profile
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
+from memfit.measuring.calibration import MIN_BLOCKS, STEADY_CHECK
+from memfit.measuring.calibration import profile as calibrated_profile
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate, time_terms
-from memfit.profiling.calibrate import (
+from memfit.profiling.profile import Profile
+from memfit.profiling.tracer import profile as trace_profile
+from memfit.timemodel import (
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
     FIT_ORDER,
     Calibration,
     CalibrationSource,
@@ -26,8 +30,6 @@ from memfit.profiling.calibrate import (
     TimeTerms,
     fit_calibration,
 )
-from memfit.profiling.profile import Profile
-from memfit.profiling.tracer import profile as trace_profile
 
 # Relative tolerance of a fit from exact synthetic timings: NNLS on a square, well-conditioned
 # system recovers its solution up to float rounding (observed ~1e-15).
@@ -46,8 +48,8 @@ SYNTHETIC_TERMS = (
 TRUE_PARAMS = {
     "slow-recompute": dict(matmul_scale=1.3, other_scale=1.8, region_s=4e-4, op_s=2e-5, selective_op_s=3e-5),
     "cheap-dispatch": dict(matmul_scale=1.05, other_scale=1.2, region_s=1e-5, op_s=1e-6, selective_op_s=5e-6),
-    "defaults": dict(matmul_scale=1.0, other_scale=1.0, region_s=REGION_OVERHEAD_S, op_s=OP_OVERHEAD_S,
-                     selective_op_s=SAC_OP_OVERHEAD_S),
+    "defaults": dict(matmul_scale=1.0, other_scale=1.0, region_s=DEFAULT_REGION_S, op_s=DEFAULT_OP_S,
+                     selective_op_s=DEFAULT_SELECTIVE_OP_S),
 }
 
 
@@ -122,7 +124,7 @@ def test_fit_falls_back_to_the_defaults_and_says_why(rows: tuple[TimedPlan, ...]
 def test_default_calibration_is_the_constants() -> None:
     c = Calibration()
     assert (c.matmul_scale, c.other_scale) == (1.0, 1.0)
-    assert (c.region_s, c.op_s, c.selective_op_s) == (REGION_OVERHEAD_S, OP_OVERHEAD_S, SAC_OP_OVERHEAD_S)
+    assert (c.region_s, c.op_s, c.selective_op_s) == (DEFAULT_REGION_S, DEFAULT_OP_S, DEFAULT_SELECTIVE_OP_S)
 
 
 # ---- profiles ----------------------------------------------------------------------------
@@ -174,8 +176,8 @@ def test_fake_mode_keeps_the_constants() -> None:
     assert np.array_equal(prof.calibration.params(), Calibration().params())
     eb = plan(prof, budget=1.0, solver="every_block")
     terms = time_terms(prof, eb)
-    expected = (terms.matmul_s + terms.other_s + REGION_OVERHEAD_S * terms.regions
-                + OP_OVERHEAD_S * terms.ops)
+    expected = (terms.matmul_s + terms.other_s + DEFAULT_REGION_S * terms.regions
+                + DEFAULT_OP_S * terms.ops)
     torch.testing.assert_close(eb.recompute_s, expected, rtol=1e-12, atol=0.0)  # float sum order
 
 
@@ -220,12 +222,12 @@ def test_steady_check_checks_no_call() -> None:
 
 def test_a_failing_calibration_keeps_the_constants_and_the_profile(monkeypatch) -> None:
     """E.g. a baseline plan the simulator rejects (nested regions on some Hugging Face models)."""
-    import memfit.calibration
+    import memfit.measuring.calibration
 
     def broken(*args, **kwargs):
         raise ValueError("region 'a.b' is nested two levels deep")
 
-    monkeypatch.setattr(memfit.calibration, "_time_plans", broken)
+    monkeypatch.setattr(memfit.measuring.calibration, "_time_plans", broken)
     model = _blocks(4)
     prof = calibrated_profile(model, torch.randn(4, 32))
     assert prof.calibration is not None and prof.calibration.source is CalibrationSource.DEFAULT
@@ -248,15 +250,15 @@ def test_one_common_scale_when_asked() -> None:
 
 
 def _scripted_times(monkeypatch, times: dict[str, list[float]]) -> None:
-    import memfit.calibration
+    import memfit.measuring.calibration
 
-    monkeypatch.setattr(memfit.calibration, "_time_plans", lambda step, plans, rounds: {k: list(v) for k, v in times.items()})
+    monkeypatch.setattr(memfit.measuring.calibration, "_time_plans", lambda step, plans, rounds: {k: list(v) for k, v in times.items()})
 
 
 @pytest.mark.parametrize(("spread", "separate"), [(0.0, True), (0.05, False)], ids=["agree", "disagree"])
 def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, spread: float, separate: bool) -> None:
-    import memfit.dispatch_cost
-    from memfit.dispatch_cost import measure_dispatch_charges
+    import memfit.measuring.dispatch_cost
+    from memfit.measuring.dispatch_cost import measure_dispatch_charges
 
     model = _blocks(4)
     x = torch.randn(16, 32)
@@ -269,12 +271,12 @@ def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, s
     plain = 0.01
     step_eb, step_sm = plain + truth.recompute_s(t_eb), plain + truth.recompute_s(t_sm)
     # round 0 warms up (9 s, not counted); counted rounds 1 and 2 differ by ``spread``
-    import memfit.calibration
+    import memfit.measuring.calibration
 
-    monkeypatch.setattr(memfit.calibration, "trace_profile", lambda *a, **k: trace)  # the same op times
+    monkeypatch.setattr(memfit.measuring.calibration, "trace_profile", lambda *a, **k: trace)  # the same op times
     # ... and the same charges: measured again, they differ by timing noise, which the fit of
     # this small step's 1 ms of recompute would read as a scale (4.26 seen)
-    monkeypatch.setattr(memfit.dispatch_cost, "measure_dispatch_charges", lambda *a, **k: c)
+    monkeypatch.setattr(memfit.measuring.dispatch_cost, "measure_dispatch_charges", lambda *a, **k: c)
     _scripted_times(monkeypatch, {"plain": [plain, plain],
                                   "every_block": [9.0, step_eb, step_eb * (1 + spread)],
                                   "save_matmuls": [9.0, step_sm, step_sm * (1 + spread)]})

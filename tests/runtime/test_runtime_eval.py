@@ -11,10 +11,10 @@ from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net
 
 import memfit
 from memfit import zoo
+from memfit.measuring.verification import make_step
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime.apply import apply
-from memfit.verification import make_step
 
 PEAK_RTOL = 0.03  # verify's tolerance on the budget
 

@@ -27,7 +27,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 def profile_model(lm: LoadedModel, target: str = "cpu") -> Any:
     """Profile a resolved model: a real measured step, or fake mode for a meta model or a
     ``--target`` other than this machine's CPU."""
-    from memfit.calibration import profile
+    from memfit.measuring.calibration import profile
 
     mode = "fake" if lm.on_meta or target != "cpu" else "measure"
     return profile(lm.model, lm.example_inputs, loss_fn=lm.loss_fn, mode=mode, target=target)

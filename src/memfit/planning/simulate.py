@@ -28,8 +28,8 @@ from memfit.planning.offload import (
 )
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
-from memfit.profiling.calibrate import TimeTerms
 from memfit.profiling.profile import Profile
+from memfit.timemodel import TimeTerms
 
 __all__ = ["Simulation", "simulate", "time_terms"]
 
@@ -42,8 +42,8 @@ class Simulation:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
         recompute_s: seconds of forward ops rerun in backward, scaled per op class by the
             profile's calibration, plus the fixed cost of each checkpointed region (NOTE
-            [calibration] in ``memfit.profiling.calibrate``; NOTE [region overhead] and NOTE
-            [dispatch overhead] in ``memfit.planning.effects``).
+            [calibration] in ``memfit.timemodel``; NOTE [region overhead] and NOTE
+            [dispatch overhead] in ``memfit.timemodel``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -279,7 +279,7 @@ def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
     return offload_time_s(arrs, copies, spec), int(host.max(initial=0))
 def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
     """What ``plan`` reruns, in the time model's units (NOTE [calibration] in
-    ``memfit.profiling.calibrate``): ``ProfileArrays(profile).calibration.recompute_s(
+    ``memfit.timemodel``): ``ProfileArrays(profile).calibration.recompute_s(
     time_terms(profile, plan))`` equals ``simulate(profile, plan).recompute_s`` up to float
     rounding (that calibration is ``profile.calibration`` unless NOTE [host overhead on an
     async device] in ``memfit.planning.hosttime`` zeroed its fixed charges).

@@ -11,7 +11,7 @@ NOTE [suspended plans]
     ``torch.no_grad`` (NOTE [when a region checkpoints] in ``memfit.runtime.wrap``): no
     checkpoint, no region state, no call counted by the divergence check, no input guard.
     Nothing on the module changes, so leaving the block finds the plan exactly as it was (its
-    wrappers, policies, check counters, host pool), unlike ``memfit.twins.lifted_plan``,
+    wrappers, policies, check counters, host pool), unlike ``memfit.measuring.twins.lifted_plan``,
     which removes the plan and applies it afresh. ``memfit.profile`` traces a planned model
     so: a profile describes the plain step, whatever plan the model carries (traced under its
     plan, a fitted model's profile read its planned peak as the plain one, 3.05 MiB for 8.13,

@@ -1,4 +1,7 @@
-"""The parameters of the recompute time model, and fitting them to timed steps.
+"""The recompute time model: its parameters, their defaults, and fitting them to timed steps.
+
+Torch-free (numpy; scipy when fitting), read by all three stages: a ``Profile`` carries its
+``Calibration``, the planner predicts with it, ``memfit.measuring.calibration`` fits it.
 
 NOTE [calibration]
     A plan's recompute seconds are predicted as a sum over what it reruns (``TimeTerms``)::
@@ -9,8 +12,7 @@ NOTE [calibration]
     convolutions, ``memfit.planning.rules.is_matmul``) and of the other ops the plan reruns;
     ``R``: checkpointed regions; ``N``: forward ops of those regions; ``S``: forward ops of the
     regions that save some op (selective-checkpoint dispatch modes). The defaults (scales 1,
-    the fixed charges of NOTE [region overhead] and NOTE [dispatch overhead] in
-    ``memfit.planning.effects``) are the model as it was before calibration: an op reruns in
+    the fixed charges of NOTE [region overhead] and NOTE [dispatch overhead], below) are the model as it was before calibration: an op reruns in
     its forward time plus constants measured once on one machine.
 
     Measured, a rerun op costs more than its forward time (torch's checkpoint and selective
@@ -26,7 +28,7 @@ NOTE [calibration]
     scales are fitted as one. A fit whose scale leaves ``SCALE_BOUNDS`` (noise larger than the
     recompute it measures) is rejected: the defaults stay, and ``reason`` says why.
     The fixed charges the fit holds are measured on the machine first where they can be
-    (NOTE [measured dispatch charges] in ``memfit.dispatch_cost``; ``charges_measured``
+    (NOTE [measured dispatch charges] in ``memfit.measuring.dispatch_cost``; ``charges_measured``
     names them, and a measured charge is never refitted from the plans' steps, whose noise
     is larger than it): on this project's 2-core CPU the selective charge is about 42 us per op, not
     the default 15.3 us.
@@ -36,7 +38,7 @@ NOTE [calibration]
     interleaved rounds measure about (0.80, 0.97), and plans changed from run to run.
     ``fit_calibration(..., separate_scales=False)`` fits one common scale for all ops (its
     error is that of a sum of both steps, about a fifth of the difference's here);
-    ``memfit.calibration`` separates them only when each plan was timed at least twice and
+    ``memfit.measuring.calibration`` separates them only when each plan was timed at least twice and
     every plan's counted steps agree within ``SEPARATE_SPREAD`` of its step.
 """
 
@@ -67,10 +69,28 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The fixed charges before calibration (NOTE [region overhead], NOTE [dispatch overhead] in
-# ``memfit.planning.effects``, which names them REGION_OVERHEAD_S, OP_OVERHEAD_S and
-# SAC_OP_OVERHEAD_S). Powers of two, so that sums of dyadic test times stay exact.
+# The fixed charges before calibration: powers of two, so that sums of dyadic test times stay
+# exact; the defaults of every profile's calibration, which replaces them when fitted.
+
+# NOTE [region overhead] Each checkpointed call costs time beyond the ops it reruns: torch's
+# checkpoint frame, its saved-tensor hooks and memfit's policy and check modes. Measured on
+# this project's 2-core CPU machine (2026-11-30, torch 2.13): 250-380 us per region per step
+# for 20 wrapped Linear+Tanh blocks. Counting it makes the solvers prefer fewer, larger regions
+# where a tiny one (a lone LayerNorm or Dropout) would save almost nothing. 2**-12 s (244 us).
 DEFAULT_REGION_S = 2.0**-12
+
+# NOTE [dispatch overhead] Checkpointed regions also pay per op, in Python: the divergence
+# check (memfit.runtime.divergence) records every forward op of a region and compares every
+# replayed one, and a region that saves ops runs torch's selective-checkpoint dispatch modes,
+# which see every op of both passes. Measured on this project's 2-core CPU machine
+# (2026-11-30, torch 2.13, a region of 200 tiny ops, per forward op of the region, forward
+# plus replay): check +17.8 us, selective modes +21.4 us without the check and +13.9 us on top
+# of it. Modelled as 2**-16 s (15.3 us) per forward op for each: DEFAULT_OP_S for every
+# region (apply's default check=True), DEFAULT_SELECTIVE_OP_S when the region saves any op.
+# The second is a fixed charge, paid once per region whatever the number of saved ops: the
+# solvers weigh it against the recompute that saving ops avoids (a block of 60 ops pays
+# about 0.9 ms). All three charges are host time: on an async device they may hide behind the
+# device's work (NOTE [host overhead on an async device] in memfit.planning.hosttime).
 DEFAULT_OP_S = 2.0**-16
 DEFAULT_SELECTIVE_OP_S = 2.0**-16
 # Seconds per element a kept draw costs (NOTE [kept draws] in memfit.runtime.draws): its copy
@@ -202,7 +222,7 @@ def fit_calibration(measurements: Sequence[TimedPlan], *,
             determine both (default); False: one common scale (NOTE [calibration]).
         hold: parameters kept at ``prior``'s values even where the measurements determine
             them (the fixed charges measured on the machine: NOTE [measured dispatch
-            charges] in ``memfit.dispatch_cost``).
+            charges] in ``memfit.measuring.dispatch_cost``).
 
     Returns:
         A fitted :class:`Calibration` (``source`` ``"fit"``, ``fitted`` naming what was fitted),

@@ -2,13 +2,13 @@
 
 ``sweep(model, x)`` profiles one step, plans it for each budget (and with each baseline
 solver), applies every plan in turn, measures the peak and the step time, and returns a
-``memfit.report.Sweep``: data, which ``print_sweep`` prints and ``Sweep.plot`` draws.
+``memfit.measuring.report.Sweep``: data, which ``print_sweep`` prints and ``Sweep.plot`` draws.
 
 NOTE [sweep leaves the model alone]
     The sweep applies and removes plans on the model itself to time them (no copy: a model
     that barely fits should not be doubled; peaks are metered on twins, NOTE [first step on a
     fresh copy]). Any plan the model carried is lifted first and re-applied at the end
-    (``memfit.twins.lifted_plan``); gradients, buffers and the RNG state are put back
+    (``memfit.measuring.twins.lifted_plan``); gradients, buffers and the RNG state are put back
     (``memfit.step.ModelState``).
 """
 
@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from memfit.errors import InfeasibleBudget
+from memfit.measuring.report import RowKind, Sweep, SweepRow
+from memfit.measuring.twins import lifted_plan, measure_step, repeatable, step_of, twin_step
 from memfit.planning.plan import Plan
-from memfit.report import RowKind, Sweep, SweepRow
 from memfit.step import ModelState, Step, model_device
-from memfit.twins import lifted_plan, measure_step, repeatable, step_of, twin_step
 from memfit.units import format_bytes
 
 __all__ = ["sweep", "budget_label", "progress_bar", "time_plan_step", "DEFAULT_BUDGETS", "DEFAULT_BASELINES"]
@@ -52,7 +52,7 @@ def budget_label(budget: float | int | str) -> str:
 @contextlib.contextmanager
 def progress_bar(enabled: bool, total: int, what: str) -> Iterator[Callable[[str], None]]:
     """A rich progress bar on stderr (nothing if rich is missing or ``enabled`` is false).
-    Yields ``advance(description)``; also used by ``memfit.tuning``."""
+    Yields ``advance(description)``; also used by ``memfit.measuring.tuning``."""
     if not enabled:
         yield lambda _d: None
         return
@@ -179,7 +179,7 @@ def sweep(
         >>> s = sweep(memfit.zoo.gpt(n_layer=2, d_model=64, seq_len=32), x, (1.0, 0.5))  # doctest: +SKIP
         >>> print_sweep(s)                                                                # doctest: +SKIP
     """
-    from memfit.calibration import profile as make_profile
+    from memfit.measuring.calibration import profile as make_profile
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.solvers.baselines import NoBlocks
 

@@ -4,7 +4,7 @@ NOTE [measured dispatch charges]
     Beyond the ops a plan reruns, the time model charges per checkpointed call
     (``region_s``), per forward op of a checkpointed region (``op_s``) and per forward op of a
     region in selective mode (``selective_op_s``; NOTE [calibration] in
-    ``memfit.profiling.calibrate``). These are host-side work that does not depend on the
+    ``memfit.timemodel``). These are host-side work that does not depend on the
     model: torch's checkpoint packs and unpacks every saved tensor through Python hooks, the
     selective mode's two dispatch modes see every op in forward and again in the recompute,
     memfit's policy is asked about every op. They depend on the machine, the interpreter and
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfit.profiling.calibrate import (
+from memfit.timemodel import (
     DEFAULT_KEEP_S_PER_ELEMENT,
     DEFAULT_OP_S,
     DEFAULT_REGION_S,

@@ -1,6 +1,6 @@
 """A model's memory/time trade-off as data: ``Sweep`` and its rows, tables, JSON and plot.
 
-``memfit.sweep`` (in ``memfit.tradeoff``) measures the trade-off and returns a ``Sweep``: data
+``memfit.sweep`` (in ``memfit.measuring.tradeoff``) measures the trade-off and returns a ``Sweep``: data
 only. ``Sweep.table()`` formats it, ``print_sweep`` prints it, ``Sweep.to_json`` and
 ``Sweep.plot`` write it (matplotlib is imported there, on first use).
 """

@@ -16,8 +16,8 @@ NOTE [measured selection]
        the plan for that budget; a re-solve's own lower budget is kept on the record
        (``TunedCandidate.solved_budget_bytes``).
     2. Each candidate is applied to the model itself and removed after each step
-       (``memfit.tradeoff.time_plan_step``), the model's plan lifted and its gradients, buffers
-       and RNG put back at the end (NOTE [sweep leaves the model alone] in ``memfit.tradeoff``).
+       (``memfit.measuring.tradeoff.time_plan_step``), the model's plan lifted and its gradients, buffers
+       and RNG put back at the end (NOTE [sweep leaves the model alone] in ``memfit.measuring.tradeoff``).
     3. Each candidate first runs one warm-up step with the default check: it is the region's
        first, checked call, so a candidate whose recomputation diverges is dropped here, not
        chosen. Timed steps run unchecked, which is how calls 3..99 of the default check run
@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import InfeasibleBudget, SolverTimeout
+from memfit.measuring.tradeoff import DEFAULT_BASELINES, progress_bar, time_plan_step
+from memfit.measuring.twins import lifted_plan, repeatable
 from memfit.planning.plan import Plan, TunedCandidate, Tuning
 from memfit.profiling.profile import Profile
 from memfit.step import ModelState, Step, model_device
-from memfit.tradeoff import DEFAULT_BASELINES, progress_bar, time_plan_step
-from memfit.twins import lifted_plan, repeatable
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["tune", "candidates", "time_candidates", "Candidate", "plan_key", "DEFAULT_LIMIT_STEPS",

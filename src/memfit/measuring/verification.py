@@ -1,21 +1,21 @@
 """Prove a plan: one step of the planned model against its un-checkpointed twin.
 
-``memfit.verify`` lives in ``memfit.verification``: a module named ``memfit/verify.py`` would
+``memfit.verify`` lives in ``memfit.measuring.verification``: a module named ``memfit/verify.py`` would
 replace the function ``memfit.verify`` with itself as soon as anything imported it.
 
 ``verify(model, x)`` runs one training step of the planned model and one of a plain deep copy,
 from the same RNG seed, and compares the loss, the outputs, every parameter and input
 gradient, the buffers (BatchNorm statistics) and the RNG state after the step: bitwise on CPU
 or with deterministic algorithms, else within the plain step's own run-to-run spread (two
-plain runs; NOTE [comparison modes] in ``memfit.comparison``; ``VerifyReport.comparison`` says
+plain runs; NOTE [comparison modes] in ``memfit.measuring.comparison``; ``VerifyReport.comparison`` says
 which). It also measures the planned step's peak memory against the plan's prediction and the
 budget.
 
 NOTE [verify leaves the model alone]
-    Both steps run on twins (``memfit.twins``): the planned twin is a plain copy with the plan
+    Both steps run on twins (``memfit.measuring.twins``): the planned twin is a plain copy with the plan
     applied afresh, the reference twin a plain copy. (A model that cannot be copied, sharded by
     FSDP or wrapped in DDP, runs both steps itself, put back after each: NOTE [models without
-    twins] in ``memfit.twins``; ``VerifyReport.compared`` says which way.) The user's model, its parameters, buffers
+    twins] in ``memfit.measuring.twins``; ``VerifyReport.compared`` says which way.) The user's model, its parameters, buffers
     and ``.grad`` are never touched, and the global RNG state is put back (``ModelState``).
     Re-applying the plan to a copy checks the plan itself (what ``model.memfit_plan`` says),
     which is also what a fresh process loading the plan would run.
@@ -51,11 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.comparison import Check, Comparison, compare_steps, comparison_for
 from memfit.errors import MemfitError
-from memfit.planning.plan import Plan
-from memfit.step import ModelState, Step, model_device
-from memfit.twins import (
+from memfit.measuring.comparison import Check, Comparison, compare_steps, comparison_for
+from memfit.measuring.twins import (
     StepResult,
     UncopyableModel,
     lifted_plan,
@@ -64,7 +62,11 @@ from memfit.twins import (
     step_of,
     twin_step,
 )
-from memfit.twins import make_step as make_step  # where tests and benchmarks have imported it from
+from memfit.measuring.twins import (
+    make_step as make_step,  # where tests and benchmarks have imported it from
+)
+from memfit.planning.plan import Plan
+from memfit.step import ModelState, Step, model_device
 from memfit.units import format_bytes
 
 __all__ = ["Check", "Comparison", "VerifyReport", "verify", "check_plan_matches", "print_verify", "peak_tolerance", "rng_state_bytes",
@@ -100,10 +102,10 @@ class VerifyReport:
             meter the profile's prediction is built on; it misses kernel scratch buffers).
         compared: how the two steps ran: ``"twins"`` (deep copies of the model) or ``"in
             place"`` (the model itself, its plan lifted for the plain step: a model sharded by
-            FSDP or wrapped in DDP; NOTE [models without twins] in ``memfit.twins``).
+            FSDP or wrapped in DDP; NOTE [models without twins] in ``memfit.measuring.twins``).
         comparison: how tensors were compared: ``"bitwise"`` (CPU, or deterministic
             algorithms) or ``"within plain spread"`` (a ``Comparison`` value; NOTE [comparison
-            modes] in ``memfit.comparison``).
+            modes] in ``memfit.measuring.comparison``).
     """
 
     ok: bool
@@ -225,7 +227,7 @@ def verify(
     RNG seed on deep copies; loss, outputs, parameter and input gradients, buffers and the RNG
     state after the step must be bitwise equal on CPU or with deterministic algorithms, else
     within the plain step's run-to-run spread (the plain step runs twice: NOTE [comparison
-    modes] in ``memfit.comparison``), and the measured peak must stay within tolerance of the prediction and under the budget (``peak_rtol``,
+    modes] in ``memfit.measuring.comparison``), and the measured peak must stay within tolerance of the prediction and under the budget (``peak_rtol``,
     or a floor of bytes on tiny steps: NOTE [peak tolerance]). The
     model, its parameters, buffers, ``.grad`` and the RNG state are left as they were (NOTE
     [verify leaves the model alone]).
@@ -273,7 +275,7 @@ def verify(
     reason = no_twin_reason(model)
     got: StepResult | Check
     # NOTE [verify leaves the model alone]: twins, or the model itself with its .grad, buffers
-    # and RNG state put back (NOTE [models without twins] in memfit.twins)
+    # and RNG state put back (NOTE [models without twins] in memfit.measuring.twins)
     with ModelState(model, the_step.inputs, buffers=False):
         if reason is None:
             try:
@@ -385,7 +387,7 @@ def _planned_on_twin(step: Step, plan: Plan, seed: int, device: torch.device) ->
 def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
               mode: Comparison) -> tuple[StepResult, StepResult | None, StepResult | Check]:
     """The plain step (twice when comparing within its spread) and the planned step on the
-    model itself (NOTE [models without twins] in ``memfit.twins``), its state put back after
+    model itself (NOTE [models without twins] in ``memfit.measuring.twins``), its state put back after
     each; the model keeps the plan it carried. In
     a distributed job a collective: the steps run the model's collectives, and ``apply``
     checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""

@@ -31,7 +31,7 @@ NOTE [calibration cost]
     profile's ``step_time_s`` becomes the median of the interleaved plain steps. The
     default costs about 13 plain steps on the zoo GPT (2 suffices for a first look: one
     counted step, about 6 plain steps). The fixed charges come
-    from NOTE [measured dispatch charges] (``memfit.dispatch_cost``, about 1.3 s once per
+    from NOTE [measured dispatch charges] (``memfit.measuring.dispatch_cost``, about 1.3 s once per
     process).
 """
 
@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from memfit.planning.plan import Plan
-from memfit.profiling.calibrate import SEPARATE_SPREAD, Calibration, TimedPlan, fit_calibration
 from memfit.profiling.inputs import LossFn
 from memfit.profiling.measure import time_step
 from memfit.profiling.profile import Profile
@@ -58,6 +57,7 @@ from memfit.profiling.tracer import profile as trace_profile
 from memfit.runtime.divergence import DivergenceCheck
 from memfit.runtime.marks import carries_plan, plans_suspended
 from memfit.step import ModelState, Step, model_device
+from memfit.timemodel import SEPARATE_SPREAD, Calibration, TimedPlan, fit_calibration
 
 __all__ = ["profile", "calibrate", "STEADY_CHECK", "MIN_BLOCKS"]
 
@@ -84,7 +84,7 @@ def profile(
 ) -> Profile:
     """Trace one forward + loss + backward of ``model`` into a Profile; in measure mode, also
     calibrate its recompute time model on a few timed steps (NOTE [calibration] in
-    ``memfit.profiling.calibrate``).
+    ``memfit.timemodel``).
 
     A model that carries a memfit plan (``fit``, ``apply``, ``wrap``) is traced plainly, the
     plan suspended and left exactly as it was (NOTE [suspended plans] in ``memfit.runtime.marks``):
@@ -155,7 +155,7 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
 
 def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, float]:
     """The fitted calibration and the plain step's seconds (NOTE [calibration cost])."""
-    from memfit.dispatch_cost import measure_dispatch_charges
+    from memfit.measuring.dispatch_cost import measure_dispatch_charges
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.simulate import time_terms
     from memfit.planning.solvers.baselines import NoBlocks

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.twins import StepResult
+from memfit.measuring.twins import StepResult
 
 __all__ = ["Check", "Comparison", "comparison_for", "compare_steps", "SPREAD_FACTOR", "SPREAD_FLOOR_ULPS"]
 
