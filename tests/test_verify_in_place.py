@@ -20,6 +20,7 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
+from memfit.runtime.marks import applied_plan
 
 
 def _uncopyable_planned_gpt(paths: tuple[str, ...]) -> tuple[nn.Module, torch.Tensor, Plan]:
@@ -66,7 +67,7 @@ def test_verify_in_place_passes_bitwise_and_leaves_the_model_alone(paths):
         assert (p.grad is None) == (grads[n] is None), n
         if p.grad is not None:
             assert torch.equal(p.grad, grads[n]), n
-    assert model.memfit_plan is plan and "_memfit_applied" in model.__dict__
+    assert model.memfit_plan is plan and applied_plan(model) is plan
 
 
 def test_verify_in_place_reports_a_plan_that_does_not_apply():

@@ -42,6 +42,7 @@ _LAZY = {
     "unwrap": "memfit.runtime.wrap",
     "apply": "memfit.runtime.apply",
     "unapply": "memfit.runtime.apply",
+    "applied_plan": "memfit.runtime.marks",
     "measure": "memfit.profiling.measure",
     "Measurement": "memfit.profiling.measure",
     "profile": "memfit.measuring.calibration",

@@ -95,6 +95,7 @@ def fit(
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
     from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.marks import applied_plan
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
@@ -108,8 +109,8 @@ def fit(
                          "tune (one plan per job), or tune on one process and apply its plan "
                          "file on every rank")
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
-    previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
-                if "_memfit_applied" in m.__dict__]
+    previous = [(path, m, old_plan) for path, m in model.named_modules()
+                if (old_plan := applied_plan(m)) is not None]
     for path, m, _ in previous:  # NOTE [re-fitting]
         if m is not model:
             log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "

@@ -19,6 +19,7 @@ from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate, time_terms
 from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import profile as trace_profile
+from memfit.runtime.marks import applied_plan
 from memfit.timemodel import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
@@ -196,7 +197,7 @@ def test_measured_profile_is_calibrated_and_leaves_the_model_alone() -> None:
     # the planners' recompute seconds come from this calibration, whatever it fitted
     torch.testing.assert_close(simulate(prof, eb).recompute_s, cal.recompute_s(time_terms(prof, eb)),
                                rtol=1e-12, atol=0.0)  # float sum order
-    assert not any("_memfit_applied" in m.__dict__ for m in model.modules())
+    assert not any(applied_plan(m) is not None for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
     for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
         assert torch.equal(p, q), n
@@ -232,7 +233,7 @@ def test_a_failing_calibration_keeps_the_constants_and_the_profile(monkeypatch) 
     prof = calibrated_profile(model, torch.randn(4, 32))
     assert prof.calibration is not None and prof.calibration.source is CalibrationSource.DEFAULT
     assert prof.calibration.reason == "calibration failed: ValueError: region 'a.b' is nested two levels deep"
-    assert not any("_memfit_applied" in m.__dict__ for m in model.modules())
+    assert not any(applied_plan(m) is not None for m in model.modules())
 
 
 def test_one_common_scale_when_asked() -> None:

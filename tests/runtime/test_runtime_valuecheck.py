@@ -17,6 +17,7 @@ from memfit.runtime import policies as P
 from memfit.runtime.apply import apply
 from memfit.runtime.checkpoint import checkpoint
 from memfit.runtime.divergence import DivergenceCheck
+from memfit.runtime.marks import applied_plan
 from memfit.runtime.segment import checkpoint_segment, segment_of
 from memfit.runtime.wrap import wrap
 
@@ -192,7 +193,7 @@ def test_bad_check_values_are_refused_before_anything_changes(check, error, mess
     model = _model(RandomScale)
     with pytest.raises(error, match=message):
         apply(model, _plan(Region(("1",))), check=check)
-    assert "_memfit_wrap" not in model[1].__dict__ and "_memfit_applied" not in model.__dict__
+    assert "_memfit_wrap" not in model[1].__dict__ and applied_plan(model) is None
     with pytest.raises(error, match=message):
         wrap(model[1], check=check)
     with pytest.raises(ValueError, match="every must be an int >= 0, got -1"):

@@ -109,9 +109,10 @@ def disable(model: M) -> M:
         >>> hf.disable(model)            # doctest: +SKIP
     """
     from memfit.runtime.apply import unapply
+    from memfit.runtime.marks import applied_plan
 
     for m in list(model.modules()):
-        if "_memfit_applied" in m.__dict__:
+        if applied_plan(m) is not None:
             unapply(m)
     remove_cache_off(model)
     restore_hf_checkpointing(model)

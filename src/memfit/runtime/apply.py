@@ -21,6 +21,7 @@ from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
 from memfit.runtime.divergence import resolve_check
 from memfit.runtime.hf_guard import install_guard, remove_guard
+from memfit.runtime.marks import APPLIED_ATTR, applied_plan
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.shapes import InputGuard
 from memfit.runtime.wrap import unwrap, wrap
@@ -32,7 +33,8 @@ __all__ = ["apply", "unapply", "host_pool"]
 
 @dataclass
 class _Applied:
-    """What ``apply`` changed, kept as ``model._memfit_applied`` so ``unapply`` can undo it."""
+    """What ``apply`` changed, kept as ``model._memfit_applied`` (``marks.APPLIED_ATTR``) so
+    ``unapply`` can undo it; ``marks.applied_plan`` tells whether a plan is applied."""
 
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
@@ -187,7 +189,7 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply expects a memfit.Plan, got {type(plan).__name__}")
-    if "_memfit_applied" in model.__dict__:
+    if applied_plan(model) is not None:
         unapply(model)
     resolve_check(check)  # a bad check= raises before anything is wrapped
     cap = parse_bytes(host_budget) if isinstance(host_budget, str) else host_budget
@@ -230,7 +232,7 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
         applied.inputs = model.register_forward_pre_hook(
             InputGuard(model, plan.input_signature, plan.model), with_kwargs=True)
-    model._memfit_applied = applied  # type: ignore[assignment]
+    model.__dict__[APPLIED_ATTR] = applied
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
 
@@ -276,7 +278,7 @@ def unapply(model: nn.Module) -> nn.Module:
     Example:
         >>> unapply(model)   # doctest: +SKIP
     """
-    applied = model.__dict__.pop("_memfit_applied", None)
+    applied = model.__dict__.pop(APPLIED_ATTR, None)
     if applied is None:
         raise PlanMismatch(f"no memfit plan is applied to this {type(model).__name__}")
     _undo(model, applied)
@@ -292,5 +294,5 @@ def host_pool(model: nn.Module) -> Any:
         >>> host_pool(torch.nn.Linear(2, 2)) is None   # doctest: +SKIP
         True
     """
-    applied = model.__dict__.get("_memfit_applied")
+    applied = model.__dict__.get(APPLIED_ATTR)
     return None if applied is None else applied.host
