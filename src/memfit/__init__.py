@@ -40,7 +40,7 @@ _LAZY = {
     "checkpoint": "memfit.runtime.checkpoint",
     "wrap": "memfit.runtime.wrap",
     "unwrap": "memfit.runtime.wrap",
-    "apply": "memfit.runtime.apply",
+    "apply": "memfit.api",
     "unapply": "memfit.runtime.apply",
     "applied_plan": "memfit.runtime.marks",
     "measure": "memfit.profiling.measure",

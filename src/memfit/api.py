@@ -1,4 +1,5 @@
-"""``fit``: profile, plan and apply in one call.
+"""``fit``: profile, plan and apply in one call; ``apply``: the runtime's, a collective in a
+distributed job. The one place that composes the stages (and the integrations they need).
 
 NOTE [re-fitting]
     A model that already carries a plan is un-planned first, so the new profile describes the
@@ -9,6 +10,7 @@ NOTE [re-fitting]
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,9 +18,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from memfit.planning.plan import Plan
 from memfit.step import Step
 
-__all__ = ["fit"]
+__all__ = ["fit", "apply"]
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +93,10 @@ def fit(
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
-    from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
     from memfit.measuring.calibration import profile
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
 
     if not isinstance(model, nn.Module):
@@ -108,6 +110,7 @@ def fit(
                          "time its own candidates and could choose another plan; fit without "
                          "tune (one plan per job), or tune on one process and apply its plan "
                          "file on every rank")
+    refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
     previous = [(path, m, old_plan) for path, m in model.named_modules()
                 if (old_plan := applied_plan(m)) is not None]
@@ -173,7 +176,70 @@ def _the_step(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], to
     return Step.of(model, call=step)
 
 
+# Instance attributes a Hugging Face model sets: ``PreTrainedModel.config``, and each layer's
+# checkpointing flag; and the inputs that pass state from an earlier call
+# (``memfit.integrations.hf_state.CARRIED_STATE_KWARGS``, held equal by a test).
+_HF_ATTRIBUTES = ("config", "gradient_checkpointing")
+_CARRIED_STATE_KWARGS = ("past_key_values", "cache", "layer_past")
+
+
+def _hf_hooks(model: nn.Module, kwargs: dict[str, Any]) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """``fit``'s two Hugging Face hooks for ``model`` (``refuse_carried_state``,
+    ``cache_off_for_training``): those of ``memfit.integrations.hf_state`` when the model or its
+    inputs look like Hugging Face's, else two that do nothing.
+
+    NOTE [Hugging Face models in fit]
+        ``fit`` refuses a model whose Hugging Face checkpointing is on and inputs that carry
+        state from an earlier call (``past_key_values``: recomputation would update it twice),
+        and profiles and plans a model that caches keys and values with ``use_cache=False``
+        for its calls with grad (NOTE [the KV cache under checkpointing] in
+        ``memfit.integrations.hf_state``). Those hooks are duck-typed; the integration is
+        imported only when a module has one of ``_HF_ATTRIBUTES`` (the hooks read nothing
+        else) or the inputs pass one of ``_CARRIED_STATE_KWARGS``, so that ``fit`` on any other
+        model imports no integration and behaves exactly as if it had run them.
+    """
+    if (any(hasattr(m, a) for m in model.modules() for a in _HF_ATTRIBUTES)
+            or any(kwargs.get(k) is not None for k in _CARRIED_STATE_KWARGS)):
+        from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
+
+        return refuse_carried_state, cache_off_for_training
+    return (lambda _model, _kwargs: None), (lambda _model: contextlib.nullcontext())
+
+
 def _on_meta(model: nn.Module) -> bool:
     for p in model.parameters():
         return p.device.type == "meta"
     return False
+
+
+def apply(model: M, plan: Plan, *, check: Any = True, host_budget: int | str | None = None,
+          check_ranks: bool = True) -> M:
+    """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply``; a plan applied
+    before is removed first).
+
+    In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
+    rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
+    (NOTE [one plan per job] in ``memfit.distributed``).
+
+    Args:
+        model, plan, check, host_budget: as ``memfit.runtime.apply.apply``.
+        check_ranks: in a distributed job, gather every rank's plan digest and raise unless
+            all agree (default True); False skips the collective, for ranks that train
+            different models.
+
+    Returns:
+        ``model``, with ``model.memfit_plan`` set to ``plan``.
+
+    Raises:
+        As ``memfit.runtime.apply.apply``; and ``PlansDiffer`` (distributed): the ranks hold
+        different plans, or another rank's plan does not fit its model.
+
+    Example:
+        >>> memfit.apply(model, memfit.Plan.load("plan.json"))   # doctest: +SKIP
+    """
+    from memfit.distributed import rank_agreement
+    from memfit.runtime.apply import apply as apply_plan
+
+    agree = rank_agreement() if check_ranks else None
+    apply_plan(model, plan, check=check, host_budget=host_budget, agree=agree)
+    return model

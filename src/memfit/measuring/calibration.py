@@ -196,6 +196,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
 
 def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
     """Step times of each plan (and of the plain step after the first round), interleaved."""
+    from memfit.distributed import rank_agreement
     from memfit.runtime.apply import apply, unapply
 
     model = step.model
@@ -212,7 +213,8 @@ def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, li
                     if name is None and r == 0:
                         continue  # the profile's own plain step is the first round's
                     if name is not None:
-                        apply(model, plans[name], check=STEADY_CHECK)
+                        # as memfit.apply does: a collective in a distributed job
+                        apply(model, plans[name], check=STEADY_CHECK, agree=rank_agreement())
                     try:
                         out[name or "plain"].append(_timed(lambda: keep.run(step), dev))
                     finally:

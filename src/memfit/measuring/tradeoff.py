@@ -130,7 +130,7 @@ def time_plan_step(model: nn.Module, plan: Plan | None, step: Callable[[], None]
     from memfit.runtime.apply import apply, unapply
 
     if plan is not None:
-        apply(model, plan, check=check, check_ranks=False)
+        apply(model, plan, check=check)
     try:
         return time_step(step, device, clock)
     finally:

@@ -68,7 +68,7 @@ def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
         if model.__dict__.get("memfit_plan") is not None:
             unapply(model)
         if original is not None:
-            apply(model, original, check_ranks=False)  # the plan it carried: checked then
+            apply(model, original)  # the plan it carried, checked across ranks when first applied
 
 
 class UncopyableModel(TypeError):
@@ -88,7 +88,7 @@ def no_twin_reason(model: nn.Module) -> str | None:
         not written by a step (no optimizer runs). Every rank must call ``verify`` then: the
         steps run the model's collectives.
     """
-    from memfit.distributed import is_fsdp_unit_class
+    from memfit.runtime.fsdp import is_fsdp_unit_class
 
     for m in model.modules():
         cls = type(m)
@@ -146,7 +146,7 @@ def twin_step(step: Step, plan: Plan | None) -> Step:
     step.for_model(step.model)  # a step given as a callable raises here, before any copy
     twin = plain_copy(step.model)
     if plan is not None:
-        apply(twin, plan, check_ranks=False)  # a twin of this rank's model: no collective
+        apply(twin, plan)  # a twin of this rank's model: no collective
     return step.for_model(twin).with_input_copies()
 
 

@@ -391,6 +391,7 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
     each; the model keeps the plan it carried. In
     a distributed job a collective: the steps run the model's collectives, and ``apply``
     checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""
+    from memfit.distributed import rank_agreement
     from memfit.runtime.apply import apply
 
     state = ModelState(step.model, step.inputs)
@@ -402,7 +403,7 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
             ref2 = record_step(step.with_input_copies(), seed=seed, device=device)
             state.restore()
         try:
-            apply(step.model, plan)
+            apply(step.model, plan, agree=rank_agreement())
         except MemfitError as e:
             return ref, ref2, Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
         try:
