@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from memfit.planning.plan import Plan
+from memfit.planning.solvers import SolverName
+from memfit.runtime.divergence import CheckArg
 from memfit.step import Step
 
 __all__ = ["fit", "apply"]
@@ -34,7 +36,7 @@ def fit(
     *,
     budget: int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    solver: str = "auto",
+    solver: SolverName = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
     tune: bool = False,
     tune_time_limit_s: float | None = None,
@@ -212,7 +214,7 @@ def _on_meta(model: nn.Module) -> bool:
     return False
 
 
-def apply(model: M, plan: Plan, *, check: Any = True, host_budget: int | str | None = None,
+def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | str | None = None,
           check_ranks: bool = True) -> M:
     """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply``; a plan applied
     before is removed first).

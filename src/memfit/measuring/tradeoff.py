@@ -29,6 +29,8 @@ from memfit.errors import InfeasibleBudget
 from memfit.measuring.report import RowKind, Sweep, SweepRow
 from memfit.measuring.twins import lifted_plan, measure_step, repeatable, step_of, twin_step
 from memfit.planning.plan import Plan
+from memfit.planning.solvers import SolverName
+from memfit.runtime.divergence import CheckArg
 from memfit.step import ModelState, Step, model_device
 from memfit.units import format_bytes
 
@@ -110,7 +112,7 @@ def _time_config(model: nn.Module, cfg: _Config, step: Callable[[], None], devic
 
 
 def time_plan_step(model: nn.Module, plan: Plan | None, step: Callable[[], None], device: torch.device,
-                   *, check: Any = False, clock: Callable[[], float] | None = None) -> float:
+                   *, check: CheckArg = False, clock: Callable[[], float] | None = None) -> float:
     """Apply ``plan`` to ``model`` (``None``: none), time one call of ``step``, remove the plan.
 
     The plan is applied with ``check=False`` by default: each round applies it afresh, so with
@@ -147,7 +149,7 @@ def sweep(
     baselines: Sequence[str] = DEFAULT_BASELINES,
     repeats: int = 3,
     progress: bool = True,
-    solver: str = "auto",
+    solver: SolverName = "auto",
     name: str | None = None,
     step: Step | None = None,
 ) -> Sweep:

@@ -52,6 +52,7 @@ from memfit.errors import InfeasibleBudget, SolverTimeout
 from memfit.measuring.tradeoff import DEFAULT_BASELINES, progress_bar, time_plan_step
 from memfit.measuring.twins import lifted_plan, repeatable
 from memfit.planning.plan import Plan, TunedCandidate, Tuning
+from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
 from memfit.step import ModelState, Step, model_device
 from memfit.units import format_bytes, format_seconds
@@ -88,7 +89,7 @@ def plan_key(plan: Plan) -> tuple[Any, ...]:
     return tuple((r.modules, r.ops) for r in plan.regions)
 
 
-def candidates(profile: Profile, budget: int | float | str, *, solver: str = "auto",
+def candidates(profile: Profile, budget: int | float | str, *, solver: SolverName = "auto",
                baselines: Sequence[str] = DEFAULT_BASELINES, max_plans: int = DEFAULT_MAX_PLANS,
                solver_time_limit_s: float = 10.0) -> tuple[list[Candidate], list[str]]:
     """The distinct plans measured selection times (NOTE [measured selection], rule 1).
@@ -262,7 +263,7 @@ def time_candidates(step: Step, cands: Sequence[Candidate], *, time_limit_s: flo
     return dataclasses.replace(best.plan, tuning=record)
 
 
-def tune(step: Step, profile: Profile, budget: int | float | str, *, solver: str = "auto",
+def tune(step: Step, profile: Profile, budget: int | float | str, *, solver: SolverName = "auto",
          baselines: Sequence[str] = DEFAULT_BASELINES, max_plans: int = DEFAULT_MAX_PLANS,
          time_limit_s: float | None = None, max_rounds: int = DEFAULT_MAX_ROUNDS,
          progress: bool = True, clock: Callable[[], float] = time.perf_counter,

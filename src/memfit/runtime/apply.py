@@ -19,7 +19,7 @@ from torch import nn
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
-from memfit.runtime.divergence import resolve_check
+from memfit.runtime.divergence import CheckArg, resolve_check
 from memfit.runtime.fsdp import is_fsdp_unit_class
 from memfit.runtime.hf_guard import install_guard, remove_guard
 from memfit.runtime.marks import APPLIED_ATTR, applied_plan
@@ -140,7 +140,7 @@ def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
         )
 
 
-def apply(model: nn.Module, plan: Plan, *, check: Any = True,
+def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
           host_budget: int | str | None = None,
           agree: Callable[[Plan, PlanMismatch | None], None] | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).

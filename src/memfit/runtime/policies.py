@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,7 @@ __all__ = [
     "by_key",
     "from_callable",
     "resolve",
+    "PolicyArg",
 ]
 
 # Ops whose outputs save_matmuls keeps (memfit.ops: the planner's baseline saves the same).
@@ -347,7 +348,13 @@ def from_callable(fn: Callable[..., Any]) -> Policy:
     return _FromCallable(fn)
 
 
-def resolve(policy: Any) -> Policy | None:
+#: What ``policy=`` accepts: None (recompute everything), a ``Policy``, a torch-style policy
+#: function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``, or a collection of op
+#: names and overloads to save.
+PolicyArg = Policy | Callable[..., Any] | Collection[Any] | None
+
+
+def resolve(policy: PolicyArg) -> Policy | None:
     """Turn what users pass as ``policy=`` into a :class:`Policy` (or None: recompute all).
 
     Accepts None, a Policy, a torch-style callable, or a collection of op names/overloads.
