@@ -30,6 +30,7 @@ from memfit.measuring.report import RowKind, Sweep, SweepRow
 from memfit.measuring.twins import lifted_plan, measure_step, repeatable, step_of, twin_step
 from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
+from memfit.profiling.profile import Profile
 from memfit.runtime.divergence import CheckArg
 from memfit.step import ModelState, Step, model_device
 from memfit.units import format_bytes
@@ -182,8 +183,6 @@ def sweep(
         >>> print_sweep(s)                                                                # doctest: +SKIP
     """
     from memfit.measuring.calibration import profile as make_profile
-    from memfit.planning.planner import plan as make_plan
-    from memfit.planning.solvers.baselines import NoBlocks
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -194,12 +193,7 @@ def sweep(
         raise ValueError("sweep measures real steps; a model on the meta device can be planned, not swept")
     the_step = step_of(model, example_inputs, loss_fn, step)
     label = name or type(model).__name__
-    configs: dict[tuple[Any, ...], _Config] = {}  # identical plans are measured once
-    planned: list[tuple[str, RowKind, str, str, Plan | InfeasibleBudget | NoBlocks]] = []
-
-    def key(plan: Plan | None) -> tuple[Any, ...]:
-        return ("plain",) if plan is None or not plan.regions else tuple(plan.regions)
-
+    configs = _Configs(the_step, device)
     total = 2 + len(budgets) + len(baselines) + (repeats - 1)
     # NOTE [sweep leaves the model alone]
     with ModelState(model, the_step.inputs) as state, lifted_plan(model), \
@@ -207,58 +201,101 @@ def sweep(
         state.clear_grads()  # every measured step starts without gradients
         prof = make_profile(the_step, device=device)
         run = repeatable(the_step.with_input_copies(), seed=0)
-
-        def config(plan: Plan | None) -> _Config:
-            if key(plan) not in configs:
-                configs[key(plan)] = _Config(plan)
-                _meter_config(configs[key(plan)], the_step, device)
-            return configs[key(plan)]
-
         advance("profiled")
-        plain = config(None)
-        advance("measured the plain step")
-
-        def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
-            try:
-                p = make_plan(prof, budget=budget, solver=solver_name)
-            except (InfeasibleBudget, NoBlocks) as e:
-                planned.append((row_label, kind, solver_name, spec, e))
-                return
-            config(p)
-            planned.append((row_label, kind, solver_name, spec, p))
-
-        for b in budgets:
-            spec = budget_label(b)
-            add(spec, RowKind.MEMFIT, solver, b, spec)
-            advance(f"budget {spec}")
-        for base in baselines:
-            # A baseline ignores the budget; the plain peak lets any of them through.
-            add(base, RowKind.BASELINE, base, prof.peak_bytes, "")
-            advance(f"baseline {base}")
+        planned = _plan_and_meter(prof, configs, budgets, baselines, solver, advance)
         # NOTE [interleaved timing]: the remaining timed steps go round the configs in turn,
         # so that a slow spell of a shared machine spreads over all of them.
         for r in range(repeats - 1):
-            for cfg in configs.values():
+            for cfg in configs.all():
                 _time_config(model, cfg, run, device)
             advance(f"timing round {r + 2} of {repeats}")
-
-    plain_s = plain.time_s
+    plain = configs.of(None)
     rows = [SweepRow("plain", RowKind.PLAIN, "none", predicted_peak_bytes=prof.peak_bytes,
-                     measured_peak_bytes=plain.peak_bytes, step_time_s=plain_s, overhead=0.0,
+                     measured_peak_bytes=plain.peak_bytes, step_time_s=plain.time_s, overhead=0.0,
                      predicted_overhead=0.0, step_spread_s=plain.spread_s)]
-    for row_label, kind, solver_name, spec, result in planned:
-        if isinstance(result, InfeasibleBudget):
-            rows.append(SweepRow(row_label, kind, solver_name, spec, result.budget_bytes,
-                                 error=f"infeasible: smallest feasible {format_bytes(result.min_feasible_bytes)}"))
-            continue
-        if isinstance(result, NoBlocks):  # not a peer at +0.0%: it planned nothing
-            rows.append(SweepRow(row_label, kind, solver_name, spec, None,
-                                 error="found no blocks to checkpoint"))
-            continue
-        cfg = configs[key(result)]
-        t = cfg.time_s
-        rows.append(SweepRow(
-            row_label, kind, result.solver, spec, result.budget_bytes if kind is RowKind.MEMFIT else None,
-            result.predicted_peak_bytes, cfg.peak_bytes, t, t / plain_s - 1 if plain_s > 0 else None,
-            result.overhead, len(result.regions), None, result, cfg.spread_s))
-    return Sweep(tuple(rows), label, str(device), plain.peak_bytes, plain_s, repeats)
+    rows += [_row(p, configs, plain.time_s) for p in planned]
+    return Sweep(tuple(rows), label, str(device), plain.peak_bytes, plain.time_s, repeats)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One row of the sweep before it is timed: what was asked, and the plan or the error."""
+
+    label: str
+    kind: RowKind
+    solver: str
+    spec: str
+    result: Any  # Plan, InfeasibleBudget or NoBlocks
+
+
+class _Configs:
+    """The sweep's distinct plans (identical plans are measured once), each metered on a fresh
+    twin when first seen (NOTE [first step on a fresh copy])."""
+
+    def __init__(self, step: Step, device: torch.device) -> None:
+        self.step, self.device = step, device
+        self._by_key: dict[tuple[Any, ...], _Config] = {}
+
+    @staticmethod
+    def key(plan: Plan | None) -> tuple[Any, ...]:
+        return ("plain",) if plan is None or not plan.regions else tuple(plan.regions)
+
+    def of(self, plan: Plan | None) -> _Config:
+        """The config of ``plan`` (``None``: the plain step), metered if new."""
+        k = self.key(plan)
+        if k not in self._by_key:
+            self._by_key[k] = _Config(plan)
+            _meter_config(self._by_key[k], self.step, self.device)
+        return self._by_key[k]
+
+    def all(self) -> list[_Config]:
+        return list(self._by_key.values())
+
+
+def _plan_and_meter(prof: Profile, configs: _Configs, budgets: Sequence[float | int | str],
+                    baselines: Sequence[str], solver: SolverName,
+                    advance: Callable[[str], None]) -> list[_Planned]:
+    """Meter the plain step, then plan every budget and baseline and meter each new plan: the
+    rows, in order."""
+    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.solvers.baselines import NoBlocks
+
+    configs.of(None)
+    advance("measured the plain step")
+    planned: list[_Planned] = []
+
+    def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
+        try:
+            p = make_plan(prof, budget=budget, solver=solver_name)
+        except (InfeasibleBudget, NoBlocks) as e:
+            planned.append(_Planned(row_label, kind, solver_name, spec, e))
+            return
+        configs.of(p)
+        planned.append(_Planned(row_label, kind, solver_name, spec, p))
+
+    for b in budgets:
+        spec = budget_label(b)
+        add(spec, RowKind.MEMFIT, solver, b, spec)
+        advance(f"budget {spec}")
+    for base in baselines:
+        # A baseline ignores the budget; the plain peak lets any of them through.
+        add(base, RowKind.BASELINE, base, prof.peak_bytes, "")
+        advance(f"baseline {base}")
+    return planned
+
+
+def _row(planned: _Planned, configs: _Configs, plain_s: float) -> SweepRow:
+    """The table row of one planned config: its measured peak and time, or why it has none."""
+    label, kind, solver_name, spec, result = (planned.label, planned.kind, planned.solver,
+                                              planned.spec, planned.result)
+    if isinstance(result, InfeasibleBudget):
+        return SweepRow(label, kind, solver_name, spec, result.budget_bytes,
+                        error=f"infeasible: smallest feasible {format_bytes(result.min_feasible_bytes)}")
+    if not isinstance(result, Plan):  # NoBlocks: not a peer at +0.0%, it planned nothing
+        return SweepRow(label, kind, solver_name, spec, None, error="found no blocks to checkpoint")
+    cfg = configs.of(result)
+    t = cfg.time_s
+    return SweepRow(
+        label, kind, result.solver, spec, result.budget_bytes if kind is RowKind.MEMFIT else None,
+        result.predicted_peak_bytes, cfg.peak_bytes, t, t / plain_s - 1 if plain_s > 0 else None,
+        result.overhead, len(result.regions), None, result, cfg.spread_s)

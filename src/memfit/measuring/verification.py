@@ -1,7 +1,8 @@
 """Prove a plan: one step of the planned model against its un-checkpointed twin.
 
-``memfit.verify`` lives in ``memfit.measuring.verification``: a module named ``memfit/verify.py`` would
-replace the function ``memfit.verify`` with itself as soon as anything imported it.
+``memfit.verify`` is this module's ``verify``. The module is not named ``verify.py``: a module
+of a function's name shadows the function on its package as soon as anything imports it
+(``memfit/verify.py`` did that to ``memfit.verify``).
 
 ``verify(model, x)`` runs one training step of the planned model and one of a plain deep copy,
 from the same RNG seed, and compares the loss, the outputs, every parameter and input
@@ -258,12 +259,7 @@ def verify(
         >>> report.ok, report.bitwise                                                    # doctest: +SKIP
         (True, True)
     """
-    plan = plan if plan is not None else getattr(model, "memfit_plan", None)
-    if plan is None:
-        raise ValueError("the model carries no plan (model.memfit_plan is not set); pass plan=..., "
-                         "or plan it first with memfit.fit(model, inputs, budget=...)")
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a memfit.Plan, got {type(plan).__name__}")
+    plan = _plan_of(model, plan)
     device = model_device(model)
     if device.type == "meta":
         raise ValueError("cannot verify a model on the meta device (no weights): verification runs "
@@ -271,26 +267,7 @@ def verify(
     the_step = step_of(model, example_inputs, loss_fn, step)
     budget = budget_bytes if budget_bytes is not None else plan.budget_bytes
     mode = _mode(comparison, device)
-
-    reason = no_twin_reason(model)
-    got: StepResult | Check
-    # NOTE [verify leaves the model alone]: twins, or the model itself with its .grad, buffers
-    # and RNG state put back (NOTE [models without twins] in memfit.measuring.twins)
-    with ModelState(model, the_step.inputs, buffers=False):
-        if reason is None:
-            try:
-                ref = record_step(twin_step(the_step, None), seed=seed, device=device)
-                ref2 = (record_step(twin_step(the_step, None), seed=seed, device=device)
-                        if mode is Comparison.WITHIN_PLAIN_SPREAD else None)
-            except UncopyableModel as e:
-                reason = str(e)
-            else:
-                got = _planned_on_twin(the_step, plan, seed, device)
-        if reason is not None:
-            log.info("verify: comparing on %s itself, its plan lifted for the plain step (%s)",
-                     type(model).__name__, reason)
-            ref, ref2, got = _in_place(the_step, plan, seed, device, mode)
-    compared = "twins" if reason is None else "in place"
+    ref, ref2, got, compared = _run_steps(the_step, plan, seed, device, mode)
     if isinstance(got, Check):
         applied = Check("plan applies to the model", True, f"{len(plan.regions)} regions")
         return VerifyReport(False, False, math.inf, math.inf, 0, ref.peak_bytes, plan.predicted_peak_bytes,
@@ -301,17 +278,7 @@ def verify(
                     f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
     tensor_checks, total, bn_ok = compare_steps(got, ref, mode, ref2)
     checks += tensor_checks
-    if _collective_job() and got.tracked_peak_bytes:  # NOTE [peaks in a distributed job]
-        log.info("verify: peak checks on the tensors' peak (%d B); the allocator's, %d B, also "
-                 "holds the collective backend's buffers", got.tracked_peak_bytes, got.peak_bytes)
-        checks += _peak_checks(got.tracked_peak_bytes, ref.tracked_peak_bytes or ref.peak_bytes,
-                               plan.predicted_peak_bytes, budget,
-                               peak_rtol, got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes,
-                               meter=f"tensors; allocator {format_bytes(got.peak_bytes)} with the "
-                                     "collective backend's buffers")
-    else:
-        checks += _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, peak_rtol,
-                               got.tracked_peak_bytes, len(plan.regions), peak_atol_bytes)
+    checks += _peak_checks_of(got, ref, plan, budget, peak_rtol, peak_atol_bytes)
     ok = all(c.passed for c in checks)
     report = VerifyReport(
         ok=ok, bitwise=total.bitwise, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,
@@ -322,6 +289,61 @@ def verify(
     )
     log.info("%s", report)
     return report
+
+
+def _plan_of(model: nn.Module, plan: Plan | None) -> Plan:
+    """The plan to verify: ``plan``, else the one the model carries."""
+    plan = plan if plan is not None else getattr(model, "memfit_plan", None)
+    if plan is None:
+        raise ValueError("the model carries no plan (model.memfit_plan is not set); pass plan=..., "
+                         "or plan it first with memfit.fit(model, inputs, budget=...)")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a memfit.Plan, got {type(plan).__name__}")
+    return plan
+
+
+def _run_steps(step: Step, plan: Plan, seed: int, device: torch.device, mode: Comparison
+               ) -> tuple[StepResult, StepResult | None, StepResult | Check, str]:
+    """The plain step (twice when comparing within its spread) and the planned step, on twins
+    or, for a model without one, on the model itself (NOTE [verify leaves the model alone]);
+    the planned step is the check that failed if the plan did not apply or run. Also how they
+    ran: ``"twins"`` or ``"in place"``."""
+    model = step.model
+    reason = no_twin_reason(model)
+    got: StepResult | Check
+    # NOTE [verify leaves the model alone]: twins, or the model itself with its .grad, buffers
+    # and RNG state put back (NOTE [models without twins] in memfit.measuring.twins)
+    with ModelState(model, step.inputs, buffers=False):
+        if reason is None:
+            try:
+                ref = record_step(twin_step(step, None), seed=seed, device=device)
+                ref2 = (record_step(twin_step(step, None), seed=seed, device=device)
+                        if mode is Comparison.WITHIN_PLAIN_SPREAD else None)
+            except UncopyableModel as e:
+                reason = str(e)
+            else:
+                got = _planned_on_twin(step, plan, seed, device)
+        if reason is not None:
+            log.info("verify: comparing on %s itself, its plan lifted for the plain step (%s)",
+                     type(model).__name__, reason)
+            ref, ref2, got = _in_place(step, plan, seed, device, mode)
+    return ref, ref2, got, "twins" if reason is None else "in place"
+
+
+def _peak_checks_of(got: StepResult, ref: StepResult, plan: Plan, budget: int | None,
+                    rtol: float, atol_bytes: int | None) -> list[Check]:
+    """The planned step's peak against the prediction, the budget and the plain step: the
+    allocator's peak, or in a distributed job the tensors' (NOTE [peaks in a distributed job])."""
+    if _collective_job() and got.tracked_peak_bytes:  # NOTE [peaks in a distributed job]
+        log.info("verify: peak checks on the tensors' peak (%d B); the allocator's, %d B, also "
+                 "holds the collective backend's buffers", got.tracked_peak_bytes, got.peak_bytes)
+        return _peak_checks(got.tracked_peak_bytes, ref.tracked_peak_bytes or ref.peak_bytes,
+                            plan.predicted_peak_bytes, budget,
+                            rtol, got.tracked_peak_bytes, len(plan.regions), atol_bytes,
+                            meter=f"tensors; allocator {format_bytes(got.peak_bytes)} with the "
+                                  "collective backend's buffers")
+    return _peak_checks(got.peak_bytes, ref.peak_bytes, plan.predicted_peak_bytes, budget, rtol,
+                        got.tracked_peak_bytes, len(plan.regions), atol_bytes)
 
 
 def check_plan_matches(plan: Plan, model: nn.Module, example_inputs: Any = None, *,

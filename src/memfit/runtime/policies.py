@@ -69,17 +69,8 @@ from memfit.ops import (
 )
 from memfit.planning.plan import OpPolicy
 
-__all__ = [
-    "Policy",
-    "recompute_all",
-    "save_matmuls",
-    "save_ops",
-    "save_keys",
-    "by_key",
-    "from_callable",
-    "resolve",
-    "PolicyArg",
-]
+__all__ = ["Policy", "PolicyArg", "recompute_all", "save_matmuls", "save_ops", "save_keys", "by_key",
+           "from_callable", "resolve"]
 
 # Ops whose outputs save_matmuls keeps (memfit.ops: the planner's baseline saves the same).
 MATMUL_OPS = MATMUL_PACKETS
@@ -348,9 +339,7 @@ def from_callable(fn: Callable[..., Any]) -> Policy:
     return _FromCallable(fn)
 
 
-#: What ``policy=`` accepts: None (recompute everything), a ``Policy``, a torch-style policy
-#: function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``, or a collection of op
-#: names and overloads to save.
+#: What ``policy=`` takes: None (recompute all), a Policy, a torch-style function, op names.
 PolicyArg = Policy | Callable[..., Any] | Collection[Any] | None
 
 
