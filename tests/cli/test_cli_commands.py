@@ -129,6 +129,7 @@ def test_demo_on_a_small_model(tmp_path):
 
 
 # ---- error paths ------------------------------------------------------------------------------
+@pytest.mark.slow  # a subprocess
 def test_unknown_model_is_one_line_exit_2():
     r = memfit("plan", "gpt9000", "--budget", "50%")
     assert r.returncode == EXIT_BAD_INPUT
@@ -137,6 +138,7 @@ def test_unknown_model_is_one_line_exit_2():
     assert r.stdout == ""
 
 
+@pytest.mark.slow  # a subprocess
 def test_infeasible_budget_exit_3_names_smallest_feasible():
     r = memfit("plan", TINY, "--budget", "100")
     assert r.returncode == EXIT_INFEASIBLE
