@@ -24,23 +24,13 @@ from memfit.timemodel import (
     DEFAULT_REGION_S,
     Calibration,
     CalibrationSource,
-    TimedPlan,
-    TimeTerms,
 )
 
 
-# Relative tolerance of a fit from exact synthetic timings: NNLS on a square, well-conditioned
-# system recovers its solution up to float rounding (observed ~1e-15).
 def _blocks(n: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
                                  for _ in range(n)))
-
-
-FITTED = Calibration(matmul_scale=1.5, other_scale=2.25, region_s=2.0**-11, op_s=2.0**-17,
-                     selective_op_s=2.0**-15, source=CalibrationSource.FIT,
-                     fitted=("matmul_scale", "other_scale"),
-                     measurements=(TimedPlan("every_block", TimeTerms(0.5, 0.25, 2, 8, 0), 0.75, 1.5),))
 
 
 def test_fake_mode_keeps_the_constants() -> None:

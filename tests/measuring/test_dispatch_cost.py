@@ -8,14 +8,34 @@ from __future__ import annotations
 import torch
 
 from memfit.measuring.calibration import profile as calibrated_profile
-from memfit.measuring.dispatch_cost import DispatchCharges, _checked, measure_dispatch_charges
-from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.measuring.dispatch_cost import (
+    _PLAUSIBLE,
+    DispatchCharges,
+    _checked,
+    measure_dispatch_charges,
+)
+from memfit.timemodel import (
+    DEFAULT_KEEP_S_PER_ELEMENT,
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
+)
 
 
-def test_measured_charges_are_positive_and_all_measured_on_cpu() -> None:
+def test_every_charge_is_measured_on_cpu_or_kept_at_its_default_saying_why() -> None:
+    """Each of the four charges is measured and plausible, or (timing noise on a busy machine:
+    NOTE [measured dispatch charges]) its default with the reason; which of the two depends on
+    the machine's load, so both pass."""
     c = measure_dispatch_charges("cpu")
-    assert c.measured == ("region_s", "op_s", "selective_op_s", "keep_s_per_element"), c.reason
-    assert c.region_s > 0 and c.op_s > 0 and c.selective_op_s > 0 and c.keep_s_per_element > 0
+    defaults = {"region_s": DEFAULT_REGION_S, "op_s": DEFAULT_OP_S,
+                "selective_op_s": DEFAULT_SELECTIVE_OP_S, "keep_s_per_element": DEFAULT_KEEP_S_PER_ELEMENT}
+    assert set(c.measured) <= set(defaults)
+    for name, default in defaults.items():
+        value = getattr(c, name)
+        if name in c.measured:
+            assert 0.0 <= value <= _PLAUSIBLE * default, (name, value)
+        else:
+            assert value == default and f"{name} " in c.reason, (name, c.reason)
     assert measure_dispatch_charges("cpu") is c  # once per process and device
 
 
