@@ -36,6 +36,7 @@ def test_fit_returns_the_same_model_planned(gpt_and_inputs):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_refit_replans_the_plain_model(gpt_and_inputs):
     model, x = gpt_and_inputs
     fit(model, x, budget=0.7)
@@ -56,6 +57,7 @@ def test_refit_replans_the_plain_model(gpt_and_inputs):
     assert third.predicted_peak_bytes <= third.budget_bytes
 
 
+@pytest.mark.slow
 def test_fit_with_an_infeasible_budget_keeps_the_old_plan(gpt_and_inputs):
     model, x = gpt_and_inputs
     fit(model, x, budget=0.7)
@@ -83,6 +85,7 @@ def test_fit_is_public():
     assert memfit.fit is fit
 
 
+@pytest.mark.slow
 def test_fit_with_a_step_callable_plans_and_trains_like_inputs_and_loss_fn():
     def build():
         return zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)

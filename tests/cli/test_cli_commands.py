@@ -179,6 +179,7 @@ def test_plan_file_that_is_not_a_plan(tmp_path, capsys):
     assert "not a memfit plan" in one_line_error(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_verify_failure_exits_1(tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
     assert _main_code(["plan", SMALL, "--budget", "80%", "-o", str(plan_file)]) == EXIT_OK

@@ -112,6 +112,7 @@ def test_a_baseline_that_finds_no_blocks_says_so(solver):
     assert plan(prof, budget=1.0, solver="none").regions == ()  # "no checkpointing" is a plan
 
 
+@pytest.mark.slow
 def test_fit_refuses_a_baseline_plan_over_the_budget():
     model, x = ResidualLoop(), _x()
     p = plan(profile(ResidualLoop(), x, repeats=1), budget=0.5, solver="every_block")

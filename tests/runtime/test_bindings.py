@@ -46,6 +46,7 @@ def _assert_functional_steps_equal(model: nn.Module, ref: nn.Module, x: torch.Te
             assert torch.equal(tensors[name], tensors_ref[name]), f"step {step}: {name}"
 
 
+@pytest.mark.slow
 def test_functional_call_on_a_fitted_model_is_bitwise() -> None:
     model = _mlp()
     ref = copy.deepcopy(model)

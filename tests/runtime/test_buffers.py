@@ -315,6 +315,7 @@ def _watched_ops(monkeypatch) -> list[int]:
     return seen
 
 
+@pytest.mark.slow
 def test_regions_that_wrote_no_buffer_when_profiled_run_unwatched(monkeypatch):
     """Rule 6: the GPT block's causal mask is a buffer it only reads, so the planned blocks
     run without the watcher; a block whose BatchNorm writes its statistics is watched."""

@@ -122,6 +122,7 @@ def _plan(prof, regions) -> Plan:  # type: ignore[no-untyped-def]
     return dataclasses.replace(p, predicted_peak_bytes=simulate(prof, p).peak_bytes)
 
 
+@pytest.mark.slow
 def test_kept_draws_add_to_the_peak_exactly_as_predicted() -> None:
     """The copies (one byte per mask element) and the generator states live from the draw to
     its replay step. With both attention modules checkpointed the peak falls where every

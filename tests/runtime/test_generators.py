@@ -71,6 +71,7 @@ def _assert_steps_equal(model: nn.Module, ref: nn.Module, g: torch.Generator,
 
 
 @pytest.mark.parametrize("reseed", [True, False], ids=["reseeded", "one-stream"])
+@pytest.mark.slow
 def test_fit_with_an_explicit_generator_is_bitwise_past_the_sampled_checks(reseed: bool) -> None:
     model, ref, g, g_ref = _twins()
     x = torch.randn(2048, 64)

@@ -28,6 +28,7 @@ def _eval_gpt() -> torch.nn.Module:
     return zoo.gpt(n_layer=4, d_model=32, n_head=2, seq_len=32, vocab_size=64).eval()
 
 
+@pytest.mark.slow
 def test_eval_mode_gpt_fitted_at_half_verifies_and_fits_its_budget():
     model = _eval_gpt()
     twin = copy.deepcopy(model)
