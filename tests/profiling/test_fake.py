@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs
+from profiling_models import TinyGPT, gpt_inputs
 
 from memfit.profiling.costmodel import PRESETS, calibrate_cpu, op_time_s, preset
 from memfit.profiling.profile import StorageKind

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import mlp
+from profiling_models import mlp
 
 from memfit.profiling.meters import (
     AllocatorMeter,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs, mlp
+from profiling_models import TinyGPT, gpt_inputs, mlp
 
 from memfit.errors import ProfileMismatch, SchemaError
 from memfit.profiling.profile import Profile

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TinyGPT, gpt_inputs
+from profiling_models import TinyGPT, gpt_inputs
 
 from memfit.profiling.profile import StorageKind
 from memfit.profiling.summary import module_group, summarize
