@@ -1,8 +1,9 @@
 """memfit: train models that do not fit in memory, at the least extra compute.
 
-Four stages, data between them (see docs/design.md):
-``profile`` one step -> ``plan`` for a budget -> ``apply`` it to the unchanged module ->
-``verify`` gradients and peak. ``fit`` does the first three in one call.
+Three stages, data between them, and measuring above them (see docs/design.md):
+``profile`` one step -> ``plan`` for a budget -> ``apply`` it to the unchanged module, then
+``verify`` gradients and peak (``sweep``, ``fit(tune=True)`` also measure). ``fit`` profiles,
+plans and applies in one call; ``applied_plan(model)`` is the plan a model carries.
 
 Example:
     >>> import memfit, torch
