@@ -17,7 +17,7 @@ Time: each plan's predicted step time (``Plan.predicted_step_s``: the profiled p
 the predicted recompute, from the profile's calibration where it has one) against the median
 of ``--rounds`` steps timed interleaved (NOTE [interleaving] in ``benchmarks.harness``) after
 warm-up steps that take apply's default sampled check past its first checked calls: the steady
-state the time model predicts (NOTE [calibrated steady state] in ``memfit.calibration``).
+state the time model predicts (NOTE [calibrated steady state] in ``memfit.measuring.calibration``).
 Target: within 5%.
 """
 
@@ -195,7 +195,7 @@ def _time_cells(row: dict[str, Any]) -> str:
 
 
 def _calibration_lines(results: list[dict[str, Any]]) -> list[str]:
-    out = ["", "Time model per profile (NOTE [calibration] in ``memfit.profiling.calibrate``):", ""]
+    out = ["", "Time model per profile (NOTE [calibration] in ``memfit.timemodel``):", ""]
     for r in results:
         cal = r.get("calibration")
         if cal is None:

@@ -3,7 +3,7 @@
 Budgets are a sweep of fractions of the plain peak, the smallest feasible one, and, for each
 peer, exactly that peer's measured peak, so that each peer can be compared with the memfit plan
 made for the same memory. Identical plans (same regions, same saved ops) are measured once.
-At each peer's peak memfit is also tuned (``memfit.tuning.tune``: the solver's best few plans
+At each peer's peak memfit is also tuned (``memfit.measuring.tuning.tune``: the solver's best few plans
 and the baselines that fit, timed on a copy of the model, the fastest kept): the
 ``memfit_tuned@<peer>`` rows, timed again with every other method.
 
@@ -83,9 +83,9 @@ def _plan(planner: Any, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
 
 
 def _tune(case: Case, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
-    """memfit's measured choice for ``spec`` (``memfit.tuning.tune``), on a copy of the model."""
+    """memfit's measured choice for ``spec`` (``memfit.measuring.tuning.tune``), on a copy of the model."""
+    from memfit.measuring.tuning import tune
     from memfit.step import Step
-    from memfit.tuning import tune
 
     model = copy.deepcopy(case.model).train()
     t0 = time.perf_counter()
@@ -102,8 +102,8 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
     """
     out = MemfitSweep()
     try:
-        from memfit import calibration
         from memfit.errors import InfeasibleBudget
+        from memfit.measuring import calibration
         from memfit.planning import planner
         from memfit.runtime import apply as runtime_apply
     except ImportError as e:

@@ -36,6 +36,7 @@ def test_fit_returns_the_same_model_planned(gpt_and_inputs):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_refit_replans_the_plain_model(gpt_and_inputs):
     model, x = gpt_and_inputs
     fit(model, x, budget=0.7)
@@ -56,6 +57,7 @@ def test_refit_replans_the_plain_model(gpt_and_inputs):
     assert third.predicted_peak_bytes <= third.budget_bytes
 
 
+@pytest.mark.slow
 def test_fit_with_an_infeasible_budget_keeps_the_old_plan(gpt_and_inputs):
     model, x = gpt_and_inputs
     fit(model, x, budget=0.7)
@@ -83,6 +85,7 @@ def test_fit_is_public():
     assert memfit.fit is fit
 
 
+@pytest.mark.slow
 def test_fit_with_a_step_callable_plans_and_trains_like_inputs_and_loss_fn():
     def build():
         return zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
@@ -245,3 +248,47 @@ def test_a_planned_model_moved_to_another_dtype_warns(caplog):
         model(x.double()).sum().backward()
     (record,) = caplog.records
     assert "256x64:float32" in record.message and "256x64:float64" in record.message
+
+
+class _FlaggedLayer(torch.nn.Module):
+    """Duck-typed as a Hugging Face layer: its checkpointing flag, switched on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.gradient_checkpointing = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_fit_looks_up_the_hf_hooks_only_for_a_model_that_looks_like_one():
+    from memfit import api
+    from memfit.integrations import hf_state
+
+    assert api._CARRIED_STATE_KWARGS == hf_state.CARRIED_STATE_KWARGS
+    plain = api._hf_hooks(torch.nn.Linear(8, 8), {})
+    assert hf_state.refuse_carried_state not in plain and hf_state.cache_off_for_training not in plain
+    for model, kwargs in [(_FlaggedLayer(), {}), (torch.nn.Linear(8, 8), {"past_key_values": ()})]:
+        assert api._hf_hooks(model, kwargs) == (hf_state.refuse_carried_state,
+                                                 hf_state.cache_off_for_training)
+
+
+def test_fit_refuses_hf_checkpointing_on_a_duck_typed_layer():
+    with pytest.raises(ValueError, match="Hugging Face gradient checkpointing on"):
+        fit(_FlaggedLayer(), torch.randn(4, 8), budget=1.0)
+
+
+def test_apply_is_the_runtime_apply_outside_a_distributed_job():
+    from memfit.api import apply
+    from memfit.planning.plan import Plan, Region
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    plan = Plan(regions=(Region(("1",)),), predicted_peak_bytes=0, recompute_s=0.0,
+                budget_bytes=None, solver="test", profile_signature="", extra={"module_types": {}})
+    assert memfit.apply is apply
+    for check_ranks in (True, False):
+        assert apply(model, plan, check_ranks=check_ranks) is model
+        assert memfit.applied_plan(model) is plan
+    memfit.unapply(model)
+    assert memfit.applied_plan(model) is None

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memfit import ops, zoo
+from memfit.measuring.verification import PEAK_RTOL, verify
 from memfit.planning import rules
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.simulate import simulate
@@ -18,7 +19,6 @@ from memfit.profiling.tracer import profile
 from memfit.profiling.tracker import op_flags
 from memfit.runtime import divergence, policies
 from memfit.runtime.apply import apply
-from memfit.verification import PEAK_RTOL, verify
 from memfit.zoo.gpt import CausalSelfAttention
 
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -1,8 +1,9 @@
 """memfit: train models that do not fit in memory, at the least extra compute.
 
-Four stages, data between them (see docs/design.md):
-``profile`` one step -> ``plan`` for a budget -> ``apply`` it to the unchanged module ->
-``verify`` gradients and peak. ``fit`` does the first three in one call.
+Three stages, data between them, and measuring above them (see docs/design.md):
+``profile`` one step -> ``plan`` for a budget -> ``apply`` it to the unchanged module, then
+``verify`` gradients and peak (``sweep``, ``fit(tune=True)`` also measure). ``fit`` profiles,
+plans and applies in one call; ``applied_plan(model)`` is the plan a model carries.
 
 Example:
     >>> import memfit, torch
@@ -40,20 +41,21 @@ _LAZY = {
     "checkpoint": "memfit.runtime.checkpoint",
     "wrap": "memfit.runtime.wrap",
     "unwrap": "memfit.runtime.wrap",
-    "apply": "memfit.runtime.apply",
+    "apply": "memfit.api",
     "unapply": "memfit.runtime.apply",
+    "applied_plan": "memfit.runtime.marks",
     "measure": "memfit.profiling.measure",
     "Measurement": "memfit.profiling.measure",
-    "profile": "memfit.calibration",
+    "profile": "memfit.measuring.calibration",
     "simulate": "memfit.planning.simulate",
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.api",
     "largest_batch": "memfit.capacity",
     "fit": "memfit.api",
-    "verify": "memfit.verification",
-    "VerifyReport": "memfit.verification",
-    "sweep": "memfit.tradeoff",
-    "Sweep": "memfit.report",
+    "verify": "memfit.measuring.verification",
+    "VerifyReport": "memfit.measuring.verification",
+    "sweep": "memfit.measuring.tradeoff",
+    "Sweep": "memfit.measuring.report",
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",
     "distributed": "memfit.distributed",

@@ -1,4 +1,5 @@
-"""``fit``: profile, plan and apply in one call.
+"""``fit``: profile, plan and apply in one call; ``apply``: the runtime's, a collective in a
+distributed job. The one place that composes the stages (and the integrations they need).
 
 NOTE [re-fitting]
     A model that already carries a plan is un-planned first, so the new profile describes the
@@ -9,6 +10,7 @@ NOTE [re-fitting]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -19,14 +21,16 @@ from torch import nn
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.plan import Plan
+from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
+from memfit.runtime.divergence import CheckArg
 from memfit.step import Step
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.planning.job import JobSpec
 
-__all__ = ["fit", "plan"]
+__all__ = ["fit", "plan", "apply"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def fit(
     *,
     budget: int | float | str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    solver: str = "auto",
+    solver: SolverName = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
     tune: bool = False,
     tune_time_limit_s: float | None = None,
@@ -73,7 +77,7 @@ def fit(
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
         tune: time the solver's best few plans and the baseline plans that fit on the model
-            itself and apply the fastest measured (``memfit.tuning.tune``); the medians are on
+            itself and apply the fastest measured (``memfit.measuring.tuning.tune``); the medians are on
             ``model.memfit_plan.tuning``. Default False: the solver's plan, untimed.
         tune_time_limit_s: seconds of stepping tuning may spend (default: 10 profiled plain
             steps).
@@ -118,12 +122,12 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    from memfit.calibration import profile
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
-    from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
+    from memfit.measuring.calibration import profile
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import unapply
+    from memfit.runtime.marks import applied_plan
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
@@ -142,9 +146,10 @@ def fit(
                          "time its own candidates and could choose another plan; fit without "
                          "tune (one plan per job), or tune on one process and apply its plan "
                          "file on every rank")
+    refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
-    previous = [(path, m, m.__dict__["memfit_plan"]) for path, m in model.named_modules()
-                if "_memfit_applied" in m.__dict__]
+    previous = [(path, m, old_plan) for path, m in model.named_modules()
+                if (old_plan := applied_plan(m)) is not None]
     for path, m, _ in previous:  # NOTE [re-fitting]
         if m is not model:
             log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
@@ -157,7 +162,7 @@ def fit(
                 warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
             prof = profile(the_step, mode=mode)
             if tune:
-                from memfit.tuning import tune as measure_plans
+                from memfit.measuring.tuning import tune as measure_plans
 
                 assert budget is not None  # refused above
                 new_plan = measure_plans(the_step, prof, budget, solver=solver,
@@ -229,13 +234,43 @@ def _the_step(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], to
     return Step.of(model, call=step)
 
 
+# Instance attributes a Hugging Face model sets: ``PreTrainedModel.config``, and each layer's
+# checkpointing flag; and the inputs that pass state from an earlier call
+# (``memfit.integrations.hf_state.CARRIED_STATE_KWARGS``, held equal by a test).
+_HF_ATTRIBUTES = ("config", "gradient_checkpointing")
+_CARRIED_STATE_KWARGS = ("past_key_values", "cache", "layer_past")
+
+
+def _hf_hooks(model: nn.Module, kwargs: dict[str, Any]) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """``fit``'s two Hugging Face hooks for ``model`` (``refuse_carried_state``,
+    ``cache_off_for_training``): those of ``memfit.integrations.hf_state`` when the model or its
+    inputs look like Hugging Face's, else two that do nothing.
+
+    NOTE [Hugging Face models in fit]
+        ``fit`` refuses a model whose Hugging Face checkpointing is on and inputs that carry
+        state from an earlier call (``past_key_values``: recomputation would update it twice),
+        and profiles and plans a model that caches keys and values with ``use_cache=False``
+        for its calls with grad (NOTE [the KV cache under checkpointing] in
+        ``memfit.integrations.hf_state``). Those hooks are duck-typed; the integration is
+        imported only when a module has one of ``_HF_ATTRIBUTES`` (the hooks read nothing
+        else) or the inputs pass one of ``_CARRIED_STATE_KWARGS``, so that ``fit`` on any other
+        model imports no integration and behaves exactly as if it had run them.
+    """
+    if (any(hasattr(m, a) for m in model.modules() for a in _HF_ATTRIBUTES)
+            or any(kwargs.get(k) is not None for k in _CARRIED_STATE_KWARGS)):
+        from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
+
+        return refuse_carried_state, cache_off_for_training
+    return (lambda _model, _kwargs: None), (lambda _model: contextlib.nullcontext())
+
+
 def _on_meta(model: nn.Module) -> bool:
     for p in model.parameters():
         return p.device.type == "meta"
     return False
 
 
-def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
+def plan(profile: Profile, *, budget: int | float | str | None = None, solver: SolverName = "auto",
          device_memory: int | str | None = None,
          optimizer: torch.optim.Optimizer | str | None = None,
          optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
@@ -289,3 +324,35 @@ def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec |
     return InfeasibleBudget(message, budget_bytes=e.budget_bytes,
                             min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
                             fits_with=(*e.fits_with, hint))
+
+def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | str | None = None,
+          check_ranks: bool = True) -> M:
+    """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply``; a plan applied
+    before is removed first).
+
+    In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
+    rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
+    (NOTE [one plan per job] in ``memfit.distributed``).
+
+    Args:
+        model, plan, check, host_budget: as ``memfit.runtime.apply.apply``.
+        check_ranks: in a distributed job, gather every rank's plan digest and raise unless
+            all agree (default True); False skips the collective, for ranks that train
+            different models.
+
+    Returns:
+        ``model``, with ``model.memfit_plan`` set to ``plan``.
+
+    Raises:
+        As ``memfit.runtime.apply.apply``; and ``PlansDiffer`` (distributed): the ranks hold
+        different plans, or another rank's plan does not fit its model.
+
+    Example:
+        >>> memfit.apply(model, memfit.Plan.load("plan.json"))   # doctest: +SKIP
+    """
+    from memfit.distributed import rank_agreement
+    from memfit.runtime.apply import apply as apply_plan
+
+    agree = rank_agreement() if check_ranks else None
+    apply_plan(model, plan, check=check, host_budget=host_budget, agree=agree)
+    return model

@@ -174,7 +174,7 @@ def _profile(n: int, make: Callable[[int], tuple[Any, ...]],
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     fake = on_meta or (target is not None and target != "cpu")
     if calibrated:
-        from memfit.calibration import profile
+        from memfit.measuring.calibration import profile
 
         return profile(model, inputs, loss_fn=loss_fn, mode="fake" if fake else "measure",
                        target=target or "cpu")

@@ -14,7 +14,8 @@ NOTE [one plan per job]
          same failure everywhere, never a hang;
       3. ``apply`` is a collective: every rank gathers every rank's plan digest (and whether
          its plan fits its model) and all raise ``PlansDiffer`` if they disagree
-         (:func:`check_same_plan`), before any module changes.
+         (:func:`check_same_plan`), before any module changes. ``memfit.apply`` passes
+         :func:`rank_agreement` to the runtime's ``apply``, which knows no process group.
     ``memfit.fit`` does all three; with ``memfit.profile`` + ``memfit.plan`` + ``memfit.apply``
     wrap the planning in :func:`plan_once`.
 
@@ -38,10 +39,11 @@ import torch.distributed as dist
 
 from memfit.errors import MemfitError, PlansDiffer
 from memfit.planning.plan import Plan
+from memfit.runtime.fsdp import is_fsdp_unit_class
 from memfit.step import ModelState, Step
 
 __all__ = ["is_distributed", "is_fsdp_unit_class", "warm_up_fsdp", "plan_once", "plan_digest",
-           "check_same_plan"]
+           "check_same_plan", "rank_agreement"]
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +51,6 @@ log = logging.getLogger(__name__)
 def is_distributed() -> bool:
     """Whether a ``torch.distributed`` process group is initialised in this process."""
     return dist.is_available() and dist.is_initialized()
-
-
-def is_fsdp_unit_class(cls: type) -> bool:
-    """Whether ``cls`` is a class ``fully_shard`` made (``FSDP<Class>``, an ``FSDPModule``),
-    or FSDP1's ``FullyShardedDataParallel`` wrapper: modules whose hooks gather and free
-    parameters (NOTE [collectives in a region] in ``memfit.planning.rules``)."""
-    names = {c.__name__ for c in cls.__mro__}
-    return (cls.__name__.startswith("FSDP") and "FSDPModule" in names
-            or "FullyShardedDataParallel" in names)
 
 
 def warm_up_fsdp(step: Step) -> bool:
@@ -177,6 +170,23 @@ def check_same_plan(plan: Plan, *, local_error: Exception | None = None, group: 
         "rank and broadcast it (memfit.fit does; or memfit.distributed.plan_once around "
         "memfit.plan), or pass check_ranks=False to apply if the ranks train different models",
         ranks=ranks)
+
+
+def rank_agreement(*, group: Any = None) -> Callable[[Plan, Exception | None], None] | None:
+    """The ``agree=`` of ``memfit.runtime.apply.apply`` that makes it a collective: every rank
+    of ``group`` must hold the same plan (:func:`check_same_plan`, step 3 of NOTE [one plan per
+    job]); None without an initialised process group (nothing to agree with).
+
+    Example:
+        >>> memfit.runtime.apply.apply(model, plan, agree=rank_agreement())   # doctest: +SKIP
+    """
+    if not is_distributed():
+        return None
+
+    def agree(plan: Plan, local_error: Exception | None) -> None:
+        check_same_plan(plan, local_error=local_error, group=group)
+
+    return agree
 
 
 def _local(global_rank: int, group: Any) -> int:

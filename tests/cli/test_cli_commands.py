@@ -129,6 +129,7 @@ def test_demo_on_a_small_model(tmp_path):
 
 
 # ---- error paths ------------------------------------------------------------------------------
+@pytest.mark.slow  # a subprocess
 def test_unknown_model_is_one_line_exit_2():
     r = memfit("plan", "gpt9000", "--budget", "50%")
     assert r.returncode == EXIT_BAD_INPUT
@@ -137,6 +138,7 @@ def test_unknown_model_is_one_line_exit_2():
     assert r.stdout == ""
 
 
+@pytest.mark.slow  # a subprocess
 def test_infeasible_budget_exit_3_names_smallest_feasible():
     r = memfit("plan", TINY, "--budget", "100")
     assert r.returncode == EXIT_INFEASIBLE
@@ -149,7 +151,7 @@ def test_infeasible_budget_exit_3_names_smallest_feasible():
     [
         (["plan", TINY, "--budget", "lots"], "argument --budget: cannot parse budget 'lots'"),
         (["plan", TINY, "--budget", "150%"], "must lie in (0%, 100%], got '150%'"),
-        (["plan", TINY], "the following arguments are required: --budget"),
+        (["plan", TINY], "give --budget (a cap on the activation peak) or --device-memory"),
         (["profile", "pkg_that_does_not_exist.mod:build"], "cannot import module 'pkg_that_does_not_exist.mod'"),
         (["profile", "memfit.zoo:gpt", "--input-shape", "2,a"], "cannot parse input shape '2,a'"),
         (["profile", "gpt:n_layers=2"], "zoo model 'gpt' has no option 'n_layers'"),
@@ -177,6 +179,7 @@ def test_plan_file_that_is_not_a_plan(tmp_path, capsys):
     assert "not a memfit plan" in one_line_error(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_verify_failure_exits_1(tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
     assert _main_code(["plan", SMALL, "--budget", "80%", "-o", str(plan_file)]) == EXIT_OK

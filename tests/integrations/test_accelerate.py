@@ -25,6 +25,7 @@ def _train_prepared(model: torch.nn.Module, steps: int = 3) -> torch.nn.Module:
     return accelerator.unwrap_model(prepared)
 
 
+@pytest.mark.slow
 def test_prepare_of_a_fitted_model_trains_bitwise():
     fitted = memfit.fit(llama(), batch(), budget=0.5)
     ours = _train_prepared(fitted)

@@ -24,6 +24,7 @@ def bf16():
         yield
 
 
+@pytest.mark.slow
 def test_profile_in_autocast_times_the_traced_ops(bf16, caplog):
     model = _gpt()
     x = zoo.example_inputs(model, batch=4)
@@ -37,6 +38,7 @@ def test_profile_in_autocast_times_the_traced_ops(bf16, caplog):
     assert abs(measured - prof.peak_bytes) <= 0.001 * prof.peak_bytes, (measured, prof.peak_bytes)
 
 
+@pytest.mark.slow
 def test_profile_marks_the_casts_autocast_caches(bf16):
     """Autocast caches the copies of float32 leaves that require grad: the weight's, the
     bias's, and this input's; not the input's without ``requires_grad``. The bias's, which
@@ -58,6 +60,7 @@ def test_profile_marks_the_casts_autocast_caches(bf16):
 
 
 @pytest.mark.parametrize("blocks", [(2,), (0, 1, 2), (0, 1, 2, 3)])
+@pytest.mark.slow
 def test_checkpointed_blocks_in_autocast_peak_as_predicted(bf16, blocks):
     """Regions run without autocast's cache (NOTE [autocast's cast cache]): predicted to a few
     hundred bytes of allocator rounding (-96 B to +120 B measured). Before, with the cache
@@ -98,6 +101,7 @@ MODELS = {
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.slow
 def test_fit_in_autocast_meets_its_budget_bitwise(bf16, name):
     if name == "hf-gpt2":
         pytest.importorskip("transformers")

@@ -33,6 +33,7 @@ def test_the_doc_has_a_snippet_per_integration():
 
 @pytest.mark.hf
 @pytest.mark.parametrize("name", list(SNIPPETS), ids=list(SNIPPETS))
+@pytest.mark.slow
 def test_snippet_runs(name, tmp_path, monkeypatch):
     needs = {"hugging_face": "transformers", "peft": "peft", "accelerate": "accelerate",
              "lightning": "lightning"}

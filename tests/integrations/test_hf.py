@@ -21,6 +21,7 @@ def _cache_hooks(model: torch.nn.Module) -> list[CacheOff]:
 
 
 @pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))
+@pytest.mark.slow
 def test_fit_default_config_trains_bitwise_within_budget(name):
     model = MODELS[name]()
     assert model.config.use_cache  # the default every causal LM config ships with
@@ -77,6 +78,7 @@ def test_an_eval_step_with_grad_and_a_padding_mask_is_bitwise():
             assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.slow
 def test_fit_says_once_that_it_turns_the_cache_off(caplog):
     model = llama()
     with caplog.at_level(logging.WARNING, logger="memfit"):

@@ -19,6 +19,7 @@ def lora(model: torch.nn.Module) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
+@pytest.mark.slow
 def test_fit_lora_verifies_bitwise_and_trains_bitwise():
     model = memfit.fit(lora(llama()), batch(), budget=0.5)
     report = memfit.verify(model, batch())
@@ -27,6 +28,7 @@ def test_fit_lora_verifies_bitwise_and_trains_bitwise():
     assert_same_weights(train(model), train(lora(llama())))
 
 
+@pytest.mark.slow
 def test_lora_plan_counts_only_lora_gradients():
     from memfit.profiling.profile import StorageKind
 
@@ -42,6 +44,7 @@ def test_lora_plan_counts_only_lora_gradients():
     assert plan.plain_peak_bytes == prof.peak_bytes
 
 
+@pytest.mark.slow
 def test_fit_before_get_peft_model_replans_the_wrapped_model():
     base = memfit.fit(llama(), batch(), budget=0.5, solver="chain")
     model = lora(base)

@@ -460,3 +460,57 @@ def decoder_profile(n_layers: int, *, d: int = 1024, seq_factor: int = 4,
 
 def sqrt_ceil(n: int) -> int:
     return math.isqrt(n - 1) + 1 if n > 0 else 0
+
+
+def gpt_like(n_blocks: int, *, d: int = 1024, seq_factor: int = 4, seed: int = 0):
+    """A decoder whose blocks have the sub-modules of the zoo GPT (ln1, attn with its dropout,
+    resid_drop, ln2, mlp with its dropout), op times drawn from ``seed``: sub-module regions
+    are candidates, as on real profiles (``profile_builders.decoder_profile`` has blocks only)."""
+    rng = _random.Random(seed)
+
+    def t(k: int) -> float:
+        return k * rng.randint(1, 4) * TICK
+
+    b = StepBuilder("gpt_like")
+    tokens = b.input(16)
+    with b.module("embed", "Embedding"):
+        (x,) = b.op("aten.embedding.default", [tokens], d, saves=[tokens])
+    b.container("layers", "ModuleList")
+
+    def op(name, inputs, nbytes, k, *, saves=(), save_out=False, param=False, random_=False):
+        params = [b.param(256)] if param else []
+        (out,) = b.op(name, list(inputs) + params, nbytes, time_s=t(k), saves=[*saves, *params],
+                      params=params, random=random_)
+        if save_out:
+            b._ops[-1].saves.append(out)
+        return out
+
+    for k in range(n_blocks):
+        p = f"layers.{k}"
+        with b.module(p, "Block", parent="layers"):
+            with b.module(f"{p}.ln1", "LayerNorm"):
+                h = op("aten.native_layer_norm.default", [x], d, 1, saves=[x], save_out=True)
+            with b.module(f"{p}.attn", "Attention"):
+                qkv = op("aten.mm.default", [h], 3 * d, 4, saves=[h], param=True)
+                att = op("aten.bmm.default", [qkv], seq_factor * d, 4, saves=[qkv])
+                sm = op("aten._softmax.default", [att], seq_factor * d, 2, save_out=True)
+                with b.module(f"{p}.attn.drop", "Dropout"):
+                    dr = op("aten.native_dropout.default", [sm], seq_factor * d, 1, save_out=True, random_=True)
+                y = op("aten.bmm.default", [dr, qkv], d, 4, saves=[dr, qkv])
+                o = op("aten.mm.default", [y], d, 2, saves=[y], param=True)
+            with b.module(f"{p}.resid_drop", "Dropout"):
+                o = op("aten.native_dropout.default", [o], d, 1, save_out=True, random_=True)
+            x = op("aten.add.Tensor", [x, o], d, 1)
+            with b.module(f"{p}.ln2", "LayerNorm"):
+                h = op("aten.native_layer_norm.default", [x], d, 1, saves=[x], save_out=True)
+            with b.module(f"{p}.mlp", "MLP"):
+                f = op("aten.mm.default", [h], 4 * d, 8, saves=[h], param=True)
+                g = op("aten.gelu.default", [f], 4 * d, 2, saves=[f])
+                o = op("aten.mm.default", [g], d, 8, saves=[g], param=True)
+                with b.module(f"{p}.mlp.drop", "Dropout"):
+                    o = op("aten.native_dropout.default", [o], d, 1, save_out=True, random_=True)
+            x = op("aten.add.Tensor", [x, o], d, 1)
+    with b.module("head", "Linear"):
+        logits = op("aten.mm.default", [x], 8 * d, 4, saves=[x])
+    b.op("aten.nll_loss.default", [logits], 4, saves=[logits], keep_until_backward=True)
+    return b.build()

@@ -1,5 +1,5 @@
 """The planners price recompute with the profile's calibration (NOTE [calibration] in
-``memfit.profiling.calibrate``), not the constants, when the profile has one."""
+``memfit.timemodel``), not the constants, when the profile has one."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from profile_builders import TICK, OpSpec, chain_profile
 from memfit.planning.plan import Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate, time_terms
-from memfit.profiling.calibrate import Calibration, CalibrationSource
 from memfit.profiling.profile import Profile
+from memfit.timemodel import Calibration, CalibrationSource
 
 SOLVERS = ("auto", "chain", "milp", "greedy", "brute")
 

@@ -13,7 +13,6 @@ import pytest
 from profile_builders import TICK, chain_profile, random_chain, residual_block
 
 from memfit.planning.candidates import PlanningContext
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
 from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan
 from memfit.planning.planner import plan
@@ -21,6 +20,7 @@ from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, chain, chain_offload
 from memfit.planning.solvers.chain_offload import d2h_excess, link_windows
 from memfit.profiling.costmodel import PRESETS
+from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
 
 
 def _link(rate: float):
@@ -101,7 +101,7 @@ def test_chain_dp_moves_a_saved_op_to_the_host_to_save_another():
     assert [(r.name, r.decisions) for r in with_.regions] == [
         ("layers.0", {MM0: OpPolicy.OFFLOAD, GELU: OpPolicy.SAVE, MM1: OpPolicy.OFFLOAD})]
     assert without.predicted_peak_bytes <= _TRADE_BUDGET and with_.predicted_peak_bytes == _TRADE_BUDGET
-    fixed = REGION_OVERHEAD_S + 4 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S)
+    fixed = DEFAULT_REGION_S + 4 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
     assert without.recompute_s == fixed + (1 + 7) * TICK
     assert with_.recompute_s == fixed + TICK + 2 * OFFLOAD_TENSOR_S
     assert with_.host_peak_bytes == 32

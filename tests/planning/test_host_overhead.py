@@ -13,17 +13,18 @@ import dataclasses
 import pytest
 from profile_builders import TICK, chain_profile, residual_block
 
-from memfit.planning.effects import (
-    OP_OVERHEAD_S,
-    REGION_OVERHEAD_S,
-    SAC_OP_OVERHEAD_S,
-    ProfileArrays,
-)
+from memfit.planning.effects import ProfileArrays
 from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
-from memfit.profiling.calibrate import Calibration, CalibrationSource
+from memfit.timemodel import (
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
+    Calibration,
+    CalibrationSource,
+)
 
 MM = "aten.mm.default#0"
 DEFAULT = Calibration.default("fake mode")
@@ -57,8 +58,8 @@ def test_fixed_charges_hide_only_on_a_device_bound_async_step(device, cost_model
     prof = _toy(device, cost_model, cal, scale)
     whole, sel = _times(prof)
     charged = not hidden
-    assert whole == 10 * TICK * scale + charged * (REGION_OVERHEAD_S + 3 * OP_OVERHEAD_S)
-    assert sel == 2 * TICK * scale + charged * (REGION_OVERHEAD_S + 3 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S))
+    assert whole == 10 * TICK * scale + charged * (DEFAULT_REGION_S + 3 * DEFAULT_OP_S)
+    assert sel == 2 * TICK * scale + charged * (DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S))
     host = ProfileArrays(prof).host
     assert host.hidden is hidden
     p = plan(prof, budget=0.9, solver="milp")
@@ -73,8 +74,8 @@ def test_host_bound_counts_every_plan_host_work():
     host = ProfileArrays(prof).host
     n, nf = len(prof.ops), prof.n_forward
     fwd_storages = sum(1 for s in prof.storages if s.created_by is not None and s.created_by < nf)
-    want = (HOST_OP_S * (n + 2 * nf) + nf * (2 * OP_OVERHEAD_S + SAC_OP_OVERHEAD_S)
-            + 8 * REGION_OVERHEAD_S + fwd_storages * OFFLOAD_TENSOR_S)
+    want = (HOST_OP_S * (n + 2 * nf) + nf * (2 * DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
+            + 8 * DEFAULT_REGION_S + fwd_storages * OFFLOAD_TENSOR_S)
     assert host.host_bound_s == want
     assert host.device_s == sum(op.time_s for op in prof.ops) == 69 * TICK
     assert host.calibration == dataclasses.replace(DEFAULT, region_s=0.0, op_s=0.0, selective_op_s=0.0)

@@ -1,11 +1,11 @@
 """Nested regions (NOTE [nested regions]): the plan rules, and the chain DP's nested choices
-against the simulator. Their memory model against measured peaks: tests/test_end_to_end.py."""
+against the simulator. Their memory model against measured peaks: tests/end_to_end/test_predicted_peaks.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_milp_speed import gpt_like
+from profile_builders import gpt_like
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region

@@ -19,13 +19,13 @@ from profile_builders import TICK, chain_profile, random_chain, residual_block
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
 from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, milp
 from memfit.profiling.costmodel import PRESETS, DevicePreset
+from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
 
 MM, GELU = "aten.mm.default#0", "aten.gelu.default#0"
 MIN_PEAK = 520  # the toy's smallest peak (hand-checked: layers.0 recompute-all)
@@ -49,8 +49,8 @@ def _ops(p: Plan) -> list[tuple[str, dict[str, OpPolicy]]]:
 
 # layers.0 reruns ops 1..3 (mm 8 ticks, gelu 1, add 1) after its region charge; offloading an
 # op removes its ticks, adds OFFLOAD_TENSOR_S and the selective-mode charge of 3 ops
-_RECOMPUTE_S = REGION_OVERHEAD_S + 3 * OP_OVERHEAD_S + 10 * TICK
-_OFFLOAD_BOTH_S = REGION_OVERHEAD_S + 3 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S) + TICK + 2 * OFFLOAD_TENSOR_S
+_RECOMPUTE_S = DEFAULT_REGION_S + 3 * DEFAULT_OP_S + 10 * TICK
+_OFFLOAD_BOTH_S = DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S) + TICK + 2 * OFFLOAD_TENSOR_S
 
 
 @pytest.mark.parametrize(("rate", "decisions", "expect_s"), [
@@ -228,67 +228,6 @@ def test_infeasible_is_unchanged_by_offload():
     with pytest.raises(Infeasible) as e:
         milp.solve(ctx, MIN_PEAK - 1)
     assert e.value.min_bytes == MIN_PEAK
-
-
-@pytest.fixture(scope="module")
-def llama2():
-    """A 2-layer Llama with 7B sizes (bf16, batch 1, seq 4096, eager attention) profiled in
-    fake mode for an H100 (51.2 GB/s each way)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from memfit.profiling.tracer import profile
-
-    cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
-        attn_implementation="eager", tie_word_embeddings=False, use_cache=False)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.train()
-    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
-    return profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
-
-
-def test_fake_llama_offload_plan_is_faster_at_the_same_budget(llama2):
-    """Halfway from the smallest peak to the plain one, the MILP with offload predicts less
-    recompute time than without, and than with a host cap of 0 (3.934 -> 3.904 ms when
-    written); simulate agrees. The full 7B (32 layers) is measured by
-    benchmarks/offload_plan.py."""
-    prof = llama2
-    lo = plan(prof, budget="min", solver="milp").predicted_peak_bytes
-    budget = lo + (prof.peak_bytes - lo) // 2
-    without = plan(prof, budget=budget, solver="milp")
-    no_host = plan(prof, budget=budget, solver="milp", offload=True, host_budget=0)
-    with_ = plan(prof, budget=budget, solver="milp", offload=True, host_budget="64GiB")
-    assert max(p.predicted_peak_bytes for p in (without, no_host, with_)) <= budget
-    assert with_.recompute_s < min(without.recompute_s, no_host.recompute_s)
-    assert no_host.host_peak_bytes == 0
-    assert 0 < with_.host_peak_bytes <= 64 * 2**30
-    assert any(r.keys_with(OpPolicy.OFFLOAD) for r in with_.regions)
-    sim = simulate(prof, Plan(with_.regions, 0, 0.0, None, "t", ""))  # the link from the profile
-    assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
-        with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
-
-
-def test_fake_llama_chain_dp_offloads_saved_ops_at_no_higher_peak(llama2):
-    """NOTE [chain DP with offload]: a quarter of the way from the smallest peak to the plain
-    one, the chain DP with offload, given the recompute-only plan's predicted peak as its
-    budget, moves ops that plan saves on the device to the host and predicts less recompute
-    (5.088 -> 4.575 ms when written); simulate agrees."""
-    prof = llama2
-    lo = plan(prof, budget="min", solver="chain").predicted_peak_bytes
-    without = plan(prof, budget=lo + (prof.peak_bytes - lo) // 4, solver="chain")
-    with_ = plan(prof, budget=without.predicted_peak_bytes, solver="chain", offload=True)
-    assert with_.predicted_peak_bytes <= without.predicted_peak_bytes
-    assert with_.recompute_s < without.recompute_s
-    saved = {(r.name, k) for r in without.regions for k in r.keys_with(OpPolicy.SAVE)}
-    moved = {(r.name, k) for r in with_.regions for k in r.keys_with(OpPolicy.OFFLOAD)} & saved
-    assert moved
-    sim = simulate(prof, Plan(with_.regions, 0, 0.0, None, "t", ""))
-    assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
-        with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
-    assert any("host overhead on an async device hidden" in n for n in with_.notes)
 
 
 @pytest.mark.parametrize(("device", "cost_model", "link"), [

@@ -15,11 +15,10 @@ from profile_builders import (
     residual_block,
 )
 
-from memfit.planning.effects import OP_OVERHEAD_S, REGION_OVERHEAD_S, SAC_OP_OVERHEAD_S
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import is_kept_draw, is_saveable, op_keys
 from memfit.planning.simulate import simulate
-from memfit.profiling.calibrate import Calibration
+from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S, Calibration
 
 
 def _plan(*regions: Region) -> Plan:
@@ -61,7 +60,7 @@ def test_hand_computed_recompute_all(chain3):
     assert sim.recompute_points == (21,)
     assert sim.peak_bytes == 512 and chain3.peak_bytes == 576
     # 3 ops rerun, 1 region of 3 forward ops, each checked (NOTE [dispatch overhead])
-    assert sim.recompute_s == 3 * TICK + REGION_OVERHEAD_S + 3 * OP_OVERHEAD_S
+    assert sim.recompute_s == 3 * TICK + DEFAULT_REGION_S + 3 * DEFAULT_OP_S
     assert sim.region_saved_bytes == (64,)  # the input x0, held for the replay
 
 
@@ -72,7 +71,7 @@ def test_hand_computed_save_the_matmul(chain3):
     expect[21:21] = [192, 192 + 128, 192 + 128 + 64]
     assert list(sim.live_bytes) == expect
     # saving an op runs the selective modes over all 3 forward ops
-    assert sim.recompute_s == 2 * TICK + REGION_OVERHEAD_S + 3 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S)
+    assert sim.recompute_s == 2 * TICK + DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
     assert sim.region_saved_bytes == (64 + 64,)
 
 
@@ -85,12 +84,12 @@ def test_hand_computed_save_the_transient(chain3):
     expect = [v + 64 if 4 <= p <= 20 else v for p, v in enumerate(plain)]
     expect[21:21] = [256 + 64, 256 + 64, 256 + 64 + 64]
     assert list(sim.live_bytes) == expect
-    assert sim.recompute_s == 2 * TICK + REGION_OVERHEAD_S + 3 * (OP_OVERHEAD_S + SAC_OP_OVERHEAD_S)
+    assert sim.recompute_s == 2 * TICK + DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
 
 
 def test_segment_replays_all_blocks(chain3):
     sim = simulate(chain3, _plan(Region(("layers.0", "layers.1", "layers.2"))))
-    assert sim.recompute_s == 9 * TICK + REGION_OVERHEAD_S + 9 * OP_OVERHEAD_S  # one segment: one region
+    assert sim.recompute_s == 9 * TICK + DEFAULT_REGION_S + 9 * DEFAULT_OP_S  # one segment: one region
     assert sim.recompute_points == (15,)  # layers.2's gelu backward
     assert len(sim.live_bytes) == len(chain3.ops) + 9
 
@@ -158,7 +157,7 @@ def test_a_kept_draw_holds_its_copy_and_skips_its_rerun():
     plain = simulate(prof, _plan(Region(("blk",))))
     kept = simulate(prof, _plan(Region.saving(("blk",), ("aten.bernoulli_.float#0",))))
     keep_s = 16 * Calibration().keep_s_per_element
-    assert kept.recompute_s == plain.recompute_s - 8 * TICK + keep_s + SAC_OP_OVERHEAD_S * 6
+    assert kept.recompute_s == plain.recompute_s - 8 * TICK + keep_s + DEFAULT_SELECTIVE_OP_S * 6
     assert [v - w for v, w in zip(kept.live_bytes[:prof.n_forward], plain.live_bytes, strict=False)
             ] == [0, 0, 16, 16, 16, 16, 16]  # from the draw to the end of forward
     assert kept.peak_bytes >= plain.peak_bytes

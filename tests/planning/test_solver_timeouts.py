@@ -62,36 +62,3 @@ def test_auto_reports_greedys_smaller_minimum_when_milp_runs_out_of_time():
     assert low < prof.peak_bytes  # a real plan's peak, not the un-checkpointed one
     p = plan(prof, budget=low, solver="auto", time_limit_s=TINY_S)  # and a plan reaches it
     assert p.predicted_peak_bytes == simulate(prof, p).peak_bytes <= low
-
-
-@pytest.fixture(scope="module")
-def t5_profile():
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from memfit.profiling.tracer import profile
-
-    torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-                                decoder_start_token_id=0, pad_token_id=0)
-    model = transformers.T5ForConditionalGeneration(cfg)
-    g = torch.Generator().manual_seed(0)
-    x = {"input_ids": torch.randint(1, 64, (2, 16), generator=g),
-         "labels": torch.randint(1, 64, (2, 8), generator=g)}
-    return profile(model, x, repeats=1)
-
-
-@pytest.mark.hf
-def test_t5_smallest_plan_with_a_milp_out_of_time(t5_profile):
-    """The reported failure: budget "min" on a T5 raised TimeoutError from the MILP."""
-    prof = t5_profile
-    with pytest.raises(InfeasibleBudget) as info:
-        plan(prof, budget=1, time_limit_s=TINY_S)
-    low = info.value.min_feasible_bytes
-    assert low < prof.peak_bytes
-    p = plan(prof, budget=low, time_limit_s=TINY_S)
-    assert p.solver == "greedy" and 0 < p.predicted_peak_bytes <= low
-    assert "milp found no plan within its time limit" in p.notes[0]
-    with pytest.raises(SolverTimeout, match="solver='auto'"):
-        plan(prof, budget=low, solver="milp", time_limit_s=TINY_S)

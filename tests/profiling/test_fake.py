@@ -19,11 +19,9 @@ Parameters: 2Vh (embeddings + untied lm_head) + L(4h^2 + 3hi + 2h) + h, times 2 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs
+from profiling_models import TinyGPT, gpt_inputs
 
 from memfit.profiling.costmodel import PRESETS, calibrate_cpu, op_time_s, preset
 from memfit.profiling.profile import StorageKind
@@ -83,11 +81,12 @@ def _llama(n_layer: int, seq: int):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def _check_llama(n_layer: int, seq: int, max_s: float) -> None:
+def _check_llama(n_layer: int, seq: int) -> None:
+    """The saved bytes of a fake-mode Llama by formula. How long the trace takes is a benchmark
+    (``python -m benchmarks.fake_speed``), not asserted: a unit test's wall clock moves with
+    the machine's load."""
     model, inputs = _llama(n_layer, seq)
-    t0 = time.perf_counter()
     p = profile(model, inputs, mode="fake", target="h100")
-    wall = time.perf_counter() - t0
     s, h, i, n, V, L = seq, 4096, 11008, 32, 32000, n_layer
     param_bytes = 2 * (2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h)
     assert sum(r.nbytes for r in p.storages if r.kind == StorageKind.PARAMETER) == param_bytes
@@ -104,17 +103,16 @@ def _check_llama(n_layer: int, seq: int, max_s: float) -> None:
     assert by_layer["outside"] == outside
     assert p.saved_bytes == L * per_layer + outside
     assert p.peak_bytes > p.saved_bytes and p.step_time_s > 0
-    assert wall < max_s, f"fake profile took {wall:.1f}s"
 
 
 def test_llama_two_layers_fake_bytes_by_formula() -> None:
-    _check_llama(2, 4096, max_s=30)
+    _check_llama(2, 4096)
 
 
 @pytest.mark.slow
 def test_llama_7b_fake_bytes_by_formula() -> None:
-    # The full 7B (32 layers, seq 4096): ~2-3 s here; the brief allows 60 s.
-    _check_llama(32, 4096, max_s=60)
+    # The full 7B (32 layers, seq 4096): ~2-3 s here (benchmarks/fake_speed.py; target 60 s).
+    _check_llama(32, 4096)
 
 
 def test_roofline_cost_model() -> None:

@@ -33,7 +33,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs
+from profiling_models import TinyGPT, gpt_inputs
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel

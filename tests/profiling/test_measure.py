@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs, mlp
+from profiling_models import TinyGPT, gpt_inputs, mlp
 
 from memfit.profiling.measure import Measurement, allocator_peak, measure
 

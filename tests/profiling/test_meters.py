@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import mlp
+from profiling_models import mlp
 
 from memfit.profiling.meters import (
     AllocatorMeter,
@@ -52,6 +52,7 @@ def test_allocator_peak_is_the_allocator_meter() -> None:
     assert m.peak_bytes == allocator_peak(lambda: torch.ones(2048)) == 8192
 
 
+@pytest.mark.slow  # a subprocess
 def test_measuring_imports_no_op_recorder() -> None:
     # measure -> meters -> storages: the profiler's recorder (tracker, which measures kernel
     # workspaces with the allocator meter) is not needed, so the two cannot import each other.

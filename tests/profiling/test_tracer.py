@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyGPT, gpt_inputs, mlp
+from profiling_models import TinyGPT, gpt_inputs, mlp
 from torch import nn
 
 from memfit.profiling.measure import measure

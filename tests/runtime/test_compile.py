@@ -168,6 +168,7 @@ _MATMULS = [getattr(torch.ops.aten, name.split(".")[1]).default for name in MATM
             if hasattr(getattr(torch.ops.aten, name.split(".")[1]), "default")]
 
 
+@pytest.mark.slow
 def test_compiled_graph_saves_what_the_policy_says():
     saved = {}
     for name, memfit_policy, torch_ops in [("recompute_all", P.recompute_all(), None),

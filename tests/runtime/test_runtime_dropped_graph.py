@@ -26,6 +26,7 @@ def _block() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("how", ["wrap-checked", "wrap-unchecked", "fit"])
+@pytest.mark.slow
 def test_saved_outputs_are_freed_with_a_dropped_graph(how: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[_block() for _ in range(4)])

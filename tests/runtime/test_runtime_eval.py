@@ -11,10 +11,10 @@ from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net
 
 import memfit
 from memfit import zoo
+from memfit.measuring.verification import make_step
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime.apply import apply
-from memfit.verification import make_step
 
 PEAK_RTOL = 0.03  # verify's tolerance on the budget
 
@@ -28,6 +28,7 @@ def _eval_gpt() -> torch.nn.Module:
     return zoo.gpt(n_layer=4, d_model=32, n_head=2, seq_len=32, vocab_size=64).eval()
 
 
+@pytest.mark.slow
 def test_eval_mode_gpt_fitted_at_half_verifies_and_fits_its_budget():
     model = _eval_gpt()
     twin = copy.deepcopy(model)

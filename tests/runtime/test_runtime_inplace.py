@@ -84,6 +84,7 @@ def _model(mode: str) -> nn.Module:
 
 @pytest.mark.parametrize("budget", ["min", "mid"])
 @pytest.mark.parametrize("mode,solver", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+@pytest.mark.slow
 def test_plans_keep_in_place_writes_working(mode, solver, budget):
     """Plans at the smallest peak and halfway to the plain peak: bitwise equal to the plain
     twin over two steps, and ``memfit.verify`` agrees."""

@@ -56,9 +56,9 @@ def _pick(rows: Any) -> Any:
 def _tune(args: argparse.Namespace, lm: Any) -> Any:
     """Step 2: the fastest measured plan for ``DEMO_TUNE_BUDGET`` (None if none fits)."""
     from memfit.errors import InfeasibleBudget
+    from memfit.measuring.tuning import tune
     from memfit.profiling.tracer import profile
     from memfit.step import Step
-    from memfit.tuning import tune
 
     say(args, f"\n2/4 tune: time the solver's best plans for {DEMO_TUNE_BUDGET:.0%} and the baselines "
               "that fit on the model, interleaved, and keep the fastest")
@@ -76,9 +76,9 @@ def _tune(args: argparse.Namespace, lm: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.sweep import write_outputs
     from memfit.cli.verify import verification_failed
+    from memfit.measuring.tradeoff import sweep
+    from memfit.measuring.verification import verify
     from memfit.runtime.apply import apply
-    from memfit.tradeoff import sweep
-    from memfit.verification import verify
 
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")

@@ -33,7 +33,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--solver", choices=SOLVERS, default="auto", help="solver (default auto)")
     p.add_argument("--tune", action="store_true",
                    help="time the solver's best few plans and the baseline plans that fit on the "
-                        "model and keep the fastest measured (memfit.tuning; CPU models only)")
+                        "model and keep the fastest measured (memfit.measuring.tuning; CPU models only)")
     p.add_argument("--tune-limit", type=float, default=None, metavar="SECONDS",
                    help="seconds of stepping --tune may spend (default: 10 plain steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for --tune")
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from memfit.planning.planner import plan, refuse_over_budget
 
     if args.tune:
+        from memfit.measuring.tuning import tune
         from memfit.step import Step
-        from memfit.tuning import tune
 
         step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
         p = tune(step, prof, args.budget, solver=args.solver, time_limit_s=args.tune_limit,

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from typing import Any
 
 from memfit.cli.models import add_model_arguments, load_from_args, positive_int
 from memfit.cli.output import emit
 from memfit.models import LoadedModel
+from memfit.profiling.summary import summarize
 from memfit.units import format_bytes, format_seconds
 
-__all__ = ["add_parser", "run", "profile_model", "summarize"]
+__all__ = ["add_parser", "run", "profile_model"]
 
 
 def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
@@ -27,38 +27,10 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 def profile_model(lm: LoadedModel, target: str = "cpu") -> Any:
     """Profile a resolved model: a real measured step, or fake mode for a meta model or a
     ``--target`` other than this machine's CPU."""
-    from memfit.calibration import profile
+    from memfit.measuring.calibration import profile
 
     mode = "fake" if lm.on_meta or target != "cpu" else "measure"
     return profile(lm.model, lm.example_inputs, loss_fn=lm.loss_fn, mode=mode, target=target)
-
-
-def summarize(prof: Any, top: int = 8) -> dict[str, Any]:
-    """Numbers worth printing from a Profile; saved bytes grouped by module (down to the first
-    numbered block, ``blocks.3`` or ``model.layers.3``, else the top-level module)."""
-    from memfit.profiling.profile import StorageKind
-
-    by_module: dict[str, int] = defaultdict(int)
-    for s in prof.storages:
-        if s.saved and s.kind == StorageKind.ACTIVATION and s.created_by is not None:
-            by_module[_group(prof.ops[s.created_by].module)] += s.nbytes
-    ranked = sorted(by_module.items(), key=lambda kv: -kv[1])[:top]
-    return {
-        "model": prof.model, "device": prof.device, "mode": prof.mode, "cost_model": prof.cost_model,
-        "ops": len(prof.ops), "forward_ops": prof.n_forward,
-        "peak_bytes": prof.peak_bytes, "baseline_bytes": prof.baseline_bytes,
-        "saved_bytes": prof.saved_bytes, "step_time_s": prof.step_time_s,
-        "forward_time_s": prof.forward_time_s, "signature": prof.signature,
-        "saved_by_module": [{"module": m, "saved_bytes": b} for m, b in ranked],
-    }
-
-
-def _group(path: str) -> str:
-    parts = path.split(".") if path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if parts else "<root>"
 
 
 def _text(name: str, s: dict[str, Any]) -> str:
@@ -83,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     prof = profile_model(lm, args.target)
     if args.output:
         prof.save(args.output)
-    s = summarize(prof, args.top)
+    s = summarize(prof, top=args.top)
     s["name"] = lm.name
     if args.output:
         s["profile_file"] = args.output

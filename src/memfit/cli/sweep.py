@@ -70,7 +70,7 @@ def write_outputs(s: Any, out: str | Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.tradeoff import sweep
+    from memfit.measuring.tradeoff import sweep
 
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")

@@ -28,9 +28,9 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.cli.models import UsageError
+    from memfit.measuring.verification import check_plan_matches, verify
     from memfit.planning.plan import Plan
     from memfit.units import resolve_budget
-    from memfit.verification import check_plan_matches, verify
 
     plan = Plan.load(args.plan)  # SchemaError -> exit 2
     lm = load_from_args(args)

@@ -1,1 +1,7 @@
+"""Integrations: memfit on Hugging Face models (``hf``: enable, disable, ``MemfitCallback``
+for ``transformers.Trainer``) and in Lightning (``lightning.MemfitCallback``).
 
+Imported lazily, never at ``import memfit``; ``memfit.fit`` looks up ``hf_state``'s hooks
+only for a model that looks like a Hugging Face one (NOTE [Hugging Face models in fit] in
+``memfit.api``).
+"""

@@ -5,7 +5,7 @@ over HF checkpointing] in ``memfit.integrations.hf_state``)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from memfit.integrations.hf_state import (
     restore_hf_checkpointing,
     suspend_hf_checkpointing,
 )
+
+if TYPE_CHECKING:
+    from memfit.planning.solvers import SolverName
 
 __all__ = ["enable", "disable", "training_inputs", "take_over_hf_checkpointing"]
 
@@ -42,7 +45,7 @@ def training_inputs(model: nn.Module, *, batch_size: int | None = None,
 
 def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
            batch_size: int | None = None, seq_len: int | None = None,
-           solver: str = "auto") -> M:
+           solver: SolverName = "auto") -> M:
     """Plan ``model``'s training step for ``budget`` and apply it: the budgeted counterpart of
     ``model.gradient_checkpointing_enable()``.
 
@@ -109,9 +112,10 @@ def disable(model: M) -> M:
         >>> hf.disable(model)            # doctest: +SKIP
     """
     from memfit.runtime.apply import unapply
+    from memfit.runtime.marks import applied_plan
 
     for m in list(model.modules()):
-        if "_memfit_applied" in m.__dict__:
+        if applied_plan(m) is not None:
             unapply(m)
     remove_cache_off(model)
     restore_hf_checkpointing(model)

@@ -18,13 +18,16 @@ NOTE [planning on the first real batch]
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import transformers
 from torch import nn
 
 from memfit._torch import forward_pre_hooks
 from memfit.integrations.hf_state import CacheOff, cache_module
+
+if TYPE_CHECKING:
+    from memfit.planning.solvers import SolverName
 
 __all__ = ["MemfitCallback"]
 
@@ -88,7 +91,7 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
         >>> trainer.train(); trainer.model.memfit_plan                  # doctest: +SKIP
     """
 
-    def __init__(self, budget: int | float | str, *, solver: str = "auto") -> None:
+    def __init__(self, budget: int | float | str, *, solver: SolverName = "auto") -> None:
         self.budget = budget
         self.solver = solver
         self._hook: _PlanOnFirstCall | None = None

@@ -35,9 +35,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from memfit.planning.solvers import SolverName
 
 __all__ = ["MemfitCallback"]  # noqa: F822 (made on first access, by __getattr__)
 
@@ -85,7 +88,7 @@ class _MemfitCallbackBase:
         >>> trainer.fit(module, loader); print(module.memfit_plan)  # doctest: +SKIP
     """
 
-    def __init__(self, budget: int | float | str, *, solver: str = "auto") -> None:
+    def __init__(self, budget: int | float | str, *, solver: SolverName = "auto") -> None:
         super().__init__()
         self.budget = budget
         self.solver = solver

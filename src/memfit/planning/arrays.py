@@ -9,8 +9,8 @@ import numpy as np
 from memfit.planning.cast_cache import CacheTails
 from memfit.planning.hosttime import host_overhead
 from memfit.planning.rules import buffer_writes, draw_bytes, is_kept_draw, is_matmul, is_saveable
-from memfit.profiling.calibrate import Calibration
 from memfit.profiling.profile import Profile, StorageKind
+from memfit.timemodel import Calibration
 
 __all__ = ["ProfileArrays", "dense", "NEVER"]
 

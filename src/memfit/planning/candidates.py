@@ -99,7 +99,7 @@ class Candidate:
     @property
     def time_s(self) -> float:
         """Recompute-all seconds, plus the fixed cost of one more checkpointed region (NOTE
-        [region overhead] and NOTE [dispatch overhead] in ``memfit.planning.effects``)."""
+        [region overhead] and NOTE [dispatch overhead] in ``memfit.timemodel``)."""
         return self.base.time_s + self.model.fixed_s(selective=False)
 
     @property

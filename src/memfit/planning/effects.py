@@ -77,8 +77,8 @@ NOTE [region memory model]
     (storages live at both ``rp - 1`` and ``rp``) plus the replayed storages live at ``i``,
     plus op ``i``'s kernel workspace if op ``i`` is not saved (it runs again).
     Recompute time is the forward time of the non-saved ops ``a..L``, scaled per op class by
-    the profile's calibration (NOTE [calibration] in ``memfit.profiling.calibrate``), plus the
-    fixed charges of NOTE [region overhead] and NOTE [dispatch overhead].
+    the profile's calibration (NOTE [calibration] in ``memfit.timemodel``), plus the
+    fixed charges of NOTE [region overhead] and NOTE [dispatch overhead] in ``memfit.timemodel``.
 
     Kernel workspaces (NOTE [kernel workspaces] in ``memfit.profiling.profile``) add
     ``workspace_bytes[p]`` at op position ``p`` whatever the plan (forward ops run either way),
@@ -99,40 +99,9 @@ import numpy as np
 
 from memfit.planning.arrays import NEVER, ProfileArrays, dense
 from memfit.planning.buffer_copies import buffer_copies
-from memfit.profiling.calibrate import (
-    DEFAULT_OP_S,
-    DEFAULT_REGION_S,
-    DEFAULT_SELECTIVE_OP_S,
-)
 from memfit.profiling.profile import Profile
 
-# NOTE [region overhead] Each checkpointed call costs time beyond the ops it reruns: torch's
-# checkpoint frame, its saved-tensor hooks and memfit's policy and check modes. Measured on
-# this project's 2-core CPU machine (2026-11-30, torch 2.13): 250-380 us per region per step
-# for 20 wrapped Linear+Tanh blocks. Counting it makes the solvers prefer fewer, larger regions
-# where a tiny one (a lone LayerNorm or Dropout) would save almost nothing. 2**-12 s (244 us):
-# a power of two, so that sums of dyadic test times stay exact. The default of the profile's
-# calibration (NOTE [calibration] in memfit.profiling.calibrate), which replaces it when fitted.
-REGION_OVERHEAD_S = DEFAULT_REGION_S
-
-# NOTE [dispatch overhead] Checkpointed regions also pay per op, in Python: the divergence
-# check (memfit.runtime.divergence) records every forward op of a region and compares every
-# replayed one, and a region that saves ops runs torch's selective-checkpoint dispatch modes,
-# which see every op of both passes. Measured on this project's 2-core CPU machine
-# (2026-11-30, torch 2.13, a region of 200 tiny ops, per forward op of the region, forward
-# plus replay): check +17.8 us, selective modes +21.4 us without the check and +13.9 us on top
-# of it. Modelled as 2**-16 s (15.3 us) per forward op for each: OP_OVERHEAD_S for every
-# region (apply's default check=True), SAC_OP_OVERHEAD_S when the region saves any op. The
-# second is a fixed charge, paid once per region whatever the number of saved ops: the
-# solvers weigh it against the recompute that saving ops avoids (a block of 60 ops pays
-# about 0.9 ms). Both are defaults of the profile's calibration, as REGION_OVERHEAD_S. All
-# three are host time: on an async device they may hide behind the device's work (NOTE [host
-# overhead on an async device] in memfit.planning.hosttime).
-OP_OVERHEAD_S = DEFAULT_OP_S
-SAC_OP_OVERHEAD_S = DEFAULT_SELECTIVE_OP_S
-
-__all__ = ["REGION_OVERHEAD_S", "OP_OVERHEAD_S", "SAC_OP_OVERHEAD_S", "ProfileArrays", "RegionSpan",
-           "RegionModel", "Effect", "resolve_span", "dense"]
+__all__ = ["ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span", "dense"]
 
 @dataclass(frozen=True)
 class RegionSpan:

@@ -2,7 +2,7 @@
 
 NOTE [host overhead on an async device]
     The fixed charges of the time model (NOTE [region overhead], NOTE [dispatch overhead] in
-    ``memfit.planning.effects``; ``region_s``, ``op_s`` and ``selective_op_s`` of NOTE
+    ``memfit.timemodel``; ``region_s``, ``op_s`` and ``selective_op_s`` of NOTE
     [calibration]) are seconds of *host* work: Python frames, saved-tensor hooks, dispatch
     modes, the divergence check. On a CPU the host is the device, so they add to the step.
     On an asynchronous accelerator (CUDA) the host only enqueues kernels; the device runs
@@ -45,9 +45,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memfit.profiling.calibrate import Calibration, CalibrationSource
 from memfit.profiling.costmodel import profile_preset
 from memfit.profiling.profile import Profile
+from memfit.timemodel import Calibration, CalibrationSource
 
 __all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint"]
 

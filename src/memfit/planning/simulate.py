@@ -7,7 +7,7 @@ The model of what checkpointing does to each storage is NOTE [region memory mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from memfit.planning.offload import (
 )
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
-from memfit.profiling.calibrate import TimeTerms
 from memfit.profiling.profile import Profile
+from memfit.timemodel import TimeTerms
 
 __all__ = ["Simulation", "simulate", "time_terms"]
 
@@ -42,8 +42,8 @@ class Simulation:
         peak_bytes: peak activation memory (the maximum of ``live_bytes``).
         recompute_s: seconds of forward ops rerun in backward, scaled per op class by the
             profile's calibration, plus the fixed cost of each checkpointed region (NOTE
-            [calibration] in ``memfit.profiling.calibrate``; NOTE [region overhead] and NOTE
-            [dispatch overhead] in ``memfit.planning.effects``).
+            [calibration] in ``memfit.timemodel``; NOTE [region overhead] and NOTE
+            [dispatch overhead] in ``memfit.timemodel``).
         live_bytes: activation memory at each point of the step: one entry per op position
             and, just before a region's recompute point, one entry per replayed op.
         positions: for each entry of ``live_bytes``, the op position it belongs to (a replay
@@ -145,50 +145,96 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         True
     """
     arrs = _arrays if _arrays is not None else ProfileArrays(profile)
-    spec = offload
-    n = arrs.n_ops
     models, parent = region_models(profile, arrs, plan.regions)
-    ids = arrs.by_creator
-    end1 = arrs.freed.copy()
-    second = np.full(arrs.freed.shape, -1, dtype=np.int64)  # start of a second lifetime
-    end2 = arrs.freed.copy()
-    nr = len(models)
-    rec_s: list[float] = [0.0] * nr
-    saved_b: list[int] = [0] * nr
-    rps: list[int | None] = [None] * nr
-    replays = []  # (rp, order key, a, stop, pieces, second bytes)
-    for q in range(nr):  # inside a region that drops nothing: on its own
+    for q in range(len(models)):  # inside a region that drops nothing: on its own
         if parent[q] >= 0 and not models[parent[q]][0].useful:
             parent[q] = -1
-    copies: list[Copy] = []
-    states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # NOTE [region state bytes]
+    acc = _Lifetimes.plain(arrs, len(models))
     for q, (rm, saved, offloaded) in enumerate(models):
         if parent[q] >= 0:
-            continue
-        inner_q = [i for i in range(nr) if parent[i] == q]
+            continue  # modelled with its outer region
+        inner_q = [i for i in range(len(models)) if parent[i] == q]
         if not rm.useful:
-            rec_s[q] = rm.fixed_s(selective=False)
-            continue
-        if inner_q:
-            nm = NestedModel(arrs, rm, [models[i][0] for i in inner_q])
-            has2 = nm.start2 >= 0
-            end1[nm.ids[has2]] = nm.end1[has2]
-            end1[nm.ids[~has2]] = np.maximum(end1[nm.ids[~has2]], nm.end1[~has2])
-            second[nm.ids[has2]] = nm.start2[has2]
-            end2[nm.ids[has2]] = nm.end2[has2]
-            end1[nm.input_ids] = np.maximum(end1[nm.input_ids], nm.input_end)
-            for r in nm.replays:
-                replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
-            states.append(nm.state_pieces())
-            rec_s[q] = nm.outer_time_s
-            saved_b[q] = nm.saved_bytes
-            rps[q] = nm.rp
-            for i, rp_i in zip(inner_q, nm.inner_rps, strict=True):
-                irm = models[i][0]
-                rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
-                saved_b[i] = 0  # its outer region drops its inputs in forward
-                rps[i] = rp_i
-            continue
+            acc.rec_s[q] = rm.fixed_s(selective=False)
+        elif inner_q:
+            acc.add_nested(arrs, q, rm, inner_q, [models[i][0] for i in inner_q])
+        else:
+            acc.add_region(q, rm, saved, offloaded)
+    live, before = _live_and_before(arrs, acc, [m[0] for m in models])
+    timeline, positions = _timeline(arrs.n_ops, live, before, acc.replays)
+    off_s, host_peak = _offload_totals(profile, arrs, acc.copies, offload)
+    if timeline:
+        k = int(np.argmax(timeline))
+        peak, peak_at = timeline[k], positions[k]
+    else:
+        peak, peak_at = 0, 0
+    return Simulation(
+        peak_bytes=int(peak),
+        recompute_s=float(sum(acc.rec_s)) + off_s,
+        live_bytes=tuple(timeline),
+        positions=tuple(positions),
+        peak_at=int(peak_at),
+        region_recompute_s=tuple(acc.rec_s),
+        region_saved_bytes=tuple(acc.saved_b),
+        recompute_points=tuple(acc.rps),
+        offload_s=off_s,
+        host_peak_bytes=host_peak,
+    )
+
+
+# A replay: (recompute point, order key, first op, stop op, (starts, ends, bytes) of the
+# storages it makes, bytes that stay after it: the dropped storages' second lifetimes).
+_Replay = tuple[int, tuple[int, int], int, int, tuple[np.ndarray, np.ndarray, np.ndarray], int]
+
+
+@dataclass
+class _Lifetimes:
+    """What a plan does to the plain step's storages (NOTE [region memory model]), region by
+    region: each storage's first lifetime end, its second lifetime (from its recompute point),
+    the replays, the extra pieces (region state, kept draws), the host copies; and per region
+    its recompute seconds, saved bytes and recompute point."""
+
+    end1: np.ndarray    # per storage: end of its (first) lifetime
+    second: np.ndarray  # per storage: start of a second lifetime (-1: none)
+    end2: np.ndarray    # per storage: end of the second lifetime
+    rec_s: list[float]
+    saved_b: list[int]
+    rps: list[int | None]
+    replays: list[_Replay] = field(default_factory=list)
+    states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # NOTE [region state bytes]
+    copies: list[Copy] = field(default_factory=list)
+
+    @classmethod
+    def plain(cls, arrs: ProfileArrays, n_regions: int) -> _Lifetimes:
+        return cls(end1=arrs.freed.copy(), second=np.full(arrs.freed.shape, -1, dtype=np.int64),
+                   end2=arrs.freed.copy(), rec_s=[0.0] * n_regions, saved_b=[0] * n_regions,
+                   rps=[None] * n_regions)
+
+    def add_nested(self, arrs: ProfileArrays, q: int, rm: RegionModel, inner_q: list[int],
+                   inner: list[RegionModel]) -> None:
+        """Region ``q`` with the regions ``inner_q`` nested in it (NOTE [nested regions])."""
+        end1, second, end2 = self.end1, self.second, self.end2
+        nm = NestedModel(arrs, rm, inner)
+        has2 = nm.start2 >= 0
+        end1[nm.ids[has2]] = nm.end1[has2]
+        end1[nm.ids[~has2]] = np.maximum(end1[nm.ids[~has2]], nm.end1[~has2])
+        second[nm.ids[has2]] = nm.start2[has2]
+        end2[nm.ids[has2]] = nm.end2[has2]
+        end1[nm.input_ids] = np.maximum(end1[nm.input_ids], nm.input_end)
+        for r in nm.replays:
+            self.replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
+        self.states.append(nm.state_pieces())
+        self.rec_s[q] = nm.outer_time_s
+        self.saved_b[q] = nm.saved_bytes
+        self.rps[q] = nm.rp
+        for i, irm, rp_i in zip(inner_q, inner, nm.inner_rps, strict=True):
+            self.rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
+            self.saved_b[i] = 0  # its outer region drops its inputs in forward
+            self.rps[i] = rp_i
+
+    def add_region(self, q: int, rm: RegionModel, saved: list[int], offloaded: list[int]) -> None:
+        """Region ``q``, which drops something, on its own: ``saved`` and ``offloaded`` ops."""
+        end1, second, end2 = self.end1, self.second, self.end2
         rp = int(rm.rp)  # type: ignore[arg-type]
         sv = rm.saved_mask(saved)
         e1, drop = rm.versions(sv)
@@ -202,30 +248,45 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         if offloaded:  # NOTE [offload memory model]
             pieces = tuple(np.concatenate(xs) for xs in zip(pieces, offload_replay_pieces(rm, offloaded),
                                                             strict=True))  # type: ignore[assignment]
-            copies.extend(offload_copies(rm, i) for i in offloaded)
-        replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
-        states.append(rm.state_pieces())
-        states.append(rm.draw_pieces(saved))  # NOTE [kept draws] in memfit.runtime.draws
-        rec_s[q] = rm.time_s(set(saved) | set(offloaded)) + rm.fixed_s(selective=bool(len(saved) + len(offloaded)))
-        saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum() + rm.draw_bytes[rm.draws(saved)].sum())
-        rps[q] = rp
+            self.copies.extend(offload_copies(rm, i) for i in offloaded)
+        self.replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
+        self.states.append(rm.state_pieces())
+        self.states.append(rm.draw_pieces(saved))  # NOTE [kept draws] in memfit.runtime.draws
+        self.rec_s[q] = (rm.time_s(set(saved) | set(offloaded))
+                         + rm.fixed_s(selective=bool(len(saved) + len(offloaded))))
+        self.saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum() + rm.draw_bytes[rm.draws(saved)].sum())
+        self.rps[q] = rp
+
+
+def _live_and_before(arrs: ProfileArrays, acc: _Lifetimes, models: list[RegionModel]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes live at each op position under the plan (kernel workspaces included), and live
+    just before it (NOTE [region memory model])."""
+    ids = arrs.by_creator
     c = arrs.creator[ids]
-    e = end1[ids]
+    e = acc.end1[ids]
     nb = arrs.nbytes[ids]
-    s2 = second[ids]
+    s2 = acc.second[ids]
     has2 = s2 >= 0
-    f = end2[ids]
+    f = acc.end2[ids]
     tails = arrs.tails  # NOTE [autocast's cast cache]: none for casts inside a region
-    outside = ~np.any([tails.inside(m[0].a, m[0].b) for m in models], axis=0) if models else \
+    outside = ~np.any([tails.inside(m.a, m.b) for m in models], axis=0) if models else \
         np.ones(tails.ids.shape, dtype=bool)
-    states.append(tails.pieces(outside))
+    states = [*acc.states, tails.pieces(outside)]
     starts = np.concatenate([c, s2[has2], *(x[0] for x in states)])
     ends = np.concatenate([e, f[has2], *(x[1] for x in states)])
     vals = np.concatenate([nb, nb[has2], *(x[2] for x in states)])
+    n = arrs.n_ops
     live = dense(starts, ends, vals, 0, n - 1) + arrs.workspace  # NOTE [region memory model]
     before = dense(starts + 1, ends, vals, 0, n - 1)
-    # replays, grouped by recompute point; ones sharing a point run one after another (later
-    # regions first, as backward reaches them; an outer region before its inner ones)
+    return live, before
+
+
+def _timeline(n: int, live: np.ndarray, before: np.ndarray, replays: list[_Replay]
+              ) -> tuple[list[int], list[int]]:
+    """The step's memory timeline with each replay's steps inserted just before its recompute
+    point, and the op position of each entry. Replays sharing a point run one after another
+    (later regions first, as backward reaches them; an outer region before its inner ones)."""
     bumps: dict[int, list[int]] = {}
     done_at: dict[int, int] = {}
     for rp, _, a, stop, (rs, re_, rv), second_bytes in sorted(replays, key=lambda x: (x[0], x[1])):
@@ -242,24 +303,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
             positions.extend([p] * len(bump))
         timeline.append(int(live[p]))
         positions.append(p)
-    off_s, host_peak = _offload_totals(profile, arrs, copies, spec)
-    if timeline:
-        k = int(np.argmax(timeline))
-        peak, peak_at = timeline[k], positions[k]
-    else:
-        peak, peak_at = 0, 0
-    return Simulation(
-        peak_bytes=int(peak),
-        recompute_s=float(sum(rec_s)) + off_s,
-        live_bytes=tuple(timeline),
-        positions=tuple(positions),
-        peak_at=int(peak_at),
-        region_recompute_s=tuple(rec_s),
-        region_saved_bytes=tuple(saved_b),
-        recompute_points=tuple(rps),
-        offload_s=off_s,
-        host_peak_bytes=host_peak,
-    )
+    return timeline, positions
 
 
 def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
@@ -279,7 +323,7 @@ def _offload_totals(profile: Profile, arrs: ProfileArrays, copies: list[Copy],
     return offload_time_s(arrs, copies, spec), int(host.max(initial=0))
 def time_terms(profile: Profile, plan: Plan) -> TimeTerms:
     """What ``plan`` reruns, in the time model's units (NOTE [calibration] in
-    ``memfit.profiling.calibrate``): ``ProfileArrays(profile).calibration.recompute_s(
+    ``memfit.timemodel``): ``ProfileArrays(profile).calibration.recompute_s(
     time_terms(profile, plan))`` equals ``simulate(profile, plan).recompute_s`` up to float
     rounding (that calibration is ``profile.calibration`` unless NOTE [host overhead on an
     async device] in ``memfit.planning.hosttime`` zeroed its fixed charges).

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
-from memfit.profiling.calibrate import Calibration
+from memfit.timemodel import Calibration
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
@@ -238,7 +238,7 @@ class Profile:
     mode: str = "measure"
     cost_model: str = "measured"
     signature: str = ""
-    # the recompute time model (NOTE [calibration] in memfit.profiling.calibrate); None: not
+    # the recompute time model (NOTE [calibration] in memfit.timemodel); None: not
     # calibrated (a profile made before calibration, or by the tracer alone): the defaults
     calibration: Calibration | None = None
     region_state_bytes: int = 0  # NOTE [region state bytes]

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from memfit.errors import ProfileMismatch
-from memfit.profiling.calibrate import Calibration
 from memfit.profiling.costmodel import op_time_s, preset
 from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.model_state import buffer_bytes, describe_parameters
@@ -35,6 +34,7 @@ from memfit.profiling.profile import (
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
 from memfit.step import ModelState, Step
+from memfit.timemodel import Calibration
 
 __all__ = ["ProfileMode", "profile", "check_profile_matches", "forward_signature", "region_state_bytes"]
 

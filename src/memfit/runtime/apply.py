@@ -10,17 +10,19 @@ it was.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from memfit.distributed import check_same_plan, is_distributed, is_fsdp_unit_class
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import policies as _policies
-from memfit.runtime.divergence import resolve_check
+from memfit.runtime.divergence import CheckArg, resolve_check
+from memfit.runtime.fsdp import is_fsdp_unit_class
 from memfit.runtime.hf_guard import install_guard, remove_guard
+from memfit.runtime.marks import APPLIED_ATTR, applied_plan
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.shapes import InputGuard
 from memfit.runtime.wrap import unwrap, wrap
@@ -32,7 +34,8 @@ __all__ = ["apply", "unapply", "host_pool"]
 
 @dataclass
 class _Applied:
-    """What ``apply`` changed, kept as ``model._memfit_applied`` so ``unapply`` can undo it."""
+    """What ``apply`` changed, kept as ``model._memfit_applied`` (``marks.APPLIED_ATTR``) so
+    ``unapply`` can undo it; ``marks.applied_plan`` tells whether a plan is applied."""
 
     wrapped: list[str] = field(default_factory=list)
     segments: list[SegmentHandle] = field(default_factory=list)
@@ -137,13 +140,14 @@ def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
         )
 
 
-def apply(model: nn.Module, plan: Plan, *, check: Any = True,
-          host_budget: int | str | None = None, check_ranks: bool = True) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
+          host_budget: int | str | None = None,
+          agree: Callable[[Plan, PlanMismatch | None], None] | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
 
-    In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
-    rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
-    (NOTE [one plan per job] in ``memfit.distributed``).
+    The public ``memfit.apply`` (``memfit.api.apply``) is this function made a collective in
+    a distributed job (its ``agree``: NOTE [one plan per job] in ``memfit.distributed``); here
+    nothing knows a process group.
 
     Args:
         model: the model the plan was made for.
@@ -157,9 +161,10 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
             in bytes or as "64GiB" (default None: no cap). One pool of host buffers serves
             every region; a tensor that does not fit stays on the device (logged once).
             ``host_pool(model)`` returns the pool.
-        check_ranks: in a distributed job, gather every rank's plan digest and raise unless
-            all agree (default True); False skips the collective, for ranks that train
-            different models.
+        agree: called once the plan is checked against the model and before anything
+            changes, with this model's ``PlanMismatch`` (re-raised after it returns) or None;
+            it raises to refuse the plan (``memfit.distributed.rank_agreement``: every rank
+            must hold the same plan). Default None: no one else to agree with.
 
     Returns:
         ``model``, with ``model.memfit_plan`` set to ``plan``. A plan that records the inputs
@@ -174,8 +179,8 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
         WrapError: a planned module is already checkpointed by hand (``wrap``, segment).
             Also raised later, at a training forward, if Hugging Face checkpointing is switched
             on over the plan (NOTE [checkpointed twice] in ``memfit.runtime.hf_guard``).
-        PlansDiffer: (distributed) the ranks hold different plans, or another rank's plan
-            does not fit its model.
+        Whatever ``agree`` raises (``PlansDiffer``: the ranks hold different plans, or
+            another rank's plan does not fit its model).
 
     Warns:
         UserWarning: a plan that offloads to host memory applied to a model on the CPU
@@ -187,22 +192,22 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply expects a memfit.Plan, got {type(plan).__name__}")
-    if "_memfit_applied" in model.__dict__:
+    if applied_plan(model) is not None:
         unapply(model)
     resolve_check(check)  # a bad check= raises before anything is wrapped
     cap = parse_bytes(host_budget) if isinstance(host_budget, str) else host_budget
     if cap is not None and (not isinstance(cap, int) or cap < 0):
         raise ValueError(f"host_budget must be bytes (an int >= 0) or a string like '64GiB', "
                          f"got {host_budget!r}")
-    if check_ranks and is_distributed():
+    if agree is None:
+        targets = _check(model, plan)
+    else:
         try:
             targets = _check(model, plan)
         except PlanMismatch as e:  # the other ranks must hear of it, not wait for this one
-            check_same_plan(plan, local_error=e)  # PlansDiffer unless every rank failed too
+            agree(plan, e)  # PlansDiffer unless every rank failed too
             raise
-        check_same_plan(plan)
-    else:
-        targets = _check(model, plan)
+        agree(plan, None)
     applied = _Applied()
     if any(p is OpPolicy.OFFLOAD for region in plan.regions for _, p in region.ops):
         from memfit.runtime.offload import HostPool
@@ -230,7 +235,7 @@ def apply(model: nn.Module, plan: Plan, *, check: Any = True,
     if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
         applied.inputs = model.register_forward_pre_hook(
             InputGuard(model, plan.input_signature, plan.model), with_kwargs=True)
-    model._memfit_applied = applied  # type: ignore[assignment]
+    model.__dict__[APPLIED_ATTR] = applied
     model.memfit_plan = plan  # type: ignore[assignment]
     return model
 
@@ -276,7 +281,7 @@ def unapply(model: nn.Module) -> nn.Module:
     Example:
         >>> unapply(model)   # doctest: +SKIP
     """
-    applied = model.__dict__.pop("_memfit_applied", None)
+    applied = model.__dict__.pop(APPLIED_ATTR, None)
     if applied is None:
         raise PlanMismatch(f"no memfit plan is applied to this {type(model).__name__}")
     _undo(model, applied)
@@ -292,5 +297,5 @@ def host_pool(model: nn.Module) -> Any:
         >>> host_pool(torch.nn.Linear(2, 2)) is None   # doctest: +SKIP
         True
     """
-    applied = model.__dict__.get("_memfit_applied")
+    applied = model.__dict__.get(APPLIED_ATTR)
     return None if applied is None else applied.host

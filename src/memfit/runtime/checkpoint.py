@@ -37,10 +37,11 @@ from memfit.runtime import policies as _policies
 from memfit.runtime.bindings import ForwardTensors, watch_inputs
 from memfit.runtime.buffers import BufferGuard
 from memfit.runtime.checkpoint_compiled import compiled_region
-from memfit.runtime.divergence import CheckSampler, OpChecker, OpRecorder, resolve_check
+from memfit.runtime.divergence import CheckArg, CheckSampler, OpChecker, OpRecorder, resolve_check
 from memfit.runtime.draws import DrawKeeper
 from memfit.runtime.generators import GeneratorReplay
 from memfit.runtime.offload import pool_of, selective_contexts
+from memfit.runtime.policies import PolicyArg
 
 __all__ = ["checkpoint", "RegionContexts", "run_region", "debug_mode_error"]
 
@@ -220,7 +221,7 @@ def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
     return (owner,) if isinstance(owner, nn.Module) else ()
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, policy: Any = None, check: Any = True,
+def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyArg = None, check: CheckArg = True,
                **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` with its activations dropped and recomputed in backward.
 

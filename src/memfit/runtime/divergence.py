@@ -72,7 +72,7 @@ NOTE [check sampling]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Literal
 
 import torch
 
@@ -87,7 +87,7 @@ from memfit.runtime.fingerprints import (  # noqa: F401  (_sample, SAMPLE: re-ex
     fingerprint,
 )
 
-__all__ = ["DivergenceCheck", "CheckSampler", "CheckArg", "resolve_check", "fingerprint",
+__all__ = ["DivergenceCheck", "CheckSampler", "CheckArg", "CheckName", "resolve_check", "fingerprint",
            "OpRecorder", "OpChecker"]
 
 @dataclass(frozen=True)
@@ -120,14 +120,17 @@ class DivergenceCheck:
 
 ALWAYS = DivergenceCheck(first_calls=0, every=1)
 
-# What ``check=`` accepts at the API edge.
-CheckArg = Union[bool, str, DivergenceCheck, "CheckSampler"]
+#: The checks ``check=`` takes by name (``resolve_check``).
+CheckName = Literal["always", "ops", "always-ops"]
+#: What ``check=`` accepts at the API edge: True (sampled), False (off), a name, or a
+#: ``DivergenceCheck``.
+CheckArg = bool | CheckName | DivergenceCheck
 
 _NAMED = {"always": ALWAYS, "ops": DivergenceCheck(values=False),
           "always-ops": DivergenceCheck(first_calls=0, every=1, values=False)}
 
 
-def resolve_check(check: Any) -> DivergenceCheck | None:
+def resolve_check(check: CheckArg | None) -> DivergenceCheck | None:
     """Turn what users pass as ``check=`` into a :class:`DivergenceCheck` (None: off).
 
     ``True`` (the default): ops and values, the first 3 calls then one in 100;
@@ -165,7 +168,7 @@ class CheckSampler:
         checked: how many of them were checked.
     """
 
-    def __init__(self, check: Any) -> None:
+    def __init__(self, check: CheckArg | CheckSampler | None) -> None:
         self.check: DivergenceCheck | None = (
             check.check if isinstance(check, CheckSampler) else resolve_check(check))
         self.calls = 0

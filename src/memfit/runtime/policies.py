@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,16 +69,8 @@ from memfit.ops import (
 )
 from memfit.planning.plan import OpPolicy
 
-__all__ = [
-    "Policy",
-    "recompute_all",
-    "save_matmuls",
-    "save_ops",
-    "save_keys",
-    "by_key",
-    "from_callable",
-    "resolve",
-]
+__all__ = ["Policy", "PolicyArg", "recompute_all", "save_matmuls", "save_ops", "save_keys", "by_key",
+           "from_callable", "resolve"]
 
 # Ops whose outputs save_matmuls keeps (memfit.ops: the planner's baseline saves the same).
 MATMUL_OPS = MATMUL_PACKETS
@@ -347,7 +339,11 @@ def from_callable(fn: Callable[..., Any]) -> Policy:
     return _FromCallable(fn)
 
 
-def resolve(policy: Any) -> Policy | None:
+#: What ``policy=`` takes: None (recompute all), a Policy, a torch-style function, op names.
+PolicyArg = Policy | Callable[..., Any] | Collection[Any] | None
+
+
+def resolve(policy: PolicyArg) -> Policy | None:
     """Turn what users pass as ``policy=`` into a :class:`Policy` (or None: recompute all).
 
     Accepts None, a Policy, a torch-style callable, or a collection of op names/overloads.

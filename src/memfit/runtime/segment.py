@@ -99,8 +99,9 @@ from memfit.errors import WrapError
 from memfit.runtime import checkpoint as _checkpoint
 from memfit.runtime import policies as _policies
 from memfit.runtime.bindings import watch_inputs
-from memfit.runtime.divergence import CheckSampler
+from memfit.runtime.divergence import CheckArg, CheckSampler
 from memfit.runtime.marks import SEGMENT_ATTR, is_wrapped, segment_mark, suspended
+from memfit.runtime.policies import PolicyArg
 from memfit.runtime.replay import OpenCheckpoint, Replay, ThreadState, map_tensors
 from memfit.runtime.segment_compiled import SegmentForward, SegmentTrace
 
@@ -312,9 +313,9 @@ def segment_of(module: nn.Module) -> SegmentHandle | None:
 def checkpoint_segment(
     parent: nn.Module,
     names_or_indices: Sequence[str | int],
-    policy: Any = None,
+    policy: PolicyArg = None,
     *,
-    check: bool | str | Any = True,
+    check: CheckArg = True,
     name: str | None = None,
     watch_buffers: bool | None = None,
 ) -> SegmentHandle:

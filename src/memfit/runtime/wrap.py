@@ -34,8 +34,9 @@ from memfit._torch import clear_display_name, set_display_name
 from memfit.errors import WrapError
 from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
-from memfit.runtime.divergence import CheckSampler
+from memfit.runtime.divergence import CheckArg, CheckSampler
 from memfit.runtime.marks import WRAP_ATTR, is_wrapped, segment_mark, suspended
+from memfit.runtime.policies import PolicyArg
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
 
@@ -97,7 +98,7 @@ class _WrappedName:
         return f"memfit.checkpoint({type(self.module).__name__})"
 
 
-def wrap(module: nn.Module, policy: Any = None, *, check: Any = True,
+def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
          name: str | None = None, watch_buffers: bool | None = None) -> nn.Module:
     """Checkpoint ``module`` in place: its activations are recomputed in backward.
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from memfit.planning.plan import Region
 
 if TYPE_CHECKING:
     from memfit.planning.candidates import PlanningContext  # noqa: F401  (for solver signatures)
 
-__all__ = ["Solution", "SOLVERS", "get_solver", "solver_names", "Infeasible", "refuse_offload"]
+__all__ = ["Solution", "SOLVERS", "SolverName", "get_solver", "solver_names", "Infeasible",
+           "refuse_offload"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class Infeasible(Exception):  # noqa: N818 - internal signal, turned into Infeas
 
 
 SolveFn = Callable[..., Solution]
+
+#: What ``solver=`` takes: the solvers, then the baselines (fixed plans); ``SOLVERS`` maps each.
+SolverName = Literal["auto", "chain", "milp", "greedy", "brute",
+                     "none", "every_block", "sqrt", "save_matmuls"]
 
 # name -> "module:function"; imported on first use (milp needs scipy)
 SOLVERS: dict[str, str] = {
