@@ -200,3 +200,16 @@ def test_fit_that_does_not_fit_names_the_largest_batch_that_does():
     assert e.value.memory is not None and e.value.memory.total_bytes > 5 * 2**20
     assert any(f.startswith("a batch of 2 ") for f in e.value.fits_with), e.value.fits_with
     assert not hasattr(model, "memfit_plan")  # nothing applied
+
+
+def test_fit_plans_a_meta_model_for_its_target_device():
+    with torch.device("meta"):
+        model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
+    x = torch.randint(0, 512, (2, 32))
+    memfit.fit(model, x, device_memory="80GiB", optimizer="adamw", target="h100")
+    mem = model.memfit_plan.memory
+    assert mem is not None and mem.reserve_bytes == 2**30 + 80 * 2**30 // 50  # a GPU's reserve
+    memfit.unapply(model)
+    with pytest.raises(ValueError, match="plans a model on the meta device"):
+        memfit.fit(zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=16), torch.zeros(1, 16, dtype=torch.long),
+                   budget="50%", target="h100")

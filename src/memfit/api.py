@@ -56,6 +56,7 @@ def fit(
     world_size: int | None = None,
     sharding: str = "none",
     reserve: int | str | None = None,
+    target: str | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -99,6 +100,10 @@ def fit(
             states]); ``world_size`` defaults to the process group's size, else 1.
         reserve: memory for the CUDA context and the allocator (NOTE [reserve]): bytes or a
             size; default 0 on a CPU, 1 GiB + 2% of ``device_memory`` on a GPU.
+        target: for a model on the meta device (profiled in fake mode), the device preset it
+            is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
+            kernels in fake mode]) and cost model; default ``"cpu"``. Refused for a model
+            with weights, which is profiled where it is.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -135,6 +140,10 @@ def fit(
     if tune and _on_meta(model):
         raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
                          "device; materialize the model or plan without tune")
+    if target is not None and target != "cpu" and not _on_meta(model):
+        raise ValueError(f"fit(target={target!r}) plans a model on the meta device for that "
+                         f"device; {type(model).__name__} has weights and is profiled where it is "
+                         "(move it to the device, or build it under torch.device('meta'))")
     if tune and budget is None:
         raise TypeError("fit(tune=True) measures plans against budget=: give budget")
     if tune and device_memory is not None:
@@ -160,7 +169,7 @@ def fit(
             mode = "fake" if _on_meta(model) else "measure"
             if mode == "measure":
                 warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
-            prof = profile(the_step, mode=mode)
+            prof = profile(the_step, mode=mode, target=target or "cpu")
             if tune:
                 from memfit.measuring.tuning import tune as measure_plans
 
@@ -187,7 +196,7 @@ def fit(
 
                     raise with_largest_batch(
                         e, sliced_maker(model, example_inputs), batch_of(example_inputs),
-                        loss_fn=loss_fn, solver=solver, device_memory=device_memory,
+                        loss_fn=loss_fn, solver=solver, target=target, device_memory=device_memory,
                         optimizer=optimizer, optimizer_state_dtype=optimizer_state_dtype,
                         master_weights=master_weights, world_size=world_size,
                         sharding=sharding, reserve=reserve) from None
