@@ -260,7 +260,8 @@ class PlanningContext:
     # -- chains --------------------------------------------------------------------------------
     @cached_property
     def chains(self) -> list[Chain]:
-        """Chains (NOTE [chains], NOTE [merged blocks]), longest-saving first."""
+        """Chains (NOTE [chains], NOTE [merged blocks]), the one whose cut points can part the
+        most saved bytes first (``chain_order_bytes``)."""
         prof = self.profile
         found: list[list[list[ModuleRecord]]] = []
         for m in prof.modules:
@@ -278,8 +279,17 @@ class PlanningContext:
             chains.append(Chain(run[0][0].parent or "", tuple(tuple(k.path for k in blk) for blk in run),
                                 tuple(int(blk[0].first_op) for blk in run),  # type: ignore[arg-type]
                                 tuple(int(blk[-1].last_op) for blk in run)))  # type: ignore[arg-type]
-        chains.sort(key=self.chain_saved_bytes, reverse=True)
+        chains.sort(key=self.chain_order_bytes, reverse=True)
         return chains
+
+    def chain_order_bytes(self, chain: Chain) -> int:
+        """Saved bytes of the chain outside its largest block: what its cut points can part.
+        A model ``nn.Sequential(features, head)`` is a chain of two blocks saving nearly all
+        bytes, one of which holds them all; ``features``' own chain of 21 blocks comes first."""
+        arrs = self.arrays
+        per_block = [int(arrs.nbytes[ids][arrs.saved[ids]].sum())
+                     for ids in (arrs.created_in(a, b) for a, b in zip(chain.first_ops, chain.last_ops, strict=True))]
+        return self.chain_saved_bytes(chain) - max(per_block)
 
     def _merged_runs(self, kids: list[ModuleRecord]) -> list[list[list[ModuleRecord]]]:
         """Runs of closed blocks over sibling records in call order (NOTE [merged blocks])."""
