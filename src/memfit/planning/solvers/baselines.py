@@ -6,8 +6,11 @@ raises ``NoBlocks`` instead of returning an empty plan that would pass for "no c
 
 NOTE [baseline blocks]
     The blocks of a baseline are the repeated units a person would checkpoint by hand:
-    1. the blocks of every chain (NOTE [chains] in ``memfit.planning.candidates``), a merged
-       block (NOTE [merged blocks] there: VGG's ``[conv, relu_]``) being one block;
+    1. the blocks of every chain (NOTE [chains] in ``memfit.planning.candidates``); merged
+       blocks (NOTE [merged blocks] there: VGG's ``[conv, relu_]``) only on the main chain
+       (``PlanningContext.chains[0]``), elsewhere the children of a merged block that are
+       regions alone: a stem's ``[conv, norm]`` is no repeated unit, its norm is (ResNet's
+       stem keeps the blocks it had before merged blocks);
     2. then the children of every other ``nn.ModuleList`` / ``nn.Sequential`` whose children
        are all of one class (repeated units, not a stem's conv, norm and activation), outermost
        container first, that ran once and drop something when checkpointed. The common loop
@@ -64,8 +67,8 @@ def block_runs(ctx: PlanningContext) -> list[list[Candidate]]:
         if run:
             runs.append(sorted(run, key=lambda c: c.a))
 
-    for ch in ctx.chains:  # rule 1
-        take(ch.blocks)
+    for q, ch in enumerate(ctx.chains):  # rule 1
+        take(ch.blocks if q == 0 else ((m,) for blk in ch.blocks for m in blk))
     containers = [m for m in recs.values() if m.type in CONTAINER_TYPES and m.children
                   and len({recs[c].type for c in m.children if c in recs}) == 1]
     containers.sort(key=lambda m: (m.path.count(".") if m.path else -1, m.first_op or 0))
