@@ -71,3 +71,22 @@ def test_sqrt_cuts_the_merged_blocks_into_segments(case) -> None:
     _, _, prof = case
     p = memfit.plan(prof, budget="100%", solver="sqrt")
     assert [r.name for r in p.regions] == ["0.0..0.5", "0.6..0.11", "0.12..0.16"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_zoo_chains_keep_their_single_module_blocks(name: str) -> None:
+    """GPT's and ResNet's main chains are what they were: one module per block; ResNet's stem
+    (conv, norm, relu) merges into a chain of its own, which the baselines do not take whole
+    (NOTE [baseline blocks]): every_block still checkpoints its norm and relu."""
+    from memfit import zoo
+
+    model = zoo.build(name)
+    prof = profile(model, zoo.example_inputs(model, batch=2), repeats=1)
+    ctx = PlanningContext(prof)
+    main = ctx.chains[0]
+    assert main.parent == ("blocks" if name == "gpt" else "layers")
+    assert all(len(blk) == 1 for blk in main.blocks)
+    if name == "resnet":
+        assert [c.blocks for c in ctx.chains[1:]] == [(("stem.0", "stem.1"), ("stem.2",))]
+        every = memfit.plan(prof, budget="100%", solver="every_block")
+        assert [r.name for r in every.regions] == ["stem.1", "stem.2", *main.modules(0, len(main.blocks) - 1)]

@@ -23,8 +23,13 @@ NOTE [merged blocks]
     rule of its own: a block of one child is the old block, and a container whose children
     all qualify alone gets the old chain. Children left over at the end (no useful block
     can be closed) end the chain; a run with parent code between two children is cut there.
-    ``[conv, relu_]`` becomes one block (the ReLU saves the conv's output, which the region
-    then drops and replays), a max-pool stays alone (it drops its indices).
+    ``[conv, relu_]`` becomes one block (the ReLU saves the conv's output, which the region's
+    frame then drops and replays); alone it lowers nothing, since the next conv saves that
+    output too (its constant on later blocks is the frame's generator state, > 0), but a
+    segment of several drops every output but its last. A max-pool stays alone (it drops its
+    indices). Only the main chain's merged blocks are baseline blocks (NOTE [baseline
+    blocks]); the MILP's plan space gains every merged block and segment whose op range no
+    module candidate has.
 """
 
 from __future__ import annotations
