@@ -22,7 +22,9 @@ NOTE [merged blocks]
     NOTE [chains] asks of a single-module block, so ``solvers.chain`` stays exact without a
     rule of its own: a block of one child is the old block, and a container whose children
     all qualify alone gets the old chain. Children left over at the end (no useful block
-    can be closed) end the chain; a run with parent code between two children is cut there.
+    can be closed) end the chain; a run with parent code between two children is cut there,
+    and a child whose input is written in place (NOTE [clobbered inputs]) ends the chain, as
+    before: no block can start with it.
     ``[conv, relu_]`` becomes one block (the ReLU saves the conv's output, which the region's
     frame then drops and replays); alone it lowers nothing, since the next conv saves that
     output too (its constant on later blocks is the frame's generator state, > 0), but a
@@ -322,6 +324,15 @@ class PlanningContext:
             elif open_ and self._parent_ops_between(int(last.last_op), int(k.first_op)):  # type: ignore[arg-type, union-attr]
                 open_ = []  # no block spans the parent's code (a segment's replay cannot)
             open_.append(k)
+            if self._clobbered(open_):
+                # its input is written in place (NOTE [clobbered inputs]): no block starts
+                # here, however long; the chain ends before it and may start again after
+                runs.append(run)
+                run = []
+                while open_ and self._clobbered(open_):
+                    open_ = open_[1:]
+                if not open_:
+                    continue
             if closes(open_):
                 run.append(open_)
                 open_ = []
