@@ -25,14 +25,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.profiling.costmodel import DevicePreset
 
-# NVIDIA V100 SXM2 16GB datasheet: FP32 15.7 TFLOPS, tensor 125 TFLOPS, HBM2 900 GB/s,
-# PCIe Gen3 32 GB/s both ways (NOTE [host link]: 0.8 x 16 GB/s each way).
-V100 = DevicePreset("v100", flops_per_s=125e12, fp32_flops_per_s=15.7e12,
-                    bandwidth_bytes_per_s=900e9, memory_bytes=16 << 30, op_overhead_s=5e-6,
-                    source="NVIDIA V100 datasheet, SXM2 16GB", host_link_bytes_per_s=12.8e9,
-                    asynchronous=True)
+# the "v100" preset of memfit.profiling.costmodel (NVIDIA V100 SXM2 16GB datasheet)
+TARGET = "v100"
 
 VGG19 = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
          512, 512, 512, 512, "M"]
@@ -70,7 +65,7 @@ def main() -> None:
                           ("memfit", "auto")):
         t0 = time.perf_counter()
         found = memfit.largest_batch(make, device_memory=args.device_memory, optimizer="sgd",
-                                     target=V100, solver=solver, reserve=0)  # type: ignore[arg-type]
+                                     target=TARGET, solver=solver, reserve=0)
         rows.append((label, found, time.perf_counter() - t0))
     base = rows[0][1].batch
     print(f"VGG19 {args.size}x{args.size} fp32, SGD, V100 preset, device memory "

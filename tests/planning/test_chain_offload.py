@@ -112,7 +112,7 @@ def test_link_windows_tile_the_forward_and_the_backward():
     shared by the offloading blocks, the others get none and the total is unchanged."""
     prof = chain_profile([residual_block([256, 64], times=[8 * TICK, TICK])] * 4)
     ctx = PlanningContext(prof, offload=OffloadSpec(2.0**20))
-    blocks = [ctx.candidate((b,)) for b in ctx.chains[0].blocks]
+    blocks = [ctx.candidate(b) for b in ctx.chains[0].blocks]
     a = [c.a for c in blocks]
     fwd_hi = [a[k + 1] - 1 for k in range(3)] + [blocks[-1].b]
     rp = [c.rp for c in blocks]

@@ -141,7 +141,7 @@ def test_large_blocks_keep_recompute_all_and_beat_baselines():
     # decoder blocks have more than ENUM_LIMIT saveable ops (the knapsack-frontier path)
     prof = decoder_profile(4, param_bytes=512)
     ctx = PlanningContext(prof)
-    assert max(len(ctx.candidate((b,)).choices) for b in ctx.chains[0].blocks) > chain.ENUM_LIMIT
+    assert max(len(ctx.candidate(b).choices) for b in ctx.chains[0].blocks) > chain.ENUM_LIMIT
     for name in ("every_block", "save_matmuls"):
         base = get_solver(name)(ctx, 0)
         sim = simulate(prof, Plan(base.regions, 0, 0.0, None, "t", ""))

@@ -126,7 +126,7 @@ def test_roofline_cost_model() -> None:
     # fp32 math uses the fp32 peak; a view is free.
     assert op_time_s(flops, 0, "float32", h100) == pytest.approx(flops / 67e12 + 4e-6, rel=1e-12)
     assert op_time_s(0, 0, "float32", h100) == 0.0
-    assert set(PRESETS) == {"cpu", "a100", "h100", "h200"}
+    assert set(PRESETS) == {"cpu", "v100", "a100", "h100", "h200"}
     with pytest.raises(ValueError, match="known device presets"):
         preset("tpu")
 

@@ -292,6 +292,12 @@ SM86 = CudaArch("sm86", 8, 6)
      "training with head dim 256"),
     ("sm86 inference d 256", _call((1, 4, 128, 256), dropout=0.1, grad=False), SM86,
      Backend.FLASH, None),
+    # a V100 (sm70): no flash, no cuDNN; memory-efficient in fp16 (head dims multiples of 8)
+    # and fp32 (any head dim: no tensor cores), not in bf16
+    ("v100 fp16", _call((1, 8, 128, 64), torch.float16), "v100", Backend.EFFICIENT, "sm70"),
+    ("v100 fp16 d 60", _call((1, 8, 128, 60), torch.float16), "v100", Backend.MATH, "sm70"),
+    ("v100 fp32 d 60", _call((1, 8, 128, 60), torch.float32), "v100", Backend.EFFICIENT, "sm70"),
+    ("v100 bf16", _call((1, 8, 128, 64)), "v100", Backend.MATH, "sm70"),
 ])
 def test_rule_table(case: str, call: SdpaCall, arch: str | CudaArch, backend: Backend,
                     flash_says: str | None) -> None:

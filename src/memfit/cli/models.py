@@ -26,7 +26,7 @@ __all__ = ["UsageError", "LoadedModel", "load_model", "parse_shape", "parse_dtyp
 UsageError = ModelSpecError
 
 # ---- shared command-line arguments ----------------------------------------------------------
-TARGETS = ("cpu", "a100", "h100", "h200")
+TARGETS = ("cpu", "v100", "a100", "h100", "h200")
 
 
 def add_model_arguments(parser: Any, *, target: bool = False) -> None:

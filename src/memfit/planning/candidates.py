@@ -7,6 +7,31 @@ NOTE [chains]
     connection jumps over a block. Every block must be a useful region (it drops something).
     On a chain, the memory effect of each block lives in its own forward, its own backward,
     and as a constant in between, which is what makes ``solvers.chain`` exact.
+
+NOTE [merged blocks]
+    A flat ``nn.Sequential`` of layers (VGG's ``features``: conv, in-place ReLU, conv, ...,
+    max-pool) has no chain of single children: a conv alone drops nothing (it saves only its
+    input and weight), an in-place ReLU alone has its input written in place, and the conv's
+    output, written by the ReLU, is read by the next conv, one child too far. So a chain block
+    is a run of consecutive children (``Chain.blocks[k]``, its modules in call order), formed
+    left to right: a child joins the open block while that block is not yet a useful region,
+    or while the chain condition fails between the block before and it (something the block
+    before created is read after the open block's end). A block is closed once it is useful
+    and the condition holds; each closed block is a segment candidate of its own (the
+    runtime applies a multi-module region as a chain segment) and satisfies exactly what
+    NOTE [chains] asks of a single-module block, so ``solvers.chain`` stays exact without a
+    rule of its own: a block of one child is the old block, and a container whose children
+    all qualify alone gets the old chain. Children left over at the end (no useful block
+    can be closed) end the chain; a run with parent code between two children is cut there,
+    and a child whose input is written in place (NOTE [clobbered inputs]) ends the chain, as
+    before: no block can start with it.
+    ``[conv, relu_]`` becomes one block (the ReLU saves the conv's output, which the region's
+    frame then drops and replays); alone it lowers nothing, since the next conv saves that
+    output too (its constant on later blocks is the frame's generator state, > 0), but a
+    segment of several drops every output but its last. A max-pool stays alone (it drops its
+    indices). Only the main chain's merged blocks are baseline blocks (NOTE [baseline
+    blocks]); the MILP's plan space gains every merged block and segment whose op range no
+    module candidate has.
 """
 
 from __future__ import annotations
@@ -115,12 +140,21 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Chain:
-    """Blocks of a chain (NOTE [chains]) and their forward op ranges."""
+    """Blocks of a chain (NOTE [chains]) and their forward op ranges; a block is one child of
+    the parent or a run of consecutive children (NOTE [merged blocks])."""
 
     parent: str
-    blocks: tuple[str, ...]
+    blocks: tuple[tuple[str, ...], ...]
     first_ops: tuple[int, ...]
     last_ops: tuple[int, ...]
+
+    def modules(self, k: int, j: int | None = None) -> tuple[str, ...]:
+        """The modules of blocks ``k..j`` (``j`` defaults to ``k``), in call order."""
+        return tuple(m for blk in self.blocks[k: (k if j is None else j) + 1] for m in blk)
+
+    def name(self, k: int) -> str:
+        blk = self.blocks[k]
+        return blk[0] if len(blk) == 1 else f"{blk[0]}..{blk[-1]}"
 
 
 class PlanningContext:
@@ -233,45 +267,92 @@ class PlanningContext:
     # -- chains --------------------------------------------------------------------------------
     @cached_property
     def chains(self) -> list[Chain]:
-        """Chains (NOTE [chains]), longest-saving first."""
+        """Chains (NOTE [chains], NOTE [merged blocks]), the one whose cut points can part the
+        most saved bytes first (``chain_order_bytes``)."""
         prof = self.profile
-        arrs = self.arrays
-        found = []
+        found: list[list[list[ModuleRecord]]] = []
         for m in prof.modules:
             if m.type not in CONTAINER_TYPES or len(m.children) < 2:
                 continue
             kids = [prof.modules[self._index[c]] for c in m.children if c in self._index]
             kids = [k for k in kids if k.calls == 1 and k.first_op is not None]
             kids.sort(key=lambda k: k.first_op)  # type: ignore[arg-type, return-value]
-            run: list = []
-            for k in kids:
-                ok = self.candidate((k.path,)) is not None
-                if run and ok:
-                    prev = run[-1]
-                    if k.first_op <= prev.last_op:  # type: ignore[operator]
-                        ok = False
-                    else:
-                        # what prev-of-prev created must not be read after this block... checked
-                        # as: storages created from prev's start up to k's start end by k's end
-                        ids = arrs.created_in(prev.first_op, k.first_op - 1)  # type: ignore[operator]
-                        if ids.size and int(arrs.lfu[ids].max()) > k.last_op:  # type: ignore[operator]
-                            found.append(run)
-                            run = []
-                if ok:
-                    run.append(k)
-                else:
-                    found.append(run)
-                    run = []
-            found.append(run)
+            found.extend(self._merged_runs(kids))
         chains = []
         for run in found:
             if len(run) < 2:
                 continue
             # the last block's output may be read anywhere later; earlier blocks checked above
-            chains.append(Chain(run[0].parent or "", tuple(k.path for k in run),
-                                tuple(int(k.first_op) for k in run), tuple(int(k.last_op) for k in run)))
-        chains.sort(key=self.chain_saved_bytes, reverse=True)
+            chains.append(Chain(run[0][0].parent or "", tuple(tuple(k.path for k in blk) for blk in run),
+                                tuple(int(blk[0].first_op) for blk in run),  # type: ignore[arg-type]
+                                tuple(int(blk[-1].last_op) for blk in run)))  # type: ignore[arg-type]
+        chains.sort(key=self.chain_order_bytes, reverse=True)
         return chains
+
+    def chain_order_bytes(self, chain: Chain) -> int:
+        """Saved bytes of the chain outside its largest block: what its cut points can part.
+        A model ``nn.Sequential(features, head)`` is a chain of two blocks saving nearly all
+        bytes, one of which holds them all; ``features``' own chain of 21 blocks comes first."""
+        arrs = self.arrays
+        per_block = [int(arrs.nbytes[ids][arrs.saved[ids]].sum())
+                     for ids in (arrs.created_in(a, b) for a, b in zip(chain.first_ops, chain.last_ops, strict=True))]
+        return self.chain_saved_bytes(chain) - max(per_block)
+
+    def _merged_runs(self, kids: list[ModuleRecord]) -> list[list[list[ModuleRecord]]]:
+        """Runs of closed blocks over sibling records in call order (NOTE [merged blocks])."""
+        arrs = self.arrays
+        runs: list[list[list[ModuleRecord]]] = []
+        run: list[list[ModuleRecord]] = []  # closed blocks
+        open_: list[ModuleRecord] = []
+
+        def closes(blk: list[ModuleRecord]) -> bool:
+            if self.candidate(tuple(k.path for k in blk)) is None:
+                return False
+            if not run:
+                return True
+            prev = run[-1]
+            # what the block before (and the parent's code after it) created is read by
+            # nothing after this block
+            ids = arrs.created_in(int(prev[0].first_op), int(blk[0].first_op) - 1)  # type: ignore[arg-type]
+            return not (ids.size and int(arrs.lfu[ids].max()) > int(blk[-1].last_op))  # type: ignore[arg-type]
+
+        for k in kids:
+            last = open_[-1] if open_ else (run[-1][-1] if run else None)
+            if last is not None and k.first_op <= last.last_op:  # type: ignore[operator]
+                runs.append(run)  # not one after another: the chain ends here
+                run, open_ = [], []
+            elif open_ and self._parent_ops_between(int(last.last_op), int(k.first_op)):  # type: ignore[arg-type, union-attr]
+                open_ = []  # no block spans the parent's code (a segment's replay cannot)
+            open_.append(k)
+            if self._clobbered(open_):
+                # its input is written in place (NOTE [clobbered inputs]): no block starts
+                # here, however long; the chain ends before it and may start again after
+                runs.append(run)
+                run = []
+                while open_ and self._clobbered(open_):
+                    open_ = open_[1:]
+                if not open_:
+                    continue
+            if closes(open_):
+                run.append(open_)
+                open_ = []
+                continue
+            if not run or self.candidate(tuple(c.path for c in open_)) is None:
+                continue
+            # useful, but the block before is read past it: try the two as one block
+            merged = run[-1] + open_
+            if self.candidate(tuple(c.path for c in merged)) is None:
+                runs.append(run)  # they cannot be one region (parent code between): a new chain
+                run, open_ = [open_], []
+                continue
+            run.pop()
+            if closes(merged):
+                run.append(merged)
+                open_ = []
+            else:
+                open_ = merged
+        runs.append(run)
+        return runs
 
     def chain_saved_bytes(self, chain: Chain) -> int:
         """Autograd-saved activation bytes created by the chain's ops."""
@@ -286,7 +367,7 @@ class PlanningContext:
 
     def chain_droppable_share(self, chain: Chain) -> float:
         """Share of the bytes any candidate region could drop that the chain's regions drop."""
-        in_chain = self._dropped_ids(chain.blocks)
+        in_chain = self._dropped_ids(chain.modules(0, len(chain.blocks) - 1))
         every = set(in_chain)
         for c in self.module_candidates:
             every |= set(c.model.ids[c.model.dropped].tolist())
@@ -307,7 +388,7 @@ class PlanningContext:
         out = []
         for k in range(n):
             for j in range(k + 1, min(n, k + cap)):
-                c = self.candidate(chain.blocks[k: j + 1], with_ops=False)
+                c = self.candidate(chain.modules(k, j), with_ops=False)
                 if c is not None:
                     out.append(c)
         return out
@@ -338,8 +419,17 @@ class PlanningContext:
         """Module candidates plus chain segments, indexed 0..R-1 (the MILP/brute plan space)."""
         cands = list(self.module_candidates)
         if segments:
+            seen = {(c.a, c.b) for c in cands}
             for ch in self.chains:
-                cands.extend(self.segment_candidates(ch))
+                if all(len(blk) == 1 for blk in ch.blocks):
+                    cands.extend(self.segment_candidates(ch))
+                    continue
+                # merged blocks (NOTE [merged blocks]) are regions too; a segment with the op
+                # range of a module already offered (a container's whole run) is that module
+                for c in [self.candidate(blk) for blk in ch.blocks if len(blk) > 1] + self.segment_candidates(ch):
+                    if c is not None and (c.a, c.b) not in seen:
+                        seen.add((c.a, c.b))
+                        cands.append(c)
         return indexed(cands)
 
 

@@ -59,7 +59,7 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: s
             target it is a no-op, logged and noted in the plan: a CPU has no host link.
         host_budget: with ``offload``, the most host memory the plan may hold: int bytes or a
             size (``"64GiB"``); default ``None``: no cap.
-        target: the device preset whose host link times the copies (``"a100"``, ``"h100"``,
+        target: the device preset whose host link times the copies (``"v100"``, ``"a100"``, ``"h100"``,
             ``"h200"``); default: the profile's own (its fake-mode target). Needed for a
             profile measured on a GPU.
         job: the device and what else the job keeps on it (``memfit.planning.job.JobSpec``;

@@ -19,6 +19,7 @@ __all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "calibrate_cpu", "p
 
 class Target(str, enum.Enum):
     CPU = "cpu"
+    V100 = "v100"
     A100 = "a100"
     H100 = "h100"
     H200 = "h200"
@@ -75,6 +76,13 @@ PRESETS: dict[str, DevicePreset] = {
     "cpu": DevicePreset("cpu", flops_per_s=438e9, fp32_flops_per_s=200e9,
                         bandwidth_bytes_per_s=49 * _GB, memory_bytes=0, op_overhead_s=5e-6,
                         source="calibrate_cpu() on the dev machine, 2026-11-30, 2 threads"),
+    # NVIDIA V100 Tensor Core GPU datasheet (SXM2 16GB): FP16 tensor 125 TFLOPS (Volta has no
+    # bf16; half precision runs on its tensor cores), FP32 15.7 TFLOPS, HBM2 900 GB/s, 16 GiB
+    # (four 4 GiB stacks), PCIe Gen3 32 GB/s (NOTE [host link]: 12.8 GB/s each way).
+    "v100": DevicePreset("v100", flops_per_s=125 * _T, fp32_flops_per_s=15.7 * _T,
+                         bandwidth_bytes_per_s=900 * _GB, memory_bytes=16 << 30,
+                         op_overhead_s=5e-6, source="NVIDIA V100 datasheet, SXM2 16GB",
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 32 * _GB / 2, asynchronous=True),
     # NVIDIA A100 Tensor Core GPU datasheet (2020/2021, SXM4 80GB): BF16 tensor core 312
     # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s, PCIe Gen4 64 GB/s
     # (NOTE [host link]).
@@ -98,7 +106,7 @@ PRESETS: dict[str, DevicePreset] = {
 
 
 def preset(target: str | DevicePreset) -> DevicePreset:
-    """The preset for a target name (``"cpu"``, ``"a100"``, ``"h100"``, ``"h200"``).
+    """The preset for a target name (``"cpu"``, ``"v100"``, ``"a100"``, ``"h100"``, ``"h200"``).
 
     Example:
         >>> preset("h100").bandwidth_bytes_per_s

@@ -8,7 +8,7 @@ NOTE [CUDA kernels in fake mode]
     Fake tensors of device "cuda" would take the CUDA branches, but this CPU-only torch
     aborts the process on the first autograd node over one (``InputMetadata`` asks for a CUDA
     device guard: "PyTorch is not linked with support for cuda devices"), so for a CUDA target
-    (``CUDA_ARCHS``: a100, h100, h200) the trace runs under :class:`CudaKernels`, a
+    (``CUDA_ARCHS``: v100, a100, h100, h200) the trace runs under :class:`CudaKernels`, a
     ``TorchFunctionMode`` that calls the CUDA branch of those composites itself, with the
     real aten ops and their meta kernels; autograd saves and differentiates them as on CUDA.
     Measured against the CPU branch (torch 2.13):

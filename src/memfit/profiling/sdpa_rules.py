@@ -40,7 +40,9 @@ NOTE [SDPA backend choice]
     5. Math: whenever enabled. It upcasts fp16/bf16 to fp32 (unless
        ``allow_fp16_bf16_reduction_math_sdp``) and saves the (b, heads, s_q, s_k) softmax.
 
-    Consequence: on an A100 or H100, bf16/fp16 attention without a mask runs flash (it saves
+    Consequence: on a V100 (sm70) attention runs memory-efficient in fp16 or fp32 (flash and
+    cuDNN need sm80; bf16 takes the math fallback), with fp32 head dims of any alignment (no
+    tensor cores) and fp16 ones multiples of 8. On an A100 or H100, bf16/fp16 attention without a mask runs flash (it saves
     q, k, v, the output and a (b, heads, s_q) fp32 logsumexp, no s_q x s_k matrix); with a
     mask, or in fp32, memory-efficient (logsumexp padded to 32 queries); head dims flash and
     efficient both refuse (260 in bf16: above 256 and not a multiple of 8) fall back to math.
@@ -86,6 +88,7 @@ class CudaArch:
 
 
 CUDA_ARCHS: dict[str, CudaArch] = {
+    "v100": CudaArch("v100", 7, 0),   # sm70: no flash, no cuDNN attention, no bf16
     "a100": CudaArch("a100", 8, 0),   # sm80
     "h100": CudaArch("h100", 9, 0),   # sm90
     "h200": CudaArch("h200", 9, 0),   # sm90

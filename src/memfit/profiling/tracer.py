@@ -178,7 +178,7 @@ def profile(
             (medians; NOTE [traced op times]); default 3, two timing runs (the profile costs
             about 4.5 plain steps: 4.4x in a benchmark run of the zoo GPT 8x512).
             1: the traced run's own op times, which run slow.
-        target: device preset of the cost model in fake mode (``"cpu"``, ``"a100"``,
+        target: device preset of the cost model in fake mode (``"cpu"``, ``"v100"``, ``"a100"``,
             ``"h100"``, ``"h200"``); a GPU preset also traces the dropout and attention
             kernels that GPU runs (NOTE [CUDA kernels in fake mode]); ignored in measure mode.
 

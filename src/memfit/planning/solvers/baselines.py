@@ -6,7 +6,11 @@ raises ``NoBlocks`` instead of returning an empty plan that would pass for "no c
 
 NOTE [baseline blocks]
     The blocks of a baseline are the repeated units a person would checkpoint by hand:
-    1. the blocks of every chain (NOTE [chains] in ``memfit.planning.candidates``);
+    1. the blocks of every chain (NOTE [chains] in ``memfit.planning.candidates``); merged
+       blocks (NOTE [merged blocks] there: VGG's ``[conv, relu_]``) only on the main chain
+       (``PlanningContext.chains[0]``), elsewhere the children of a merged block that are
+       regions alone: a stem's ``[conv, norm]`` is no repeated unit, its norm is (ResNet's
+       stem keeps the blocks it had before merged blocks);
     2. then the children of every other ``nn.ModuleList`` / ``nn.Sequential`` whose children
        are all of one class (repeated units, not a stem's conv, norm and activation), outermost
        container first, that ran once and drop something when checkpointed. The common loop
@@ -47,15 +51,15 @@ def block_runs(ctx: PlanningContext) -> list[list[Candidate]]:
     def overlaps(a: int, b: int) -> bool:
         return any(a <= hi and lo <= b for lo, hi in spans)
 
-    def take(paths: Iterable[str]) -> None:
+    def take(blocks: Iterable[tuple[str, ...]]) -> None:
         run = []
-        for path in paths:
-            rec = recs.get(path)
-            if rec is None or rec.calls != 1 or rec.first_op is None or rec.last_op is None:
+        for blk in blocks:
+            got = [recs.get(path) for path in blk]
+            if any(r is None or r.calls != 1 or r.first_op is None or r.last_op is None for r in got):
                 continue
-            if overlaps(rec.first_op, rec.last_op):
+            if overlaps(got[0].first_op, got[-1].last_op):  # type: ignore[arg-type, union-attr]
                 continue
-            c = ctx.candidate((path,))
+            c = ctx.candidate(blk)
             if c is None or overlaps(c.a, c.b):
                 continue
             run.append(c)
@@ -63,15 +67,15 @@ def block_runs(ctx: PlanningContext) -> list[list[Candidate]]:
         if run:
             runs.append(sorted(run, key=lambda c: c.a))
 
-    for ch in ctx.chains:  # rule 1
-        take(ch.blocks)
+    for q, ch in enumerate(ctx.chains):  # rule 1
+        take(ch.blocks if q == 0 else ((m,) for blk in ch.blocks for m in blk))
     containers = [m for m in recs.values() if m.type in CONTAINER_TYPES and m.children
                   and len({recs[c].type for c in m.children if c in recs}) == 1]
     containers.sort(key=lambda m: (m.path.count(".") if m.path else -1, m.first_op or 0))
     for m in containers:  # rule 2, outermost first
-        take(m.children)
+        take((c,) for c in m.children)
     if not runs:  # rule 4
-        take(m.path for m in recs.values() if m.parent == "")
+        take((m.path,) for m in recs.values() if m.parent == "")
     return sorted(runs, key=lambda run: run[0].a)
 
 
@@ -110,7 +114,7 @@ def solve_sqrt(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float =
     """Chen et al. 2016: the main chain cut into about sqrt(n) segments of sqrt(n) blocks
     (without a chain, the blocks of NOTE [baseline blocks], run by run)."""
     if ctx.chains:
-        runs = [[c for c in (ctx.candidate((b,)) for b in ctx.chains[0].blocks) if c is not None]]
+        runs = [[c for c in (ctx.candidate(b) for b in ctx.chains[0].blocks) if c is not None]]
     else:
         runs = block_runs(ctx)
     n = sum(len(run) for run in runs)
@@ -122,7 +126,8 @@ def solve_sqrt(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float =
     for run in runs:
         for k in range(0, len(run), s):
             group = run[k: k + s]
-            seg = ctx.candidate(tuple(c.modules[0] for c in group), with_ops=False) if len(group) > 1 else None
+            seg = (ctx.candidate(tuple(m for c in group for m in c.modules), with_ops=False)
+                   if len(group) > 1 else None)
             if seg is not None:
                 regions.append(seg.region())
                 continue

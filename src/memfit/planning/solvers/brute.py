@@ -44,7 +44,7 @@ def _chain_space(ctx: PlanningContext) -> tuple[list[Candidate], Iterator[Choice
     at: dict[tuple[int, int], int] = {}
     for k in range(n):
         for j in range(k, min(n, k + cap)):
-            c = ctx.candidate(chain.blocks[k: j + 1], with_ops=(k == j))
+            c = ctx.candidate(chain.modules(k, j), with_ops=(k == j))
             if c is not None:
                 at[(k, j)] = len(raw)
                 raw.append(c)

@@ -86,7 +86,7 @@ class ChainModel:
         self.n = n
         self.notes: list[str] = []
         self.exact = True
-        cands = [ctx.candidate((b,)) for b in chain.blocks]
+        cands = [ctx.candidate(blk) for blk in chain.blocks]
         if any(c is None for c in cands):
             raise NotAChain(f"chain {chain.parent!r} has a block that drops nothing")
         self.blocks: list[Candidate] = cands  # type: ignore[assignment]
@@ -112,7 +112,7 @@ class ChainModel:
                 self.choices_by_end[k].extend(self._nested_choices(k))
         for k in range(n):
             for j in range(k + 1, min(n, k + self.cap)):
-                seg = ctx.candidate(chain.blocks[k: j + 1], with_ops=False)
+                seg = ctx.candidate(chain.modules(k, j), with_ops=False)
                 if seg is None:
                     continue
                 vec, base, D = self._eval(seg.base, seg, k, j)
@@ -186,7 +186,9 @@ class ChainModel:
         hi = self.bwd_hi[k]
         lo = self.a[k]
         pos = self._local_positions(k, k)
-        out = []
+        out: list[_Choice] = []
+        if len(cand.modules) > 1:  # a merged block (NOTE [merged blocks]): no nesting inside
+            return out
         for inner in self.ctx.inner_candidates(cand.modules[0]):
             nm = NestedModel(arrs, cand.model, [inner])
             if nm.last_point > hi:

@@ -310,7 +310,7 @@ def solve_offload(ctx: PlanningContext, budget_bytes: int, chain: Chain, *, nest
 
 def _solve_at(ctx: PlanningContext, budget_bytes: int, chain: Chain, shift: float, using: frozenset[int] | None,
               price: float, nested: bool) -> tuple[Solution, int, frozenset[int]]:
-    blocks = [ctx.candidate((b,)) for b in chain.blocks]
+    blocks = [ctx.candidate(blk) for blk in chain.blocks]
     a = [c.a for c in blocks]  # type: ignore[union-attr]
     fwd_hi = [a[k + 1] - 1 for k in range(len(a) - 1)] + [blocks[-1].b]  # type: ignore[union-attr]
     rp = [c.rp for c in blocks]  # type: ignore[union-attr]
@@ -340,8 +340,8 @@ def _within_cap(ctx: PlanningContext, budget_bytes: int, chain: Chain, shift: fl
         return sol, offloading
     # a price at which no offload pays: above every op's recompute seconds per byte copied
     ratios = [1e-30]
-    for b in chain.blocks:
-        cand = ctx.candidate((b,))
+    for blk in chain.blocks:
+        cand = ctx.candidate(blk)
         ratios += [-c.effect.time_s / c.copy.nbytes for c in (cand.choices if cand is not None else ())
                    if c.policy is OpPolicy.OFFLOAD and c.copy is not None and c.copy.nbytes > 0]
     lo, hi = 0.0, 2.0 * max(ratios)
