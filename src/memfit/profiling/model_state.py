@@ -14,7 +14,7 @@ import torch
 
 from memfit.profiling.profile import ParameterRecord
 
-__all__ = ["describe_parameters", "buffer_bytes", "dtype_name"]
+__all__ = ["describe_parameters", "buffer_bytes", "dtype_name", "local_part"]
 
 
 def describe_parameters(model: torch.nn.Module) -> tuple[ParameterRecord, ...]:
@@ -26,7 +26,7 @@ def describe_parameters(model: torch.nn.Module) -> tuple[ParameterRecord, ...]:
     """
     out = []
     for name, p in model.named_parameters():
-        local = _local(p)
+        local = local_part(p)
         out.append(ParameterRecord(name, tuple(local.shape), dtype_name(local.dtype),
                                    local.numel() * local.element_size(), bool(p.requires_grad),
                                    local is not p))
@@ -38,7 +38,7 @@ def buffer_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for b in model.buffers():
-        local = _local(b)
+        local = local_part(b)
         key = id(local.untyped_storage()) if local.device.type != "meta" else id(local)
         if key in seen:
             continue
@@ -52,7 +52,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """This process's part of ``t``: a DTensor's local shard, else ``t``."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t

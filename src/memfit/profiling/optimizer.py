@@ -31,7 +31,7 @@ import torch
 
 from memfit.planning.job import OptimizerMemory
 from memfit.profiling.fake import new_fake_mode
-from memfit.profiling.model_state import dtype_name
+from memfit.profiling.model_state import dtype_name, local_part
 from memfit.profiling.profile import ParameterRecord, StorageKind
 from memfit.profiling.storages import LiveStorages, storage_of
 
@@ -125,7 +125,7 @@ def _recipe(optimizer: torch.optim.Optimizer | str, parameters: Sequence[Paramet
                         f"({sorted(OPTIMIZER_NAMES)}) or None, got {type(optimizer).__name__}")
     groups = []
     for g in optimizer.param_groups:
-        params = [(tuple(_local(p).shape), _local(p).dtype) for p in g["params"] if p.requires_grad]
+        params = [(tuple(local_part(p).shape), local_part(p).dtype) for p in g["params"] if p.requires_grad]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
     return type(optimizer), groups, type(optimizer).__name__
 
@@ -170,7 +170,3 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
         raise ValueError(f"unknown dtype {value!r}; give e.g. 'bfloat16' or 'float32'")
     return dt
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
