@@ -26,6 +26,16 @@ NOTE [chain DP]
     checked; where it is not, its maximum there is used (conservative) and a note says so.
     With offload, a block's choices also offload ops and pay a link charge of their own
     (NOTE [chain DP with offload] in ``memfit.planning.solvers.chain_offload``).
+
+NOTE [state cap]
+    The ``(P, time)`` frontier at a boundary grows about linearly with the blocks before it
+    (some 250 states per Llama layer), so the DP's work grows with the square of the depth. Past
+    ``STATE_CAP`` states at one boundary the frontier is cut to the fastest state of each of
+    ``STATE_CAP`` equal bands of ``P``, plus the smallest ``P``. Every kept state is exact, and
+    feasibility is monotone in ``P`` (NOTE [suffix peaks]), so a budget some plan fits is never
+    lost and every plan returned fits; only the time may exceed the optimum, by what a band's
+    slack of kept bytes is worth. Chains of up to some 60 blocks never reach the cap; the plan
+    notes when it was cut.
 """
 
 from __future__ import annotations
@@ -43,12 +53,18 @@ from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution, refuse_offload
 
-__all__ = ["solve", "ChainModel", "ENUM_LIMIT"]
+__all__ = ["solve", "ChainModel", "chain_model", "suffix_peaks", "ENUM_LIMIT"]
 
 log = logging.getLogger(__name__)
 
 ENUM_LIMIT = 10      # enumerate all save sets of a block with at most this many saveable ops
 KNAPSACK_CAP = 48    # else keep at most this many points of the knapsack frontier
+STATE_CAP = 16_384   # DP states kept per block boundary (NOTE [state cap])
+
+
+CAPPED_NOTE = (f"chain: more than {STATE_CAP} DP states at a block boundary; the fastest of each "
+               "of that many bands of kept bytes was kept (NOTE [state cap]): the plan fits, its "
+               "recompute may be slightly above the optimum")
 
 
 class NotAChain(ValueError):
@@ -118,6 +134,12 @@ class ChainModel:
                 vec, base, D = self._eval(seg.base, seg, k, j)
                 M = int((base + vec).max())
                 self.choices_by_end[j].append(_Choice(k, j, seg, (), M, D, seg.time_s))
+        self.choices: list[_Choice] = [c for chs in self.choices_by_end for c in chs]
+        self.starting_at: list[list[int]] = [[] for _ in range(n)]
+        for q, c in enumerate(self.choices):
+            self.starting_at[c.k].append(q)
+        self.memo: dict[str, Any] = {}  # NOTE [suffix peaks]
+        self.last_capped = False  # whether the last run_dp capped its states (NOTE [state cap])
 
     # -- local evaluation ----------------------------------------------------------------------
     def _local_positions(self, k: int, j: int) -> np.ndarray:
@@ -260,14 +282,72 @@ def _knapsack_masks(d: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.array([[(m >> q) & 1 for q in range(J)] for _, _, m in front], dtype=np.int64)
 
 
-def _prune(P: np.ndarray, V: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Keep rows not dominated in (P, V), both minimised (ties: the first)."""
-    order = np.lexsort((V, P))
+def _prune(P: np.ndarray, V: np.ndarray, *rest: np.ndarray, cap: int | None = None) -> tuple[np.ndarray, ...]:
+    """Keep rows not dominated in (P, V), both minimised (ties: the first); past ``cap`` rows,
+    the fastest row of each of ``cap`` equal bands of ``P`` and the smallest ``P`` (NOTE
+    [state cap])."""
+    # the rows come in runs sorted by P (a state set plus one choice's constant): a stable sort
+    # merges them fast; rows of equal P keep their order, so an exact tie keeps the first row
+    order = np.argsort(P, kind="stable")
     P, V = P[order], V[order]
     best = np.minimum.accumulate(V)
     keep = np.ones(P.size, dtype=bool)
     keep[1:] = V[1:] < best[:-1]
-    return (P[keep], V[keep], *(r[order][keep] for r in rest))
+    keep[:-1] &= ~(keep[1:] & (P[1:] == P[:-1]))  # equal P: only the fastest
+    idx = order[keep]
+    P, V = P[keep], V[keep]
+    if cap is not None and P.size > cap:
+        # on the frontier V falls as P grows: a band's fastest row is its last
+        band = ((P - P[0]).astype(np.float64) * (cap / (float(P[-1] - P[0]) + 1.0))).astype(np.int64)
+        last = np.ones(P.size, dtype=bool)
+        last[:-1] = band[1:] != band[:-1]
+        last[0] = True  # the smallest P: feasibility is monotone in P (NOTE [suffix peaks])
+        idx, P, V = idx[last], P[last], V[last]
+    return (P, V, *(r[idx] for r in rest))
+
+
+def suffix_peaks(model: ChainModel) -> tuple[list[int], list[int]]:
+    """NOTE [suffix peaks] ``R[j]``: the least peak of blocks ``j..n-1`` and the tail, counted
+    from a kept-bytes total of 0 at boundary ``j``, over every choice sequence; and the choice
+    (an index into ``model.choices``) that starts a sequence reaching it.
+
+    ``R[n]`` is the tail's peak and ``R[j] = min over choices c from j of max(M_c, D_c +
+    R[end_c + 1])``: one pass over the choices, no states. A DP state ``(P, time)`` at boundary
+    ``j`` can be completed within budget ``B`` iff ``P + R[j] <= B`` (the peak of a completion
+    is ``P`` plus its peak from 0), so states failing that are dropped (exact), and the chain's
+    least peak is ``max(outside peak, R[0])``, found without the ``(P, peak)`` state DP.
+    """
+    memo = model.memo.get("suffix")
+    if memo is not None:
+        return memo
+    n = model.n
+    R = [0] * (n + 1)
+    arg = [-1] * (n + 1)
+    R[n] = model.tail_peak
+    for j in range(n - 1, -1, -1):
+        best, best_t, pick = None, 0.0, -1
+        for q in model.starting_at[j]:
+            c = model.choices[q]
+            r = max(c.M, c.D + R[c.j + 1])
+            if best is None or r < best or (r == best and c.T < best_t):
+                best, best_t, pick = r, c.T, q
+        if best is None:
+            raise AssertionError(f"chain block {j} has no choice")
+        R[j], arg[j] = best, pick
+    model.memo["suffix"] = (R, arg)
+    return R, arg
+
+
+def min_peak_choices(model: ChainModel) -> tuple[list[_Choice], int, float]:
+    """The least-peak choice sequence (NOTE [suffix peaks]): (choices, peak, seconds)."""
+    R, arg = suffix_peaks(model)
+    chosen: list[_Choice] = []
+    b = 0
+    while b < model.n:
+        c = model.choices[arg[b]]
+        chosen.append(c)
+        b = c.j + 1
+    return chosen, max(model.outside_peak, R[0]), float(sum(c.T for c in chosen))
 
 
 def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], int, float]:
@@ -277,14 +357,17 @@ def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], 
     Raises:
         Infeasible: no choice sequence fits the budget.
     """
+    if budget_bytes is None:
+        return min_peak_choices(model)
     n = model.n
-    peak_mode = budget_bytes is None
-    B = np.iinfo(np.int64).max if peak_mode else int(budget_bytes)  # type: ignore[arg-type]
-    if not peak_mode and model.outside_peak > B:
-        raise Infeasible(run_dp(model, None)[1])
+    B = int(budget_bytes)
+    capped = False
+    R, _ = suffix_peaks(model)
+    least = max(model.outside_peak, R[0])
+    if least > B:
+        raise Infeasible(least)
     # states per boundary: P (kept bytes so far), V (time, or peak so far), back pointers
-    states: list[tuple[np.ndarray, ...]] = [(np.zeros(1, np.int64),
-                                             np.zeros(1, np.float64 if not peak_mode else np.int64),
+    states: list[tuple[np.ndarray, ...]] = [(np.zeros(1, np.int64), np.zeros(1, np.float64),
                                              np.full(1, -1), np.full(1, -1), np.full(1, -1))]
     table: list[_Choice] = []
     for j in range(n):
@@ -301,30 +384,33 @@ def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], 
             T = np.array([c.T for c in chs], dtype=np.float64)
             gid = np.arange(len(table), len(table) + len(chs))
             table.extend(chs)
-            here = P[:, None] + M[None, :]
-            si, oi = np.nonzero(here <= B) if not peak_mode else np.nonzero(np.ones_like(here, bool))
+            # fits here, and can still be completed within the budget (NOTE [suffix peaks])
+            Rnext = np.array([R[c.j + 1] for c in chs], dtype=np.int64)
+            here = P[:, None] + np.maximum(M, D + Rnext)[None, :]
+            si, oi = np.nonzero(here <= B)
             if si.size == 0:
                 continue
             parts_P.append(P[si] + D[oi])
-            parts_V.append(np.maximum(V[si], here[si, oi]) if peak_mode else V[si] + T[oi])
+            parts_V.append(V[si] + T[oi])
             parts_b.append(np.full(si.size, k))
             parts_i.append(si)
             parts_c.append(gid[oi])
-        if not parts_P:
-            if peak_mode:
-                raise AssertionError("peak DP lost every state")
-            raise Infeasible(run_dp(model, None)[1])
-        states.append(_prune(np.concatenate(parts_P), np.concatenate(parts_V), np.concatenate(parts_b),
-                             np.concatenate(parts_i), np.concatenate(parts_c)))
+        if not parts_P:  # every feasible sequence passes over this boundary (a segment)
+            empty = np.zeros(0, np.int64)
+            states.append((empty, np.zeros(0, np.float64), empty, empty, empty))
+            continue
+        pruned = _prune(np.concatenate(parts_P), np.concatenate(parts_V), np.concatenate(parts_b),
+                        np.concatenate(parts_i), np.concatenate(parts_c))
+        if pruned[0].size > STATE_CAP:  # NOTE [state cap]
+            capped = True
+            pruned = _prune(*pruned, cap=STATE_CAP)
+        states.append(pruned)
     P, V, sb, si, sc = states[n]
     tail = P + model.tail_peak  # head and loss: every block's constant applies
-    if peak_mode:
-        q = int(np.argmin(np.maximum(np.maximum(V, tail), model.outside_peak)))
-    else:
-        ok = np.nonzero(tail <= B)[0]
-        if ok.size == 0:
-            raise Infeasible(run_dp(model, None)[1])
-        q = int(ok[np.argmin(V[ok])])
+    ok = np.nonzero(tail <= B)[0]
+    if ok.size == 0:
+        raise AssertionError("chain DP: no final state fits a feasible budget")
+    q = int(ok[np.argmin(V[ok])])
     chosen: list[_Choice] = []
     b = n
     peak = model.outside_peak
@@ -340,6 +426,7 @@ def run_dp(model: ChainModel, budget_bytes: int | None) -> tuple[list[_Choice], 
         Pacc += ch.D
         total_t += ch.T
     peak = max(peak, Pacc + model.tail_peak)
+    model.last_capped = capped
     return chosen, int(peak), float(total_t)
 
 
@@ -379,15 +466,26 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     """
     chain = main_chain(ctx, chain)
     refuse_offload(ctx, "chain")  # memfit.planning.solvers.chain_offload.solve plans with it
-    model = ChainModel(ctx, chain, nested=nested)
+    model = chain_model(ctx, chain, nested=nested)
     chosen, peak, t = run_dp(model, budget_bytes)
     notes = [f"chain {chain.parent or '<root>'}: {model.n} blocks, segments up to {model.cap}"]
     notes.extend(model.notes)
+    if model.last_capped:
+        notes.append(CAPPED_NOTE)
     return Solution(regions_of(chosen), peak, t, "chain", tuple(notes))
 
 
 def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool = True) -> int:
     """The smallest predicted peak any plan of the chain's plan space reaches (``nested``:
     with NOTE [nested regions] in it)."""
-    model = ChainModel(ctx, chain or ctx.chains[0], nested=nested)
-    return run_dp(model, None)[1]
+    return run_dp(chain_model(ctx, chain or ctx.chains[0], nested=nested), None)[1]
+
+
+def chain_model(ctx: PlanningContext, chain: Chain, *, nested: bool = True) -> ChainModel:
+    """The chain's model, built once per planning context: it does not depend on the budget,
+    so the re-solves of one ``plan`` call (tightening, ``"min"``) share it."""
+    memo = ctx.memo.setdefault("chain", {})
+    key = (chain, nested)
+    if key not in memo:
+        memo[key] = ChainModel(ctx, chain, nested=nested)
+    return memo[key]
