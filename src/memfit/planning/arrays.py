@@ -112,6 +112,30 @@ class ProfileArrays:
         c, f, nb = np.concatenate([c, ts]), np.concatenate([f, te]), np.concatenate([nb, tv])
         self.base_live = dense(c, f, nb, 0, n - 1) + self.workspace  # workspace at its op only
         self.base_before = dense(c + 1, f, nb, 0, n - 1)
+        self._floor: int | None = None  # NOTE [peak floor]
+
+    def floor_peak(self) -> int:
+        """NOTE [peak floor] A peak no plan goes below. Checkpointing and offload drop
+        forward storages autograd saved, and nothing else; every op of the plain step runs in
+        every plan. So every plan keeps, where the plain step has them: gradients and all else
+        created in backward, forward storages autograd did not save, and saved ones something
+        besides autograd keeps to the end of the step (never freed, or freed at the end though
+        autograd released them before: the step's outputs, a cache's keys); and at the last op
+        everything live there (a saved tensor the last op reads is live, as itself or as its
+        replay's copy). The floor is the larger of those two timelines' peaks, each with the
+        ops' workspaces. When it equals the plain peak, no plan peaks lower than the plain step
+        (the gradients set the peak): the smallest feasible budget is known without a search."""
+        if self._floor is None:
+            n = self.n_ops
+            released = np.full(self.nbytes.size, -1, dtype=np.int64)  # last release of a pack
+            np.maximum.at(released, self.save_sid, self.save_release)
+            kept_to_end = self.never_freed | ((self.freed >= n - 1) & (released < n - 1))
+            droppable = ((self.creator >= 0) & (self.creator < self.n_forward) & self.saved
+                         & ~kept_to_end)
+            ids = np.nonzero(self.counted & ~droppable)[0]
+            live = dense(self.creator[ids], self.freed[ids], self.nbytes[ids], 0, n - 1) + self.workspace
+            self._floor = max(int(live.max(initial=0)), int(self.base_live[n - 1]) if n else 0)
+        return self._floor
 
     def created_in(self, a: int, b: int) -> np.ndarray:
         """Ids of counted storages created by ops ``a..b``."""

@@ -41,6 +41,9 @@ def buffer_copies(writes: Sequence[tuple[int, int, bool]], ops: Sequence[OpRecor
     for i, s, _ in writes:
         if a <= i <= b:
             first.setdefault(s, i)
+    if not first:  # most regions write no buffer
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty.copy(), np.zeros(0, dtype=bool)
     read: set[int] = set()
     together: list[list[int]] = []  # the buffers one op updates: skipped all together or none
     for i in range(a, b + 1):

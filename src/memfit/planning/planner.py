@@ -31,6 +31,7 @@ __all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
+MIN_RETRIES = 2  # the same at budget="min", where the smallest-peak plan is the fallback
 
 
 def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
@@ -173,6 +174,15 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
             result = _with_notes(result, f"exceeds the budget: peak {format_bytes(result.predicted_peak_bytes)} "
                                          f"> {format_bytes(budget_bytes)}")
         return result
+    if ctx.arrays.floor_peak() >= profile.peak_bytes:  # NOTE [peak floor] in memfit.planning.arrays
+        floor_note = ("no plan peaks below the un-checkpointed step: what no plan drops (gradients, "
+                      f"the step's outputs) peaks at {format_bytes(profile.peak_bytes)} too")
+        if not _is_min(budget) and resolve_budget(budget, profile.peak_bytes) < profile.peak_bytes:
+            raise _infeasible(resolve_budget(budget, profile.peak_bytes), profile.peak_bytes,
+                              profile.peak_bytes, solver, floor_note)
+        sol = Solution((), profile.peak_bytes, 0.0, "none" if solver == "auto" else solver, (floor_note,))
+        return _finish(profile, sol, profile.peak_bytes if _is_min(budget) else resolve_budget(budget, profile.peak_bytes),
+                       [*notes, *sol.notes])
     if _is_min(budget):
         smallest = _smallest_plan(ctx, solve, time_limit_s)
         if smallest is None:
@@ -185,7 +195,8 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
                        ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
         return _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
     target_bytes = budget_bytes
-    for attempt in range(MAX_RETRIES):
+    # at "min" the smallest-peak plan fits already: a faster one is tried, not hunted for
+    for attempt in range(MIN_RETRIES if smallest is not None else MAX_RETRIES):
         try:
             sol = solve(ctx, target_bytes, time_limit_s=time_limit_s)
         except Infeasible:
@@ -258,11 +269,12 @@ def _smallest_plan(ctx: PlanningContext, solve: Any, time_limit_s: float) -> tup
                          _arrays=ctx.arrays)
 
 
-def _infeasible(budget: int, min_bytes: int, plain: int, solver: str) -> InfeasibleBudget:
+def _infeasible(budget: int, min_bytes: int, plain: int, solver: str, why: str = "") -> InfeasibleBudget:
     frac = f" ({min_bytes / plain:.1%} of the un-checkpointed peak {format_bytes(plain)})" if plain else ""
     return InfeasibleBudget(
         f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest peak any plan of "
-        f"solver {solver!r} reaches: {format_bytes(min_bytes)} ({min_bytes} bytes){frac}. "
+        f"solver {solver!r} reaches: {format_bytes(min_bytes)} ({min_bytes} bytes){frac}"
+        f"{'; ' + why if why else ''}. "
         f"Give a budget of at least {min_bytes} bytes, or reduce the batch size / sequence length.",
         budget_bytes=budget, min_feasible_bytes=min_bytes,
     )

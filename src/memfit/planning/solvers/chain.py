@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 ENUM_LIMIT = 10      # enumerate all save sets of a block with at most this many saveable ops
 KNAPSACK_CAP = 48    # else keep at most this many points of the knapsack frontier
-STATE_CAP = 16_384   # DP states kept per block boundary (NOTE [state cap])
+STATE_CAP = 4_096    # DP states kept per block boundary (NOTE [state cap])
 
 
 CAPPED_NOTE = (f"chain: more than {STATE_CAP} DP states at a block boundary; the fastest of each "
@@ -122,6 +122,7 @@ class ChainModel:
         self.cap = segment_cap(n) if cap is None else cap
         self.windows = windows  # NOTE [chain DP with offload]
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
+        self._masks: dict[tuple[bytes, ...], np.ndarray] = {}  # knapsack save sets, by block
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
             if nested:
@@ -181,9 +182,12 @@ class ChainModel:
             # two (kept bytes, time) frontiers: weights = bytes kept on later blocks, and the
             # largest local increase (peak-aware); plus recompute-all and each op alone
             wj = np.maximum(dj, vj.max(axis=1))
-            masks = np.unique(np.concatenate([
-                _knapsack_masks(dj, tj), _knapsack_masks(wj, tj),
-                np.zeros((1, J), dtype=np.int64), np.eye(J, dtype=np.int64)]), axis=0)
+            key = (dj.tobytes(), wj.tobytes(), tj.tobytes())  # a model's identical blocks share it
+            masks = self._masks.get(key)
+            if masks is None:
+                masks = self._masks[key] = np.unique(np.concatenate([
+                    _knapsack_masks(dj, tj), _knapsack_masks(wj, tj),
+                    np.zeros((1, J), dtype=np.int64), np.eye(J, dtype=np.int64)]), axis=0)
             if not self._noted_knapsack:
                 self.notes.append(f"chain: blocks with more than {ENUM_LIMIT} saveable ops choose "
                                   "save sets on a (kept bytes, time) frontier")
