@@ -31,7 +31,7 @@ __all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
-MIN_RETRIES = 2  # the same at budget="min", where the smallest-peak plan is the fallback
+MIN_RETRIES = 1  # the same at budget="min", where the smallest-peak plan is the fallback
 
 
 def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",

@@ -21,8 +21,25 @@ MILP_MAX_CELLS = 30_000_000  # points x variables above which the MILP is skippe
 BOTH_MAX_CELLS = 12_000_000
 
 
-def milp_cells(ctx: PlanningContext) -> tuple[int, int]:
-    """(variables, points) of the MILP over all region candidates of ``ctx``."""
+def milp_cells(ctx: PlanningContext, *, above: int | None = None) -> tuple[int, int]:
+    """(variables, points) of the MILP over all region candidates of ``ctx``; with ``above``,
+    the count over the first chain's blocks and segments alone where that already exceeds
+    ``above`` cells (the modules' candidates are then not built: a deep chain's segments
+    decide it)."""
+    memo = ctx.memo.setdefault("milp_cells", {})
+    if above not in memo:
+        memo[above] = _milp_cells(ctx, above)
+    return memo[above]  # type: ignore[no-any-return]
+
+
+def _milp_cells(ctx: PlanningContext, above: int | None) -> tuple[int, int]:
+    if above is not None and ctx.chains:
+        ch = ctx.chains[0]
+        part = [c for c in (ctx.candidate(b) for b in ch.blocks) if c is not None] + ctx.segment_candidates(ch)
+        n_vars = len(part) + sum(len(c.choices) for c in part)
+        n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in part)
+        if n_vars * n_points > above:
+            return n_vars, n_points
     cands = ctx.region_candidates()
     n_vars = len(cands) + sum(len(c.choices) for c in cands)
     n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in cands)
@@ -68,7 +85,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
         share = ctx.chain_droppable_share(ch)
         why = (f"chain {ch.parent or '<root>'} ({len(ch.blocks)} blocks) can drop {share:.0%} of the "
                "activation bytes any region can drop")
-    n_vars, n_points = milp_cells(ctx)
+    n_vars, n_points = milp_cells(ctx, above=MILP_MAX_CELLS)
     cells = n_vars * n_points
     timed_out = f"milp found no plan within its time limit of {time_limit_s:g} s"
     if ctx.chains and share >= CHAIN_SHARE:
