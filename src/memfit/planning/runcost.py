@@ -81,8 +81,6 @@ class RunCost:
         out = [f"seconds per step as profiled for {self.times_from}"
                + (f", taken as {self.target}" if self.times_from != self.target else ""),
                f"every extra second draws {self.board_power_w:g} W per device ({self.power_source})"]
-        if self.price_per_gpu_hour is not None:
-            out.append(f"{self.price_per_gpu_hour:g} per device-hour")
         return tuple(out)
 
     def to_dict(self) -> dict[str, object]:
@@ -99,13 +97,17 @@ class RunCost:
 
         flops = (f"{format_flops(self.extra_flops_per_step)} recomputed" if self.extra_flops_per_step is not None
                  else "FLOPs not recorded (a plan made before memfit recorded them)")
-        lines = [f"extra per step: {flops}, +{format_seconds(self.extra_s_per_step)} on {self.target}",
-                 f"over {self.steps:,} steps on {self.gpus} x {self.target}: "
-                 f"+{self.extra_gpu_hours:,.2f} GPU-hours, {self.extra_energy_kwh:,.2f} kWh"
-                 + (f", cost {self.extra_cost:,.2f} at {self.price_per_gpu_hour:g} per GPU-hour"
+        return "\n".join([f"extra per step: {flops}, +{format_seconds(self.extra_s_per_step)} on {self.target}",
+                          *self.run_lines()])
+
+    def run_lines(self) -> list[str]:
+        """The run's figures and their assumptions, without the per-step line (``print(plan)``
+        has it)."""
+        lines = [f"over {self.steps:,} steps on {self.gpus} x {self.target}: "
+                 f"+{_fig(self.extra_gpu_hours)} GPU-hours, {_fig(self.extra_energy_kwh)} kWh"
+                 + (f", cost {_fig(self.extra_cost)} at {self.price_per_gpu_hour:g} per GPU-hour"
                     if self.extra_cost is not None and self.price_per_gpu_hour is not None else "")]
-        lines += [f"  assumes {a}" for a in self.assumptions]
-        return "\n".join(lines)
+        return lines + [f"  assumes {a}" for a in self.assumptions]
 
 
 def run_cost(plan: Plan, steps: int, gpus: int = 1, *, target: str | None = None,
@@ -151,6 +153,15 @@ def run_cost(plan: Plan, steps: int, gpus: int = 1, *, target: str | None = None
                    extra_energy_kwh=hours * watts / 1000, price_per_gpu_hour=price,
                    extra_cost=None if price is None else hours * price, power_source=source,
                    times_from=timed.name if timed is not None else (plan.profile_device or "an unrecorded device"))
+
+
+def _fig(x: float) -> str:
+    """A figure for people: ``12,346``, ``1.58``, ``0.00123``."""
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 1 or x == 0:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
 
 
 def _positive_int(name: str, value: object, what: str) -> None:
