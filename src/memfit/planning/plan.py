@@ -191,6 +191,7 @@ class Plan:
         Raises:
             ValueError: ``steps`` or ``gpus`` not positive, an unknown target or one other than
                 the profile's, no board power known, a negative power or price.
+            TypeError: ``steps`` or ``gpus`` not an int, a power or price not a number.
 
         Example:
             >>> print(plan.cost(100_000, 8, price_per_gpu_hour=2.5))   # doctest: +SKIP
