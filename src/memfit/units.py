@@ -9,7 +9,7 @@ import math
 import numbers
 import re
 
-__all__ = ["parse_bytes", "format_bytes", "resolve_budget", "format_seconds"]
+__all__ = ["parse_bytes", "format_bytes", "resolve_budget", "format_seconds", "format_flops"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -151,3 +151,17 @@ def format_seconds(s: float) -> str:
     if s < 1.0:
         return f"{s * 1e3:.1f} ms"
     return f"{s:.2f} s"
+
+
+def format_flops(n: int) -> str:
+    """Format a FLOP count with an SI prefix: ``'13.6 MFLOP'``, ``'2.1 TFLOP'``, ``'512 FLOP'``.
+
+    Example:
+        >>> format_flops(13_631_488)
+        '13.6 MFLOP'
+    """
+    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            v = n / scale
+            return f"{v:.3g} {prefix}FLOP" if v < 100 else f"{v:.0f} {prefix}FLOP"
+    return f"{n} FLOP"

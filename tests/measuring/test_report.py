@@ -52,6 +52,20 @@ def test_table_lists_every_row_with_units():
         s.table("html")
 
 
+def test_table_has_an_extra_flops_column():
+    s = _hand_sweep()
+    rows = list(s.rows)
+    rows[0] = dataclasses.replace(rows[0], extra_flops=0)
+    rows[3] = dataclasses.replace(rows[3], extra_flops=6_980_000_000)
+    lines = dataclasses.replace(s, rows=tuple(rows)).table().splitlines()
+    col = lines[0].split("|").index(" extra FLOPs ")
+    cells = [line.split("|")[col].strip() for line in lines[2:]]
+    # plain: none; 60%: not known (a row without the field); 40%: no plan; every_block: 6.98 G
+    assert cells == ["0 FLOP", "-", "-", "6.98 GFLOP"]
+    back = Sweep.from_dict(json.loads(json.dumps(dataclasses.replace(s, rows=tuple(rows)).to_dict())))
+    assert [r.extra_flops for r in back.rows] == [0, None, None, 6_980_000_000]
+
+
 def test_json_round_trip(tmp_path):
     s = _hand_sweep()
     path = s.to_json(tmp_path / "sweep.json")
@@ -99,8 +113,10 @@ def test_sweep_measures_budgets_and_baselines(tmp_path):
         assert r.plan is not None and r.measured_peak_bytes is not None and r.step_time_s > 0
         assert r.predicted_peak_bytes == r.plan.predicted_peak_bytes
         assert r.n_regions == len(r.plan.regions)
+        assert r.extra_flops == r.plan.extra_flops
     row100, row70, rowmin, every = s.rows[1:]
     assert row100.n_regions == 0 and row100.predicted_peak_bytes == plain.predicted_peak_bytes
+    assert plain.extra_flops == row100.extra_flops == 0 and every.extra_flops > 0
     assert row70.predicted_peak_bytes <= row70.budget_bytes == int(0.7 * plain.predicted_peak_bytes)
     assert rowmin.predicted_peak_bytes <= row70.predicted_peak_bytes
     assert every.budget_bytes is None and every.budget == ""

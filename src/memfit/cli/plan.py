@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.cli.cost import add_cost_arguments, check_cost_arguments, run_cost
 from memfit.cli.job import add_job_arguments, job_options, plan_for_job, run_max_batch
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
@@ -37,6 +38,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-limit", type=float, default=None, metavar="SECONDS",
                    help="seconds of stepping --tune may spend (default: 10 plain steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for --tune")
+    add_cost_arguments(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE "
                    "(for memfit verify --plan, or memfit.Plan.load)")
     p.set_defaults(run=run)
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --budget (a cap on the activation peak) or --device-memory (the "
                          "device the whole job must fit, e.g. 80GiB)")
     job_options(args)  # job arguments without --device-memory: exit 2 before any profiling
+    check_cost_arguments(args)
     if args.max_batch:
         return run_max_batch(args)
     lm = load_from_args(args)
@@ -78,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
         import dataclasses
 
         p = dataclasses.replace(p, model=lm.name)
+    cost = run_cost(args, p)
     if args.output:
         p.save(args.output)
-    text = str(p) + (f"\nwrote {args.output}" if args.output else "")
-    emit(args, text, {**p.to_dict(), "plan_file": args.output})
+    text = (str(p) + ("".join(f"\n{line}" for line in cost.run_lines()) if cost is not None else "")
+            + (f"\nwrote {args.output}" if args.output else ""))
+    emit(args, text, {**p.to_dict(), "plan_file": args.output,
+                      **({"run_cost": cost.to_dict()} if cost is not None else {})})
     return 0

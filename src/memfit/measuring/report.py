@@ -20,7 +20,7 @@ import torch
 
 from memfit.errors import SchemaError
 from memfit.planning.plan import Plan
-from memfit.units import format_bytes, format_seconds
+from memfit.units import format_bytes, format_flops, format_seconds
 
 __all__ = ["RowKind", "SweepRow", "Sweep", "print_sweep", "SWEEP_SCHEMA_VERSION"]
 
@@ -43,6 +43,8 @@ class SweepRow:
     ``step_spread_s`` is the spread (max - min) of the row's timed repeats, seconds (``None``
     with a single repeat): NOTE [noisy overhead].
     ``error`` says why a row has no plan (an infeasible budget, a solver that failed).
+    ``extra_flops`` is the FLOPs the plan's recompute adds to one step (``Plan.extra_flops``;
+    0 for the plain row, None where not known: no plan, or rows written before the field).
     """
 
     label: str
@@ -59,6 +61,7 @@ class SweepRow:
     error: str | None = None
     plan: Plan | None = dataclasses.field(default=None, compare=False)
     step_spread_s: float | None = None
+    extra_flops: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
@@ -108,21 +111,22 @@ class Sweep:
         if style not in ("markdown", "plain"):
             raise ValueError(f"table style must be 'markdown' or 'plain', got {style!r}")
         head = ["config", "solver", "budget", "predicted peak", "measured peak", "vs plain",
-                "step time", "overhead", "regions"]
+                "step time", "overhead", "extra FLOPs", "regions"]
         body = []
         for r in self.rows:
             if r.error is not None:
-                body.append([r.label, r.solver, _b(r.budget_bytes), "-", "-", "-", "-", "-", r.error])
+                body.append([r.label, r.solver, _b(r.budget_bytes), "-", "-", "-", "-", "-", "-", r.error])
                 continue
             frac = (f"{r.measured_peak_bytes / self.plain_peak_bytes:.0%}"
                     if r.measured_peak_bytes is not None and self.plain_peak_bytes else "-")
             body.append([
                 r.label, r.solver, _b(r.budget_bytes), _b(r.predicted_peak_bytes), _b(r.measured_peak_bytes),
                 frac, format_seconds(r.step_time_s) if r.step_time_s is not None else "-",
-                self._overhead_cell(r), str(r.n_regions),
+                self._overhead_cell(r), format_flops(r.extra_flops) if r.extra_flops is not None else "-",
+                str(r.n_regions),
             ])
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        numeric = {3, 4, 5, 6, 7, 8}
+        numeric = {3, 4, 5, 6, 7, 8, 9}
 
         def fmt(row: list[str]) -> str:
             cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]

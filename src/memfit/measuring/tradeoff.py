@@ -212,7 +212,7 @@ def sweep(
     plain = configs.of(None)
     rows = [SweepRow("plain", RowKind.PLAIN, "none", predicted_peak_bytes=prof.peak_bytes,
                      measured_peak_bytes=plain.peak_bytes, step_time_s=plain.time_s, overhead=0.0,
-                     predicted_overhead=0.0, step_spread_s=plain.spread_s)]
+                     predicted_overhead=0.0, step_spread_s=plain.spread_s, extra_flops=0)]
     rows += [_row(p, configs, plain.time_s) for p in planned]
     return Sweep(tuple(rows), label, str(device), plain.peak_bytes, plain.time_s, repeats)
 
@@ -298,4 +298,4 @@ def _row(planned: _Planned, configs: _Configs, plain_s: float) -> SweepRow:
     return SweepRow(
         label, kind, result.solver, spec, result.budget_bytes if kind is RowKind.MEMFIT else None,
         result.predicted_peak_bytes, cfg.peak_bytes, t, t / plain_s - 1 if plain_s > 0 else None,
-        result.overhead, len(result.regions), None, result, cfg.spread_s)
+        result.overhead, len(result.regions), None, result, cfg.spread_s, result.extra_flops)

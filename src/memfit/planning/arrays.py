@@ -75,6 +75,7 @@ class ProfileArrays:
         self.by_creator = ids[order]
         self.by_creator_op = self.creator[self.by_creator]
         self.op_time = np.array([op.time_s for op in profile.ops], dtype=np.float64)
+        self.op_flops = np.array([op.flops for op in profile.ops], dtype=np.int64)  # 0: no formula
         # NOTE [calibration]: the seconds an op costs when a region reruns it; its fixed
         # charges count 0 s where NOTE [host overhead on an async device] (in
         # memfit.planning.hosttime) finds them hidden: the one place the rule applies

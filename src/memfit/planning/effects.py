@@ -243,6 +243,7 @@ class RegionModel:
         self.in_nb = arrs.nbytes[self.inputs]
         self.op_time = arrs.rerun_time  # calibrated (NOTE [calibration])
         self.fwd_time = arrs.op_time
+        self.op_flops = arrs.op_flops
         self.op_matmul = arrs.op_matmul
         self.calibration = arrs.calibration
         self.workspace = arrs.workspace
@@ -282,6 +283,11 @@ class RegionModel:
         rerun = float(self.op_time[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
         draws = self.draws(saved_ops) if saved_ops else ()
         return rerun + sum(float(self.keep_time[i]) for i in draws)
+
+    def flops(self, saved_ops: set[int] | list[int]) -> int:
+        """FLOPs the recompute reruns: of the non-saved ops ``a..stop``, the ops ``time_s``
+        charges (0 for an op the profile has no FLOP formula for)."""
+        return int(self.op_flops[self.a: self.stop + 1][self.rerun(saved_ops)].sum())
 
     def rerun(self, saved_ops: set[int] | list[int]) -> np.ndarray | slice:
         """Which of ops ``a..stop`` rerun (a slice when all do: one float sum in op order, as

@@ -82,6 +82,7 @@ class NestedModel:
             the checkpoints hold them.
         replays: the outer replay, then one per useful inner region.
         time_s: recompute seconds of all replays and the regions' fixed costs.
+        outer_flops: FLOPs of the outer replay (inner regions' ops included: it reruns them).
     """
 
     def __init__(self, arrs: ProfileArrays, outer: RegionModel, inners: Sequence[RegionModel]) -> None:
@@ -159,6 +160,7 @@ class NestedModel:
                                   int(inner.nb[inner.dropped].sum()), 1))
         self.replays = tuple(replays)
         self.outer_time_s = float(out.op_time[out.a: self.stop + 1].sum()) + out.fixed_s(selective=False)
+        self.outer_flops = int(out.op_flops[out.a: self.stop + 1].sum())
         self.time_s = (self.outer_time_s
                        + sum(inner.time_s(set()) + inner.fixed_s(selective=False)
                              for inner in self.inners if inner.rp is not None)

@@ -20,6 +20,9 @@ NOTE [plan schema]
     was added within version 2: files without it read as ``tuning=None``, and readers that
     predate it ignore it. ``"host_peak_bytes"`` (offload) is optional too: a file without it
     reads as 0, and so is ``"memory"`` (the job's breakdown, ``JobMemory``): absent, None.
+    ``"extra_flops"`` (the FLOPs the recompute adds to one step) and ``"profile_device"`` (the
+    device the plan's seconds are for) are optional as well: absent, None and ``""``
+    (``Plan.cost`` then reports no FLOPs and asks for ``target=``).
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import SchemaError
 from memfit.planning.job import JobMemory
+
+if TYPE_CHECKING:
+    from memfit.planning.runcost import RunCost
 
 __all__ = ["PLAN_SCHEMA_VERSION", "OpPolicy", "Region", "Plan", "TunedCandidate", "Tuning"]
 
@@ -157,6 +163,43 @@ class Plan:
     # the whole job's memory on the device, for a plan made for ``device_memory`` (NOTE [the
     # job's memory] in memfit.planning.job); None for an activation budget alone
     memory: JobMemory | None = None
+    # FLOPs the recompute adds to one step (simulate's recompute_flops: the non-saved forward
+    # ops each replay reruns, from the profile's OpRecord.flops); None in plans made before it
+    extra_flops: int | None = None
+    # the device the plan's seconds are for: the profile's fake-mode target ("h100") or the
+    # device it was measured on ("cpu", "cuda:0"); "" in plans made before the field
+    profile_device: str = ""
+
+    def cost(self, steps: int, gpus: int = 1, *, target: str | None = None,
+             board_power_w: float | None = None, price_per_gpu_hour: float | None = None) -> RunCost:
+        """What this plan's recompute costs over a training run (NOTE [run cost] in
+        ``memfit.planning.runcost``).
+
+        Args:
+            steps: training steps of the run (a positive int).
+            gpus: devices running the step, each its own micro-batch (default 1).
+            target: the device preset of the run (``"v100"``, ``"a100"``, ``"h100"``,
+                ``"h200"``, ``"cpu"``); default: the one the profile was made for. A target
+                other than the profile's raises ``ValueError``: profile for it instead.
+            board_power_w: watts charged per device for every extra second; default the
+                preset's datasheet board power (none for ``"cpu"``: then required).
+            price_per_gpu_hour: price of one device-hour, any currency; default None (no cost).
+
+        Returns:
+            A :class:`~memfit.planning.runcost.RunCost` (``print`` it for a summary).
+
+        Raises:
+            ValueError: ``steps`` or ``gpus`` not positive, an unknown target or one other than
+                the profile's, no board power known, a negative power or price.
+            TypeError: ``steps`` or ``gpus`` not an int, a power or price not a number.
+
+        Example:
+            >>> print(plan.cost(100_000, 8, price_per_gpu_hour=2.5))   # doctest: +SKIP
+        """
+        from memfit.planning.runcost import run_cost
+
+        return run_cost(self, steps, gpus, target=target, board_power_w=board_power_w,
+                        price_per_gpu_hour=price_per_gpu_hour)
 
     @property
     def overhead(self) -> float:
@@ -197,6 +240,8 @@ class Plan:
             "extra": self.extra,
             "tuning": None if self.tuning is None else self.tuning.to_dict(),
             "memory": None if self.memory is None else self.memory.to_dict(),
+            "extra_flops": self.extra_flops,
+            "profile_device": self.profile_device,
         }
 
     @classmethod
@@ -231,6 +276,8 @@ class Plan:
                                       for n, s, t in data.get("input_signature", ())),
                 tuning=None if data.get("tuning") is None else Tuning.from_dict(data["tuning"]),
                 memory=None if data.get("memory") is None else JobMemory.from_dict(data["memory"]),
+                extra_flops=None if data.get("extra_flops") is None else int(data["extra_flops"]),
+                profile_device=str(data.get("profile_device", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
@@ -262,6 +309,14 @@ class Plan:
         return None
 
     # ---- display -------------------------------------------------------------------------
+    def per_step_line(self) -> str:
+        """What the recompute adds to one step: FLOPs and seconds (for ``print(plan)``)."""
+        from memfit.units import format_flops, format_seconds
+
+        flops = "FLOPs not recorded" if self.extra_flops is None else f"{format_flops(self.extra_flops)} recomputed"
+        on = f" on {self.profile_device}" if self.profile_device else ""
+        return f"  extra per step: {flops}, +{format_seconds(self.recompute_s)}{on}"
+
     def __str__(self) -> str:
         from memfit.units import format_bytes, format_seconds
 
@@ -274,6 +329,8 @@ class Plan:
             + (f" (+{self.overhead:.1%} step time)" if self.plain_step_s else "")
             + (f", host {format_bytes(self.host_peak_bytes)}" if self.host_peak_bytes else ""),
         ]
+        if self.regions:
+            lines.append(self.per_step_line())
         if self.memory is not None:
             lines.extend(self.memory.lines())
         if not self.regions:

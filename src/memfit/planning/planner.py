@@ -305,6 +305,8 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
                **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
         input_signature=profile.input_signature,
+        extra_flops=int(sim.recompute_flops),
+        profile_device=profile.device,
     )
 
 

@@ -58,6 +58,11 @@ class Simulation:
             ``memfit.planning.offload``: link time no compute hides, per-storage charges);
             included in ``recompute_s``, not in ``region_recompute_s``.
         host_peak_bytes: peak host memory of the offloaded outputs (0 without offload).
+        recompute_flops: FLOPs of the forward ops rerun in backward, as ``recompute_s``
+            counts them (each replay, an inner region's twice), from ``OpRecord.flops`` (0
+            for ops without a FLOP formula; torch's ``flop_counter`` formulas count matmuls,
+            convolutions and attention).
+        region_recompute_flops: per region of the plan, its recompute FLOPs.
     """
 
     peak_bytes: int
@@ -70,6 +75,8 @@ class Simulation:
     recompute_points: tuple[int | None, ...] = ()
     offload_s: float = 0.0
     host_peak_bytes: int = 0
+    recompute_flops: int = 0
+    region_recompute_flops: tuple[int, ...] = ()
 
 
 def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, ...]
@@ -179,6 +186,8 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         recompute_points=tuple(acc.rps),
         offload_s=off_s,
         host_peak_bytes=host_peak,
+        recompute_flops=int(sum(acc.rec_flops)),
+        region_recompute_flops=tuple(acc.rec_flops),
     )
 
 
@@ -192,7 +201,7 @@ class _Lifetimes:
     """What a plan does to the plain step's storages (NOTE [region memory model]), region by
     region: each storage's first lifetime end, its second lifetime (from its recompute point),
     the replays, the extra pieces (region state, kept draws), the host copies; and per region
-    its recompute seconds, saved bytes and recompute point."""
+    its recompute seconds, saved bytes, recompute point and recompute FLOPs."""
 
     end1: np.ndarray    # per storage: end of its (first) lifetime
     second: np.ndarray  # per storage: start of a second lifetime (-1: none)
@@ -200,6 +209,7 @@ class _Lifetimes:
     rec_s: list[float]
     saved_b: list[int]
     rps: list[int | None]
+    rec_flops: list[int]
     replays: list[_Replay] = field(default_factory=list)
     states: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # NOTE [region state bytes]
     copies: list[Copy] = field(default_factory=list)
@@ -208,7 +218,7 @@ class _Lifetimes:
     def plain(cls, arrs: ProfileArrays, n_regions: int) -> _Lifetimes:
         return cls(end1=arrs.freed.copy(), second=np.full(arrs.freed.shape, -1, dtype=np.int64),
                    end2=arrs.freed.copy(), rec_s=[0.0] * n_regions, saved_b=[0] * n_regions,
-                   rps=[None] * n_regions)
+                   rps=[None] * n_regions, rec_flops=[0] * n_regions)
 
     def add_nested(self, arrs: ProfileArrays, q: int, rm: RegionModel, inner_q: list[int],
                    inner: list[RegionModel]) -> None:
@@ -225,10 +235,12 @@ class _Lifetimes:
             self.replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
         self.states.append(nm.state_pieces())
         self.rec_s[q] = nm.outer_time_s
+        self.rec_flops[q] = nm.outer_flops
         self.saved_b[q] = nm.saved_bytes
         self.rps[q] = nm.rp
         for i, irm, rp_i in zip(inner_q, inner, nm.inner_rps, strict=True):
             self.rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
+            self.rec_flops[i] = irm.flops(set()) if rp_i is not None else 0
             self.saved_b[i] = 0  # its outer region drops its inputs in forward
             self.rps[i] = rp_i
 
@@ -252,6 +264,7 @@ class _Lifetimes:
         self.replays.append((rp, (-rm.a, 0), rm.a, rm.stop, pieces, int(rm.nb[drop].sum())))
         self.states.append(rm.state_pieces())
         self.states.append(rm.draw_pieces(saved))  # NOTE [kept draws] in memfit.runtime.draws
+        self.rec_flops[q] = rm.flops(set(saved) | set(offloaded))
         self.rec_s[q] = (rm.time_s(set(saved) | set(offloaded))
                          + rm.fixed_s(selective=bool(len(saved) + len(offloaded))))
         self.saved_b[q] = int(rm.nb[sv].sum() + rm.in_nb.sum() + rm.draw_bytes[rm.draws(saved)].sum())

@@ -42,6 +42,9 @@ class DevicePreset:
         asynchronous: whether the host enqueues work that the device runs later (a GPU), so
             host overhead can hide behind device work (NOTE [host overhead on an async
             device] in ``memfit.planning.hosttime``); False for the CPU.
+        board_power_w: the board's maximum power (TDP), watts, from its datasheet: what
+            ``Plan.cost`` charges per device-hour when no power is given (NOTE [board
+            power]); None: not known (the CPU preset: a CPU's draw depends on the machine).
     """
 
     name: str
@@ -53,6 +56,7 @@ class DevicePreset:
     source: str
     host_link_bytes_per_s: float = 0.0
     asynchronous: bool = False
+    board_power_w: float | None = None
 
     def peak_for(self, dtype: str) -> float:
         return self.flops_per_s if dtype in ("bfloat16", "float16") else self.fp32_flops_per_s
@@ -68,6 +72,12 @@ _T = 1e12
 # 25.6 GB/s (A100), 51.2 GB/s (H100, H200). Pageable host memory is slower; the runtime pins.
 _LINK_EFFICIENCY = 0.8
 
+# NOTE [board power] ``board_power_w`` is the datasheet's "Max thermal design power (TDP)"
+# of the SXM board: V100 SXM2 300 W, A100 SXM4 400 W, H100 SXM5 up to 700 W, H200 SXM up to
+# 700 W. A board under a training load draws close to it, so energy figures charge it for
+# every extra second; that is an upper-end assumption (it leaves out the host, cooling and
+# networking), stated with every figure and overridable (``Plan.cost(board_power_w=...)``).
+
 PRESETS: dict[str, DevicePreset] = {
     # Measured on the development machine with calibrate_cpu() on 2026-11-30 (torch 2.13 CPU,
     # 2 threads, machine shared with other jobs): 1024^3 matmul fp32 200 GFLOP/s, bf16 438
@@ -82,26 +92,30 @@ PRESETS: dict[str, DevicePreset] = {
     "v100": DevicePreset("v100", flops_per_s=125 * _T, fp32_flops_per_s=15.7 * _T,
                          bandwidth_bytes_per_s=900 * _GB, memory_bytes=16 << 30,
                          op_overhead_s=5e-6, source="NVIDIA V100 datasheet, SXM2 16GB",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 32 * _GB / 2, asynchronous=True),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 32 * _GB / 2, asynchronous=True,
+                         board_power_w=300),
     # NVIDIA A100 Tensor Core GPU datasheet (2020/2021, SXM4 80GB): BF16 tensor core 312
     # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s, PCIe Gen4 64 GB/s
     # (NOTE [host link]).
     "a100": DevicePreset("a100", flops_per_s=312 * _T, fp32_flops_per_s=19.5 * _T,
                          bandwidth_bytes_per_s=2039 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2, asynchronous=True),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2, asynchronous=True,
+                         board_power_w=400),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity, i.e.
     # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB; PCIe Gen5 128 GB/s.
     "h100": DevicePreset("h100", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=3350 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True,
+                         board_power_w=700),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989.5
     # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB, PCIe Gen5 128 GB/s.
     "h200": DevicePreset("h200", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=4800 * _GB, memory_bytes=141 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM",
-                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True),
+                         host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True,
+                         board_power_w=700),
 }
 
 
