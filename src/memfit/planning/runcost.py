@@ -30,7 +30,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memfit.planning.plan import Plan
+    from typing import Protocol
+
+    class Plan(Protocol):  # what a run's cost reads of memfit.planning.plan.Plan
+        @property
+        def recompute_s(self) -> float: ...
+        @property
+        def extra_flops(self) -> int | None: ...
+        @property
+        def profile_device(self) -> str: ...
 
 __all__ = ["RunCost", "run_cost"]
 

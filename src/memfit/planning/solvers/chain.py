@@ -183,11 +183,11 @@ class ChainModel:
             # largest local increase (peak-aware); plus recompute-all and each op alone
             wj = np.maximum(dj, vj.max(axis=1))
             key = (dj.tobytes(), wj.tobytes(), tj.tobytes())  # a model's identical blocks share it
-            masks = self._masks.get(key)
-            if masks is None:
-                masks = self._masks[key] = np.unique(np.concatenate([
+            if key not in self._masks:
+                self._masks[key] = np.unique(np.concatenate([
                     _knapsack_masks(dj, tj), _knapsack_masks(wj, tj),
                     np.zeros((1, J), dtype=np.int64), np.eye(J, dtype=np.int64)]), axis=0)
+            masks = self._masks[key]
             if not self._noted_knapsack:
                 self.notes.append(f"chain: blocks with more than {ENUM_LIMIT} saveable ops choose "
                                   "save sets on a (kept bytes, time) frontier")
@@ -333,7 +333,7 @@ def suffix_peaks(model: ChainModel) -> tuple[list[int], list[int]]:
         for q in model.starting_at[j]:
             c = model.choices[q]
             r = max(c.M, c.D + R[c.j + 1])
-            if best is None or r < best or (r == best and c.T < best_t):
+            if best is None or r < best or (r == best and best_t > c.T):
                 best, best_t, pick = r, c.T, q
         if best is None:
             raise AssertionError(f"chain block {j} has no choice")
