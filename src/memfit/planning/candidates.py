@@ -256,18 +256,7 @@ class PlanningContext:
     def module_candidates(self) -> list[Candidate]:
         """Every module (not the root) called once whose checkpointing drops something; of
         modules with the same op range only the outermost."""
-        out = []
-        seen: set[tuple[int, int]] = set()
-        for m in self.profile.modules:
-            if not m.path or m.calls != 1 or m.first_op is None or m.last_op is None:
-                continue
-            if (m.first_op, m.last_op) in seen:
-                continue
-            seen.add((m.first_op, m.last_op))
-            c = self.candidate((m.path,))
-            if c is not None:
-                out.append(c)
-        return out
+        return self._module_candidates()
 
     def module_candidates_outside(self, lo: int, hi: int) -> list[Candidate]:
         """``module_candidates`` but those whose ops all lie in ``lo..hi`` (without building
@@ -275,6 +264,9 @@ class PlanningContext:
         storage that escapes it escapes the chain or is saved by the chain's ops)."""
         if "module_candidates" in self.__dict__:
             return [c for c in self.module_candidates if not (lo <= c.a and c.b <= hi)]
+        return self._module_candidates(skip=(lo, hi))
+
+    def _module_candidates(self, skip: tuple[int, int] | None = None) -> list[Candidate]:
         out = []
         seen: set[tuple[int, int]] = set()
         for m in self.profile.modules:
@@ -283,7 +275,7 @@ class PlanningContext:
             if (m.first_op, m.last_op) in seen:
                 continue
             seen.add((m.first_op, m.last_op))
-            if lo <= m.first_op and m.last_op <= hi:
+            if skip is not None and skip[0] <= m.first_op and m.last_op <= skip[1]:
                 continue
             c = self.candidate((m.path,))
             if c is not None:
