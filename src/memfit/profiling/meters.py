@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from memfit._native_output import silenced_fd
-from memfit._torch import cpu_memory_events
+from memfit._torch import cpu_marked_spans, cpu_memory_events
 from memfit.profiling.storages import LiveStorages
 
 __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
@@ -56,7 +56,17 @@ class PeakMeter:
 
 
 class AllocatorMeter(PeakMeter):
-    """The CPU allocator's alloc/free events (``torch.profiler``, ``profile_memory=True``)."""
+    """The CPU allocator's alloc/free events (``torch.profiler``, ``profile_memory=True``).
+
+    Args:
+        until: count only the events up to the last span of this name
+            (``memfit._torch.profiler_marker``) recorded in the block, when there is one: a
+            step whose end is marked from inside autograd, where the profiler cannot be
+            stopped (NOTE [monitoring a training run] in ``memfit.runtime.monitor``).
+    """
+
+    def __init__(self, until: str | None = None) -> None:
+        self.until = until
 
     def __enter__(self) -> AllocatorMeter:
         from torch.profiler import ProfilerActivity, profile
@@ -71,8 +81,14 @@ class AllocatorMeter(PeakMeter):
     def __exit__(self, *exc: object) -> None:
         with silenced_fd(2):
             self._prof.stop()
+        end = None
+        if self.until is not None:
+            spans = cpu_marked_spans(self._prof, self.until)
+            end = spans[-1][0] if spans else None
         live = peak = 0
-        for _, nbytes in cpu_memory_events(self._prof):
+        for t, nbytes in cpu_memory_events(self._prof):
+            if end is not None and t > end:
+                break
             live += nbytes
             peak = max(peak, live)
         self.peak_bytes = peak
