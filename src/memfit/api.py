@@ -59,6 +59,7 @@ def fit(
     target: str | None = None,
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
+    monitor_every: int | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -121,6 +122,11 @@ def fit(
             profiled (and the midpoint of two given sizes); every shape in their range runs
             a plan whose predicted peak fits the budget at the range's ends, or ``fit``
             raises ``InfeasibleBudget``.
+        monitor_every: monitor one training call in N (the first, then every N-th): its
+            measured peak, the plan's prediction and budget, and its seconds are appended to
+            ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
+            the budget or more than 10% from the prediction warns (NOTE [monitoring a
+            training run] in ``memfit.runtime.monitor``). Default None: no monitor.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -155,6 +161,10 @@ def fit(
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
+    if monitor_every is not None and (not isinstance(monitor_every, int)
+                                      or isinstance(monitor_every, bool) or monitor_every < 1):
+        raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in N), "
+                         f"got {monitor_every!r}")
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
                                      distributed=is_distributed())
     if shapes is not None and (step is not None or tune or is_distributed()):
@@ -260,6 +270,10 @@ def fit(
     # in a distributed job, checks that every rank holds new_plan
     apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
           plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))
+    if monitor_every is not None:
+        from memfit.runtime.monitor import install_monitor
+
+        install_monitor(model, monitor_every)
     log.info("%s", new_plan)
     return model
 

@@ -235,7 +235,8 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
     if applied.host is not None:
         _say_offload_on_cpu(model, plan)
     if guard is not None:
-        applied.inputs = model.register_forward_pre_hook(guard, with_kwargs=True)
+        # first, so that the model's other pre-hooks (the monitor's) see the plan in effect
+        applied.inputs = model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
         applied.input_guard = guard
     model.__dict__[APPLIED_ATTR] = applied
     model.memfit_plan = plan  # type: ignore[assignment]
