@@ -262,11 +262,8 @@ def fit(
     if new_shape.value == "replan":
         from memfit.shape_plans import replanner
 
-        def cached(p: Profile) -> Plan:
-            with cache_off_for_training(model):
-                return plan_profile(p)
-
-        replan = replanner(the_step, prof, cached, mode=mode, target=target or "cpu")
+        replan = replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
+                           around=cache_off_for_training)
     # in a distributed job, checks that every rank holds new_plan
     apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
           plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))

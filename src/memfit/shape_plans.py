@@ -46,6 +46,7 @@ NOTE [shape ranges]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -97,12 +98,18 @@ def resolve_on_new_shape(on_new_shape: str | None, *, callable_step: bool,
     return mode
 
 
-def replanner(step: Step, first: Profile, plan_profile: PlanProfile, *, mode: str,
-              target: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Plan]:
+def replanner(step: Step, first: Profile, plan_profile: PlanProfile, *, mode: str, target: str,
+              around: Callable[[torch.nn.Module], Any] | None = None,
+              ) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Plan]:
     """The guard's ``replan``: profile ``step`` on a call's inputs and plan it
-    (NOTE [re-planning inside a training call])."""
+    (NOTE [re-planning inside a training call]); ``around(model)``: the context ``fit``
+    profiles in (NOTE [Hugging Face models in fit] in ``memfit.api``)."""
 
     def replan(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        with around(model) if around is not None else contextlib.nullcontext():
+            return _replan(model, args, kwargs)
+
+    def _replan(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         from memfit.measuring.calibration import profile
 
         s = (step if model is step.model else step.for_model(model))

@@ -105,3 +105,16 @@ def test_a_call_without_backward_records_nothing():
 def test_monitor_every_must_be_a_positive_int(every):
     with pytest.raises(ValueError, match="monitor_every"):
         Monitor(torch.nn.Linear(2, 2), every)
+
+
+def test_a_meter_started_after_a_monitored_step_ends_the_monitor_s_first():
+    """NOTE [deferred meter ends]: memfit.measure right after a monitored step, with no call of
+    the model between, would otherwise start a second profiler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    install_monitor(model, 10)  # measure's own two calls are not monitored
+    Step.of(model, x).run()  # monitored; its profiler still records
+    measured = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
+    (record,) = model.memfit_monitor
+    assert record.step == 0 and record.peak_bytes == measured > 0

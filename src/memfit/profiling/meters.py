@@ -32,7 +32,26 @@ from memfit._torch import cpu_marked_spans, cpu_memory_events
 from memfit.profiling.storages import LiveStorages
 
 __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
-           "allocator_peak"]
+           "allocator_peak", "defer_end", "end_deferred"]
+
+
+# NOTE [deferred meter ends] A meter that cannot end where its step ends (the training
+# monitor's, started in a forward pre-hook and ended at the model's next call: NOTE [monitoring
+# a training run] in memfit.runtime.monitor) registers its end here, and every CPU profiler
+# memfit starts (AllocatorMeter, the workspace meter) ends those first: two torch profilers
+# cannot record at once, and the monitored step is over by then.
+_DEFERRED: list[Callable[[], None]] = []
+
+
+def defer_end(end: Callable[[], None]) -> None:
+    """Register ``end`` (idempotent) to run before memfit's next CPU profiler starts."""
+    _DEFERRED.append(end)
+
+
+def end_deferred() -> None:
+    """Run the ends ``defer_end`` registered (NOTE [deferred meter ends])."""
+    while _DEFERRED:
+        _DEFERRED.pop()()
 
 
 class Meter(str, enum.Enum):
@@ -71,6 +90,7 @@ class AllocatorMeter(PeakMeter):
     def __enter__(self) -> AllocatorMeter:
         from torch.profiler import ProfilerActivity, profile
 
+        end_deferred()  # NOTE [deferred meter ends]
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=False)
         # The profiler's native side prints a line at each start and stop.

@@ -22,7 +22,10 @@ NOTE [monitoring a training run]
        profile (``profiler_marker``), and the profiler is stopped at the model's next call
        (any call), or when the records are read (``model.memfit_monitor``); events after the
        last mark do not count. What runs before then (the optimizer step) is recorded by the
-       profiler and dropped. ``step_s`` is wall time from the start to the last mark.
+       profiler and dropped. ``step_s`` is wall time from the start to the last mark. A CPU
+       profiler memfit starts meanwhile (``memfit.measure``, the profile of a re-plan, which
+       runs from the input guard before this hook) ends it first (NOTE [deferred meter ends]
+       in ``memfit.profiling.meters``).
     4. A monitored call starts nothing while another torch profiler records (starting one
        would end its session: ``memfit.measure``, the user's own profiling), nor on calls
        without autograd, under a suspended plan, or while ``torch.compile`` traces; a call
@@ -52,7 +55,7 @@ from torch import nn
 
 from memfit._torch import profiler_active, profiler_marker
 from memfit.profiling.inputs import call_signature, first_floating_parameter
-from memfit.profiling.meters import AllocatorMeter
+from memfit.profiling.meters import AllocatorMeter, defer_end
 from memfit.runtime.marks import suspended
 from memfit.runtime.shapes import describe
 
@@ -176,6 +179,7 @@ class Monitor:
             meter = AllocatorMeter(until=_END)
             meter.__enter__()
             state["meter"] = meter
+            defer_end(self.flush)  # NOTE [deferred meter ends] in memfit.profiling.meters
             state["t0"] = time.perf_counter()
         state["hooks"] = [p.register_post_accumulate_grad_hook(lambda _p: self._mark(state))
                           for p in params]
