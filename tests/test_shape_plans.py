@@ -176,3 +176,89 @@ def test_inputs_of_a_shape_are_sliced_or_tiled_from_the_example():
         inputs_of_shape({"input_ids": x}, (2, 4))
     with pytest.raises(TypeError, match="3 dimensions"):
         inputs_of_shape(x, (2, 4, 1))
+
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                  torch.nn.ReLU()) for _ in range(3)]
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), *blocks,
+                               torch.nn.Flatten(), torch.nn.LazyLinear(10))
+
+
+@pytest.mark.slow
+def test_a_re_plan_inside_a_call_leaves_grads_buffers_and_rng_as_the_plain_step_s():
+    """NOTE [re-planning inside a training call]: the re-plan's profile runs forward and
+    backward inside the call; gradients accumulated before it, BatchNorm statistics and the
+    RNG come out as without it."""
+    model = _bn_net()
+    model(torch.randn(2, 3, 8, 8))  # the lazy layer takes its shape
+    plain = copy.deepcopy(model)
+    memfit.fit(model, torch.randn(4, 3, 8, 8), budget="min")
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 3, 8, 8), torch.randn(6, 3, 8, 8)]  # the second is re-planned
+    rng = []
+    for twin in (model, plain):
+        twin.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        for x in xs:  # gradients accumulate over both calls
+            twin(x).sum().backward()
+        rng.append(torch.get_rng_state())
+    assert input_guard(model).replans == 1
+    assert torch.equal(rng[0], rng[1])
+    planned, reference = _grads(model), _grads(plain)
+    assert all(torch.equal(planned[n], reference[n]) for n in reference)
+    buffers = dict(plain.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+
+
+def _fake_profile(t: int, peak: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(input_signature=(("0", (4, t), "int64"),), peak_bytes=peak, model="GPT")
+
+
+@pytest.mark.parametrize("at_32, at_80, at_128, one_plan, ranges", [
+    # the plan of the largest plain peak (seq 80) simulated at each shape; then, where it does
+    # not fit everywhere, seq 128's own plan simulated at seq 80 (90 here: over the budget)
+    (50, 90, 100, True, [(32, 128, "P80")]),
+    (50, 90, 120, False, [(32, 80, "P80")]),
+], ids=["one-plan", "a-plan-per-shape"])
+def test_a_range_gets_one_plan_where_it_fits_everywhere_else_a_plan_per_shape(
+        monkeypatch, at_32, at_80, at_128, one_plan, ranges):
+    """NOTE [shape ranges] on hand-made numbers (budget 100): activation memory not monotone
+    in the sequence (seq 80 peaks highest)."""
+    import memfit.planning.simulate as simulate_module
+    from memfit.runtime.shapes import signature_of
+    from memfit.shape_plans import plan_range
+
+    profiles = {t: _fake_profile(t, peak) for t, peak in ((32, 150), (80, 300), (128, 200))}
+    plans = {t: f"P{t}" for t in profiles}
+    peaks = {(32, "P80"): at_32, (80, "P80"): at_80, (128, "P80"): at_128, (80, "P128"): 120,
+             (128, "P128"): 95}
+
+    def simulate(profile, plan):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(peak_bytes=peaks[(profile.input_signature[0][1][1], plan)])
+
+    monkeypatch.setattr(simulate_module, "simulate", simulate)
+    top, by_signature, got, checked = plan_range(
+        list(profiles.values()), lambda p: plans[p.input_signature[0][1][1]], 100)
+    assert top == "P80" and checked["one_plan"] is one_plan
+    assert [(r.low[0][1][1], r.high[0][1][1], r.plan) for r in got] == ranges
+    assert by_signature[signature_of(profiles[128].input_signature)] == ("P80" if one_plan
+                                                                          else "P128")
+
+
+def test_a_shape_no_plan_fits_is_named():
+    from memfit.errors import InfeasibleBudget
+    from memfit.shape_plans import plan_range
+
+    def infeasible(p):
+        raise InfeasibleBudget("budget too small", budget_bytes=100, min_feasible_bytes=120)
+
+    with pytest.raises(InfeasibleBudget, match=r"fit\(shapes=...\): no plan fits inputs "
+                       r"\(0=4x128:int64\).*budget too small") as err:
+        plan_range([_fake_profile(64, 150), _fake_profile(128, 200)], infeasible, 100)
+    assert err.value.min_feasible_bytes == 120

@@ -117,18 +117,29 @@ def replanner(step: Step, first: Profile, plan_profile: PlanProfile, *, mode: st
         prof = profile(s, mode=mode, target=target, calibrate_time=False)
         if first.calibration is not None:
             prof = dataclasses.replace(prof, calibration=first.calibration)
-        try:
-            return plan_profile(prof)
-        except InfeasibleBudget as e:
-            raise InfeasibleBudget(
-                f"memfit: {prof.model} was called on inputs "
-                f"{describe(signature_of(prof.input_signature))}, planned for "
-                f"{describe(signature_of(first.input_signature))}; re-planning for the same "
-                f"budget (on_new_shape='replan') found no plan: {e}", budget_bytes=e.budget_bytes,
-                min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
-                fits_with=e.fits_with) from None
+        return _planned(prof, plan_profile, (
+            f"memfit: {prof.model} was called on inputs "
+            f"{describe(signature_of(prof.input_signature))}, planned for "
+            f"{describe(signature_of(first.input_signature))}; re-planning for the same budget "
+            "(on_new_shape='replan') found no plan"))
 
     return replan
+
+
+def _planned(prof: Profile, plan_profile: PlanProfile, context: str) -> Plan:
+    """``plan_profile(prof)``, an ``InfeasibleBudget`` naming the inputs (``context``)."""
+    try:
+        return plan_profile(prof)
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(f"{context}: {e}", budget_bytes=e.budget_bytes,
+                               min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
+                               fits_with=e.fits_with) from None
+
+
+def _for_shapes(prof: Profile, plan_profile: PlanProfile) -> Plan:
+    return _planned(prof, plan_profile, (
+        f"fit(shapes=...): no plan fits inputs {describe(signature_of(prof.input_signature))} "
+        "in the budget; narrow the range or raise the budget"))
 
 
 def inputs_of_shape(example_inputs: Any, shape: Any) -> Any:
@@ -195,7 +206,7 @@ def plan_range(profiles: Sequence[Profile], plan_profile: PlanProfile,
 
     order = sorted(range(len(profiles)), key=lambda i: (profiles[i].peak_bytes, _key(sigs[i])))
     largest = order[-1]
-    top = plan_profile(profiles[largest])
+    top = _for_shapes(profiles[largest], plan_profile)
     peaks = [peak(p, top) for p in profiles]
     checked: dict[str, Any] = {"budget_bytes": budget_bytes}
     if all(pk <= budget_bytes for pk in peaks):
@@ -211,7 +222,7 @@ def plan_range(profiles: Sequence[Profile], plan_profile: PlanProfile,
     plans: dict[Signature, Plan] = {}
     predicted: dict[str, int] = {}
     for i, (p, sig) in enumerate(zip(profiles, sigs, strict=True)):
-        plans[sig] = top if peaks[i] <= budget_bytes else plan_profile(p)
+        plans[sig] = top if peaks[i] <= budget_bytes else _for_shapes(p, plan_profile)
         predicted[describe(sig)] = peak(p, plans[sig])
     ranges = []
     by_size = sorted(range(len(profiles)), key=lambda i: _key(sigs[i]))

@@ -28,8 +28,9 @@ NOTE [inputs other than the profiled ones]
     Cost: a call on the signature of the last call compares its positional tensors' shapes and
     dtypes in place (and the dtype of one parameter); other calls build the signature
     (``call_signature``) and look it up. Measured on this project's shared 2-core machine
-    (``tests/runtime/test_shapes.py`` prints it): a few microseconds per call, against
-    milliseconds for the step of the smallest zoo GPT.
+    (``tests/runtime/test_shapes.py`` prints it): 5.4 us per call on the last call's
+    signature, 15.4 us on another (a warned one), against 0.42 ms for a step of a 2-layer
+    8-wide MLP and 56 ms for a 6-layer, 32-wide zoo GPT at 4x128 tokens.
 
     A switch re-wraps the regions (each region's divergence check starts its sampling again:
     NOTE [check sampling] in ``memfit.runtime.divergence``), so a run alternating between
