@@ -81,7 +81,10 @@ def test_a_new_shape_is_re_planned_once_for_the_same_bytes_with_bitwise_gradient
     assert replanned.input_signature[0] == ("0", (4, 256), "int64")
     assert replanned.budget_bytes == BUDGET and replanned.regions
     model.zero_grad(set_to_none=True)
-    assert _peak(model, x) <= BUDGET
+    peak = _peak(model, x)
+    print("seq 256 re-planned: measured peak", peak, "predicted", replanned.predicted_peak_bytes,
+          "budget", BUDGET)
+    assert peak <= BUDGET
     for t in (256, 64, 256):  # held: switched between the plans, not re-planned
         model(zoo.example_inputs(model, batch=4, size=t)).sum().backward()
     assert guard.replans == 1
