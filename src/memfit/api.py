@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -57,6 +57,9 @@ def fit(
     sharding: str = "none",
     reserve: int | str | None = None,
     target: str | None = None,
+    on_new_shape: str | None = None,
+    shapes: Sequence[Any] | None = None,
+    monitor_every: int | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -104,6 +107,26 @@ def fit(
             is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
             kernels in fake mode]) and cost model; default ``"cpu"``. Refused for a model
             with weights, which is profiled where it is.
+        on_new_shape: what a training call on inputs of another shape or dtype than the
+            plan's does (NOTE [inputs other than the profiled ones] in
+            ``memfit.runtime.shapes``): ``"replan"`` profiles that step once, plans it for the
+            same budget in bytes and keeps the plan for later calls of that signature (NOTE
+            [re-planning inside a training call] in ``memfit.shape_plans``); ``"warn"`` warns
+            once per new signature and keeps the plan; ``"raise"`` raises
+            ``memfit.NewInputShape``. Default None: ``"replan"`` for ``example_inputs``
+            (exact, and once per shape), ``"warn"`` for a callable ``step`` or in a
+            distributed job, where a re-plan cannot run.
+        shapes: the shapes training will use, planned now (NOTE [shape ranges] in
+            ``memfit.shape_plans``): each a size of the single input tensor (``(8, 128)``,
+            sliced or tiled from ``example_inputs``) or full example inputs. Every one is
+            profiled (and the midpoint of two given sizes); every shape in their range runs
+            a plan whose predicted peak fits the budget at the range's ends, or ``fit``
+            raises ``InfeasibleBudget``.
+        monitor_every: monitor one training call in N (the first, then every N-th): its
+            measured peak, the plan's prediction and budget, and its seconds are appended to
+            ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
+            the budget or more than 10% from the prediction warns (NOTE [monitoring a
+            training run] in ``memfit.runtime.monitor``). Default None: no monitor.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -133,10 +156,20 @@ def fit(
     from memfit.planning.planner import refuse_over_budget
     from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
+    from memfit.shape_plans import resolve_on_new_shape
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
+    if monitor_every is not None and (not isinstance(monitor_every, int)
+                                      or isinstance(monitor_every, bool) or monitor_every < 1):
+        raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in N), "
+                         f"got {monitor_every!r}")
+    new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
+                                     distributed=is_distributed())
+    if shapes is not None and (step is not None or tune or is_distributed()):
+        raise ValueError("fit(shapes=...) plans each shape from example_inputs, without tuning, "
+                         "on one process: not with step=, tune=True or in a distributed job")
     if tune and _on_meta(model):
         raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
                          "device; materialize the model or plan without tune")
@@ -157,9 +190,9 @@ def fit(
                          "file on every rank")
     refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
-    previous = [(path, m, old_plan) for path, m in model.named_modules()
+    previous = [(path, m, old_plan, _guard_settings(m)) for path, m in model.named_modules()
                 if (old_plan := applied_plan(m)) is not None]
-    for path, m, _ in previous:  # NOTE [re-fitting]
+    for path, m, _, _ in previous:  # NOTE [re-fitting]
         if m is not model:
             log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
                         "to re-plan the whole %s", path, type(m).__name__, type(model).__name__)
@@ -201,13 +234,92 @@ def fit(
                         master_weights=master_weights, world_size=world_size,
                         sharding=sharding, reserve=reserve) from None
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
+        budget_bytes = new_plan.budget_bytes
+
+        def plan_profile(p: Profile) -> Plan:
+            """A plan of another shape's profile for the same budget in bytes (or device)."""
+            from memfit.device_memory import job_spec
+
+            job = job_spec(p, device_memory=device_memory, optimizer=optimizer,
+                           optimizer_state_dtype=optimizer_state_dtype,
+                           master_weights=master_weights, world_size=world_size,
+                           sharding=sharding, reserve=reserve)
+            made = make_plan(p, budget=None if budget is None else "min" if budget == "min" else budget_bytes,
+                             solver=solver, job=job)
+            refuse_over_budget(made)
+            return made
+
+        shaped: dict[str, Any] = {}
+        if shapes is not None:
+            with cache_off_for_training(model):
+                new_plan, shaped = _plan_shapes(the_step, example_inputs, shapes, prof, new_plan,
+                                                plan_profile, mode=mode, target=target or "cpu")
     except BaseException:
-        for _, m, old in previous:
-            apply(m, old, check_ranks=False)
+        for _, m, old, settings in previous:
+            apply(m, old, check_ranks=False, **settings)
         raise
-    apply(model, new_plan)  # in a distributed job, checks that every rank holds new_plan
+    replan = None
+    if new_shape.value == "replan":
+        from memfit.shape_plans import replanner
+
+        replan = replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
+                           around=cache_off_for_training)
+    # in a distributed job, checks that every rank holds new_plan
+    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
+          plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))
+    if monitor_every is not None:
+        from memfit.runtime.monitor import install_monitor
+
+        install_monitor(model, monitor_every)
     log.info("%s", new_plan)
     return model
+
+
+def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: Profile,
+                 first_plan: Plan, plan_profile: Callable[[Profile], Plan], *, mode: str,
+                 target: str) -> tuple[Plan, dict[str, Any]]:
+    """``fit(shapes=...)``: profile every shape (the fit's own calibration reused) and plan the
+    range (NOTE [shape ranges] in ``memfit.shape_plans``); the plan to apply first and the
+    guard's ``plans`` and ``ranges``."""
+    from memfit.measuring.calibration import profile
+    from memfit.runtime.shapes import signature_of
+    from memfit.shape_plans import inputs_of_shape, plan_range
+
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
+        raise TypeError(f"shapes must be a non-empty list of sizes or example inputs, got "
+                        f"{type(shapes).__name__}")
+    given = list(shapes)
+    if len(given) == 2 and all(isinstance(g, (tuple, list, torch.Size)) and g
+                               and all(isinstance(d, int) for d in g) for g in given):
+        given.append(tuple((a + b) // 2 for a, b in zip(given[0], given[1], strict=False)))
+    profiles = [first]
+    for g in given:
+        s = step.with_inputs(*_normalized(inputs_of_shape(example_inputs, g))).with_input_copies()
+        p = profile(s, mode=mode, target=target, calibrate_time=False)
+        if first.calibration is not None:
+            p = dataclasses.replace(p, calibration=first.calibration)
+        if all(p.input_signature != q.input_signature for q in profiles):
+            profiles.append(p)
+    assert first_plan.budget_bytes is not None
+    _, plans, ranges, checked = plan_range(profiles, plan_profile, first_plan.budget_bytes)
+    applied = plans[signature_of(first.input_signature)]
+    applied = dataclasses.replace(applied, extra={**applied.extra, "shapes": checked})
+    plans[signature_of(first.input_signature)] = applied
+    return applied, {"plans": plans, "ranges": ranges}
+
+
+def _normalized(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from memfit.profiling.inputs import normalize_inputs
+
+    return normalize_inputs(inputs)
+
+
+def _guard_settings(model: nn.Module) -> dict[str, Any]:
+    """The input guard's keywords of the plan on ``model``, to put it back as it was."""
+    from memfit.runtime.apply import input_guard
+
+    guard = input_guard(model)
+    return guard.settings() if guard is not None else {}
 
 
 def _the_step(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -335,7 +447,9 @@ def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec |
                             fits_with=(*e.fits_with, hint))
 
 def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | str | None = None,
-          check_ranks: bool = True) -> M:
+          check_ranks: bool = True, on_new_shape: str = "warn",
+          replan: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Plan] | None = None,
+          plans: dict[Any, Plan] | None = None, ranges: tuple[Any, ...] = ()) -> M:
     """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply``; a plan applied
     before is removed first).
 
@@ -344,7 +458,8 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
     (NOTE [one plan per job] in ``memfit.distributed``).
 
     Args:
-        model, plan, check, host_budget: as ``memfit.runtime.apply.apply``.
+        model, plan, check, host_budget, on_new_shape, replan, plans, ranges: as
+            ``memfit.runtime.apply.apply``.
         check_ranks: in a distributed job, gather every rank's plan digest and raise unless
             all agree (default True); False skips the collective, for ranks that train
             different models.
@@ -363,5 +478,6 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
     from memfit.runtime.apply import apply as apply_plan
 
     agree = rank_agreement() if check_ranks else None
-    apply_plan(model, plan, check=check, host_budget=host_budget, agree=agree)
+    apply_plan(model, plan, check=check, host_budget=host_budget, agree=agree,
+               on_new_shape=on_new_shape, replan=replan, plans=plans, ranges=ranges)
     return model

@@ -12,6 +12,7 @@ __all__ = [
     "MemfitError",
     "InfeasibleBudget",
     "ModelError",
+    "NewInputShape",
     "PlanMismatch",
     "PlansDiffer",
     "ProfileMismatch",
@@ -61,6 +62,22 @@ class ModelError(MemfitError):
     def __init__(self, message: str, *, model: str) -> None:
         super().__init__(message)
         self.model = model
+
+
+class NewInputShape(MemfitError):
+    """A planned model was called on inputs (shapes, dtypes) its plan was not made for, and
+    ``fit(on_new_shape="raise")`` asked for an error (NOTE [inputs other than the profiled
+    ones] in ``memfit.runtime.shapes``).
+
+    Attributes:
+        planned: the signatures the model holds plans for, ``((name, shape, dtype), ...)`` each.
+        got: the call's signature.
+    """
+
+    def __init__(self, message: str, *, planned: tuple[Any, ...], got: tuple[Any, ...]) -> None:
+        super().__init__(message)
+        self.planned = planned
+        self.got = got
 
 
 class PlanMismatch(MemfitError):

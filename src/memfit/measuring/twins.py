@@ -57,9 +57,12 @@ class StepResult:
 def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
     """The model without its memfit plan for the duration; yields the plan it carried, and
     re-applies it at the end (removing any plan applied meanwhile)."""
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply, input_guard, unapply
 
     original: Plan | None = model.__dict__.get("memfit_plan")
+    guard = input_guard(model)
+    # the plans of other input shapes too (NOTE [inputs other than the profiled ones])
+    settings = guard.settings() if guard is not None else {}
     if original is not None:
         unapply(model)
     try:
@@ -68,7 +71,8 @@ def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
         if model.__dict__.get("memfit_plan") is not None:
             unapply(model)
         if original is not None:
-            apply(model, original)  # the plan it carried, checked across ranks when first applied
+            # the plan it carried, checked across ranks when first applied
+            apply(model, original, **settings)
 
 
 class UncopyableModel(TypeError):

@@ -28,11 +28,30 @@ from typing import Any
 import torch
 
 from memfit._native_output import silenced_fd
-from memfit._torch import cpu_memory_events
+from memfit._torch import cpu_marked_spans, cpu_memory_events
 from memfit.profiling.storages import LiveStorages
 
 __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
-           "allocator_peak"]
+           "allocator_peak", "defer_end", "end_deferred"]
+
+
+# NOTE [deferred meter ends] A meter that cannot end where its step ends (the training
+# monitor's, started in a forward pre-hook and ended at the model's next call: NOTE [monitoring
+# a training run] in memfit.runtime.monitor) registers its end here, and every CPU profiler
+# memfit starts (AllocatorMeter, the workspace meter) ends those first: two torch profilers
+# cannot record at once, and the monitored step is over by then.
+_DEFERRED: list[Callable[[], None]] = []
+
+
+def defer_end(end: Callable[[], None]) -> None:
+    """Register ``end`` (idempotent) to run before memfit's next CPU profiler starts."""
+    _DEFERRED.append(end)
+
+
+def end_deferred() -> None:
+    """Run the ends ``defer_end`` registered (NOTE [deferred meter ends])."""
+    while _DEFERRED:
+        _DEFERRED.pop()()
 
 
 class Meter(str, enum.Enum):
@@ -56,11 +75,22 @@ class PeakMeter:
 
 
 class AllocatorMeter(PeakMeter):
-    """The CPU allocator's alloc/free events (``torch.profiler``, ``profile_memory=True``)."""
+    """The CPU allocator's alloc/free events (``torch.profiler``, ``profile_memory=True``).
+
+    Args:
+        until: count only the events up to the last span of this name
+            (``memfit._torch.profiler_marker``) recorded in the block, when there is one: a
+            step whose end is marked from inside autograd, where the profiler cannot be
+            stopped (NOTE [monitoring a training run] in ``memfit.runtime.monitor``).
+    """
+
+    def __init__(self, until: str | None = None) -> None:
+        self.until = until
 
     def __enter__(self) -> AllocatorMeter:
         from torch.profiler import ProfilerActivity, profile
 
+        end_deferred()  # NOTE [deferred meter ends]
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=False)
         # The profiler's native side prints a line at each start and stop.
@@ -71,8 +101,14 @@ class AllocatorMeter(PeakMeter):
     def __exit__(self, *exc: object) -> None:
         with silenced_fd(2):
             self._prof.stop()
+        end = None
+        if self.until is not None:
+            spans = cpu_marked_spans(self._prof, self.until)
+            end = spans[-1][0] if spans else None
         live = peak = 0
-        for _, nbytes in cpu_memory_events(self._prof):
+        for t, nbytes in cpu_memory_events(self._prof):
+            if end is not None and t > end:
+                break
             live += nbytes
             peak = max(peak, live)
         self.peak_bytes = peak

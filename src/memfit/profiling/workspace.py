@@ -41,6 +41,7 @@ import numpy as np
 
 from memfit._native_output import silenced_fd
 from memfit._torch import cpu_marked_spans, cpu_memory_events, profiler_active, profiler_marker
+from memfit.profiling.meters import end_deferred
 
 __all__ = ["WorkspaceMeter"]
 
@@ -81,6 +82,7 @@ class WorkspaceMeter:
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
+        end_deferred()  # NOTE [deferred meter ends] in memfit.profiling.meters
         if profiler_active():  # starting one would end the caller's session
             log.warning("kernel workspaces not measured: another torch profiler is recording")
             self.enabled = False

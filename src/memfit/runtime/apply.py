@@ -9,6 +9,7 @@ it was.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,12 @@ from memfit.runtime.fsdp import is_fsdp_unit_class
 from memfit.runtime.hf_guard import install_guard, remove_guard
 from memfit.runtime.marks import APPLIED_ATTR, applied_plan
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
-from memfit.runtime.shapes import InputGuard
+from memfit.runtime.shapes import InputGuard, OnNewShape, ShapeRange, Signature
 from memfit.runtime.wrap import unwrap, wrap
 from memfit.step import model_device
 from memfit.units import parse_bytes
 
-__all__ = ["apply", "unapply", "host_pool"]
+__all__ = ["apply", "unapply", "host_pool", "input_guard"]
 
 
 @dataclass
@@ -42,6 +43,7 @@ class _Applied:
     host: Any = None  # the HostPool of the plan's OFFLOAD decisions (None: none)
     guard: int | None = None  # id of the HF checkpointing guard (NOTE [checkpointed twice])
     inputs: Any = None  # the handle of the input guard (NOTE [inputs other than the profiled ones])
+    input_guard: InputGuard | None = None  # the guard itself
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -142,7 +144,11 @@ def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
 
 def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
           host_budget: int | str | None = None,
-          agree: Callable[[Plan, PlanMismatch | None], None] | None = None) -> nn.Module:
+          agree: Callable[[Plan, PlanMismatch | None], None] | None = None,
+          on_new_shape: OnNewShape | str = OnNewShape.WARN,
+          replan: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Plan] | None = None,
+          plans: dict[Signature, Plan] | None = None,
+          ranges: tuple[ShapeRange, ...] = ()) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
 
     The public ``memfit.apply`` (``memfit.api.apply``) is this function made a collective in
@@ -165,11 +171,19 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
             changes, with this model's ``PlanMismatch`` (re-raised after it returns) or None;
             it raises to refuse the plan (``memfit.distributed.rank_agreement``: every rank
             must hold the same plan). Default None: no one else to agree with.
+        on_new_shape: what a call on inputs without a plan does (NOTE [inputs other than the
+            profiled ones] in ``memfit.runtime.shapes``): ``"warn"`` (default: once per new
+            signature), ``"raise"`` (``NewInputShape``), or ``"replan"`` (with ``replan``).
+        replan: ``(model, args, kwargs) -> Plan`` for a call on a new signature (``fit``
+            gives it).
+        plans, ranges: plans made ahead for other signatures, and ranges of signatures with
+            their plans (``fit(shapes=...)``); a call on one switches to its plan.
 
     Returns:
-        ``model``, with ``model.memfit_plan`` set to ``plan``. A plan that records the inputs
-        it was profiled on (``Plan.input_signature``) warns once when the model is called on
-        others (NOTE [inputs other than the profiled ones] in ``memfit.runtime.shapes``).
+        ``model``, with ``model.memfit_plan`` set to ``plan`` (to the plan in effect, after a
+        call on other inputs switched plans). A plan that records the inputs it was profiled
+        on (``Plan.input_signature``) guards the model's calls on others
+        (``input_guard(model)``).
 
     Raises:
         PlanMismatch: a module path the model lacks, a segment whose modules are not
@@ -208,8 +222,33 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
             agree(plan, e)  # PlansDiffer unless every rank failed too
             raise
         agree(plan, None)
+    guard = None
+    if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
+        guard = InputGuard(model, plan, on_new=on_new_shape, replan=replan, plans=plans,
+                           ranges=ranges, switch=functools.partial(_switch, check=check, cap=cap))
+    elif on_new_shape == OnNewShape.REPLAN or plans or ranges:
+        raise ValueError("the plan records no input signature (made before the field): it "
+                         "cannot be re-planned or switched per input shape; plan it again")
     applied = _Applied()
-    if any(p is OpPolicy.OFFLOAD for region in plan.regions for _, p in region.ops):
+    _wrap_regions(model, plan, targets, applied, check, cap)
+    applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
+    if applied.host is not None:
+        _say_offload_on_cpu(model, plan)
+    if guard is not None:
+        # first, so that the model's other pre-hooks (the monitor's) see the plan in effect
+        applied.inputs = model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+        applied.input_guard = guard
+    model.__dict__[APPLIED_ATTR] = applied
+    model.memfit_plan = plan  # type: ignore[assignment]
+    return model
+
+
+def _wrap_regions(model: nn.Module, plan: Plan, targets: list[tuple[Region, Any]],
+                  applied: _Applied, check: CheckArg, cap: int | None) -> None:
+    """Checkpoint every region of ``plan`` (recorded in ``applied``); on a failure, undo what
+    was wrapped and re-raise."""
+    if applied.host is None and any(p is OpPolicy.OFFLOAD for region in plan.regions
+                                    for _, p in region.ops):
         from memfit.runtime.offload import HostPool
 
         applied.host = HostPool(cap)
@@ -227,17 +266,37 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
                                        watch_buffers=region.writes_buffers)
                 )
     except (WrapError, ValueError):
-        _undo(model, applied)
+        _undo_regions(model, applied)
         raise
-    applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
-    if applied.host is not None:
-        _say_offload_on_cpu(model, plan)
-    if plan.input_signature:  # NOTE [inputs other than the profiled ones] in memfit.runtime.shapes
-        applied.inputs = model.register_forward_pre_hook(
-            InputGuard(model, plan.input_signature, plan.model), with_kwargs=True)
-    model.__dict__[APPLIED_ATTR] = applied
+
+
+def _switch(model: nn.Module, plan: Plan, *, check: CheckArg, cap: int | None) -> None:
+    """Put ``plan`` (another input signature's) into effect on ``model`` in place of the plan
+    in effect: its regions unwrapped, the new ones wrapped; the guards stay (NOTE [inputs
+    other than the profiled ones] in ``memfit.runtime.shapes``)."""
+    applied = model.__dict__[APPLIED_ATTR]
+    targets = _check(model, plan)
+    old: Plan = model.__dict__["memfit_plan"]
+    _undo_regions(model, applied)
+    try:
+        _wrap_regions(model, plan, targets, applied, check, cap)
+    except (WrapError, ValueError):
+        _wrap_regions(model, old, _check(model, old), applied, check, cap)
+        raise
     model.memfit_plan = plan  # type: ignore[assignment]
-    return model
+
+
+def input_guard(model: nn.Module) -> InputGuard | None:
+    """The input guard of the plan applied to ``model`` (NOTE [inputs other than the profiled
+    ones] in ``memfit.runtime.shapes``): its ``plans`` per signature, ``replans``, ``warned``.
+    None: no plan is applied, or its plan records no input signature.
+
+    Example:
+        >>> input_guard(torch.nn.Linear(2, 2)) is None   # doctest: +SKIP
+        True
+    """
+    applied = model.__dict__.get(APPLIED_ATTR)
+    return None if applied is None else applied.input_guard
 
 
 def _say_offload_on_cpu(model: nn.Module, plan: Plan) -> None:
@@ -266,10 +325,16 @@ def _undo(model: nn.Module, applied: _Applied) -> None:
     remove_guard(model, applied.guard)
     if applied.inputs is not None:
         applied.inputs.remove()
+    _undo_regions(model, applied)
+
+
+def _undo_regions(model: nn.Module, applied: _Applied) -> None:
     for path in applied.wrapped:
         unwrap(model.get_submodule(path))
     for handle in applied.segments:
         handle.remove()
+    applied.wrapped.clear()
+    applied.segments.clear()
 
 
 def unapply(model: nn.Module) -> nn.Module:
