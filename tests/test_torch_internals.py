@@ -688,7 +688,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_an_older_torch_fails_at_the_first_profiling_import():
     done = _run("""
         import torch
@@ -705,7 +705,7 @@ def test_an_older_torch_fails_at_the_first_profiling_import():
     assert message.startswith("memfit needs torch >=2.13,<2.15, but torch 2.10.0 is installed")
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
     done = _run("""
         import torch
@@ -723,7 +723,7 @@ def test_a_missing_core_api_fails_at_import_naming_torch_and_the_range():
     assert f"torch {torch.__version__}" in message and T.SUPPORTED_TORCH in message
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_a_changed_checkpoint_generator_fails_chain_segments_only():
     done = _run("""
         import torch, torch.utils.checkpoint

@@ -84,7 +84,7 @@ def test_profile_json(capsys):
     assert data["saved_by_module"][0]["module"] == "blocks.0"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_plan_then_verify(tmp_path):
     plan_file = tmp_path / "plan.json"
     r = memfit("plan", SMALL, "--budget", "70%", "-o", str(plan_file), "--json")
@@ -99,7 +99,7 @@ def test_plan_then_verify(tmp_path):
     assert "PASSED" in r.stdout and "[ok] parameter gradients" in r.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_sweep_writes_json_and_plot(tmp_path):
     out = tmp_path / "sw"
     r = memfit("sweep", TINY, "--budgets", "1.0,min", "--baselines", "every_block", "--repeats", "1",
@@ -111,7 +111,7 @@ def test_sweep_writes_json_and_plot(tmp_path):
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_demo_on_a_small_model(tmp_path):
     r = memfit("demo", "--model", SMALL, "--out", str(tmp_path / "demo"), "--repeats", "1", "--no-progress")
     # 0 when every check passed, 1 when one failed: on a model this small the planner's peak
@@ -129,7 +129,7 @@ def test_demo_on_a_small_model(tmp_path):
 
 
 # ---- error paths ------------------------------------------------------------------------------
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_unknown_model_is_one_line_exit_2():
     r = memfit("plan", "gpt9000", "--budget", "50%")
     assert r.returncode == EXIT_BAD_INPUT
@@ -138,7 +138,7 @@ def test_unknown_model_is_one_line_exit_2():
     assert r.stdout == ""
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_infeasible_budget_exit_3_names_smallest_feasible():
     r = memfit("plan", TINY, "--budget", "100")
     assert r.returncode == EXIT_INFEASIBLE
@@ -179,7 +179,7 @@ def test_plan_file_that_is_not_a_plan(tmp_path, capsys):
     assert "not a memfit plan" in one_line_error(capsys.readouterr().err)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_verify_failure_exits_1(tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
     assert _main_code(["plan", SMALL, "--budget", "80%", "-o", str(plan_file)]) == EXIT_OK

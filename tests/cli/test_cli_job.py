@@ -14,6 +14,7 @@ from memfit.cli.main import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, main
 SMALL = "gpt:n_layer=2,d_model=64,n_head=2,seq_len=32,batch=2"
 
 
+@pytest.mark.processes
 def test_plan_for_a_device_prints_the_breakdown_and_its_json_carries_it():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "memfit", "plan", SMALL, "--device-memory", "3MiB",

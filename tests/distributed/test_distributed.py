@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
-pytestmark = pytest.mark.slow  # 2 ranks, each a process
+pytestmark = pytest.mark.processes  # 2 ranks, each a process
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 

@@ -60,7 +60,7 @@ def test_trainer_callback_takes_over_gradient_checkpointing(tmp_path, caplog):
     assert_same_weights(ours, plain)
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_importing_the_integration_does_not_import_transformers():
     code = ("import sys, memfit, memfit.integrations.hf as hf\n"
             "assert 'transformers' not in sys.modules, 'imported early'\n"

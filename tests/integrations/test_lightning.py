@@ -91,7 +91,7 @@ def test_callback_refuses_manual_optimization():
         trainer.fit(ManualModule(), loader)
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_module_imports_without_lightning():
     code = ("import sys; sys.modules['lightning'] = None\n"
             "import memfit.integrations.lightning as m\n"

@@ -122,7 +122,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_process_rss_agrees_with_allocator_meter() -> None:
     # Cross-check only. With MALLOC_MMAP_THRESHOLD_=65536 glibc maps every big tensor on its
     # own and unmaps it on free, so RSS follows live tensor bytes; small allocations and

@@ -52,7 +52,7 @@ def test_allocator_peak_is_the_allocator_meter() -> None:
     assert m.peak_bytes == allocator_peak(lambda: torch.ones(2048)) == 8192
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 def test_measuring_imports_no_op_recorder() -> None:
     # measure -> meters -> storages: the profiler's recorder (tracker, which measures kernel
     # workspaces with the allocator meter) is not needed, so the two cannot import each other.

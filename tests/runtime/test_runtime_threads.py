@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow  # a subprocess
+@pytest.mark.processes
 @pytest.mark.parametrize("plan", ["segment", "segment_selective", "blocks"])
 def test_two_threads_bitwise_equal_to_plain(plan):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
