@@ -89,6 +89,26 @@ def test_suffix_peaks_give_the_chain_minimum_of_a_state_dp():
     assert len(chosen) >= 1
 
 
+def test_min_is_one_state_search_and_the_fastest_plan_at_its_peak(monkeypatch):
+    # "min": the floor check (budget 1) and one search at the least peak; no re-solve at the
+    # plan's simulated peak, which could find no faster plan (a subset of the same plans)
+    prof = decoder_profile(12)
+    searched: list[int | None] = []
+    real = chain.run_dp
+
+    def counting(model, budget_bytes):
+        searched.append(budget_bytes)
+        return real(model, budget_bytes)
+
+    monkeypatch.setattr(chain, "run_dp", counting)
+    smallest = make_plan(prof, budget="min", solver="chain")
+    assert searched == [1, smallest.predicted_peak_bytes]
+    monkeypatch.setattr(chain, "run_dp", real)
+    at_peak = make_plan(prof, budget=smallest.predicted_peak_bytes, solver="chain")
+    assert at_peak.regions == smallest.regions
+    assert at_peak.recompute_s == smallest.recompute_s
+
+
 @pytest.mark.parametrize("frac", [0.6, 0.7, 0.85])
 def test_the_state_cap_keeps_plans_that_fit_and_close_to_the_optimum(monkeypatch, frac):
     prof = decoder_profile(24)

@@ -31,7 +31,6 @@ __all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
-MIN_RETRIES = 1  # the same at budget="min", where the smallest-peak plan is the fallback
 
 
 def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
@@ -195,8 +194,10 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
                        ("the un-checkpointed peak already fits the budget: nothing to checkpoint",))
         return _finish(profile, sol, budget_bytes, [*notes, *sol.notes])
     target_bytes = budget_bytes
-    # at "min" the smallest-peak plan fits already: a faster one is tried, not hunted for
-    for attempt in range(MIN_RETRIES if smallest is not None else MAX_RETRIES):
+    # At "min" no solve is made: the smallest-peak plan is the fastest the solver finds at its
+    # own budget, and a solve at that plan's peak (no looser) searches a subset of the same
+    # plans, so it finds none faster (the state cap of a chain aside: NOTE [state cap]).
+    for attempt in range(0 if smallest is not None else MAX_RETRIES):
         try:
             sol = solve(ctx, target_bytes, time_limit_s=time_limit_s)
         except Infeasible:
