@@ -10,6 +10,12 @@ comparison is of plans, not of measured runs.
 - Checkmate (Jain et al., MLSys 2020), VGG19 largest batch on a 16 GB V100: 167 without
   checkpointing, 197 with sqrt(n), 289 with Checkmate (``--checkmate``: benchmarks.largest_batch,
   some minutes).
+- Chen et al. 2016, a ~1,000-layer ResNet on ImageNet, 48 GB to 7 GB at about +30%: here a
+  bottleneck ResNet of 998 layers (33 / 100 / 166 / 33 blocks) at 224x224, batch 16, fp32,
+  v100 preset, planned at 7/48 of its plain activation peak (``--only chen``).
+- Korthikanti et al. 2022, the 22B GPT layer shape (h 6144, 64 heads, s 2048, b 4, bf16,
+  eager attention with dropout), 48 layers, a100 preset: full recompute costs them +39%;
+  memfit at full recompute's (every_block's) predicted peak (``--only korthikanti``).
 - Planner scale: Llama 3 405B layer shapes (hidden 16384, 128 heads, 8 KV heads, MLP 53248,
   vocab 128256), bf16, h100 preset, batch 4 at sequence 8192, 8 / 32 / 126 layers: planning
   seconds and the planner's resident memory at 40%, 70% and "min", and an infeasible budget
@@ -17,7 +23,7 @@ comparison is of plans, not of measured runs.
 
 Usage (from the repository root)::
 
-    python -m benchmarks.published [--only monet,scale] [--checkmate] [--layers 8,32,126]
+    python -m benchmarks.published [--only monet,chen,korthikanti,scale] [--checkmate] [--layers 8,32,126]
 """
 
 from __future__ import annotations
@@ -59,13 +65,13 @@ class Bottleneck(nn.Module):
         return self.relu(self.bn3(self.conv3(out)) + idt)
 
 
-def resnet50(num_classes: int = 1000) -> nn.Module:
-    """ResNet-50 (3, 4, 6, 3 bottlenecks) on the meta device."""
+def resnet50(num_classes: int = 1000, stages: tuple[int, ...] = (3, 4, 6, 3)) -> nn.Module:
+    """ResNet-50 (3, 4, 6, 3 bottlenecks; other counts per stage by ``stages``) on the meta device."""
     with torch.device("meta"):
         layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
                                    nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
         c = 64
-        for i, (n, w) in enumerate(((3, 64), (4, 128), (6, 256), (3, 512))):
+        for i, (n, w) in enumerate(zip(stages, (64, 128, 256, 512), strict=True)):
             blocks = []
             for k in range(n):
                 blocks.append(Bottleneck(c, w, 2 if k == 0 and i > 0 else 1))
@@ -134,6 +140,55 @@ def scale(layer_counts: list[int]) -> None:
                       flush=True)
 
 
+CHEN_STAGES = (33, 100, 166, 33)  # 3 x 332 convs + the stem conv and the classifier: 998 layers
+CHEN_RATIO, CHEN_OVERHEAD = 7 / 48, 0.30
+KORTHIKANTI_FULL = 0.39  # their full-recompute overhead at the 22B shape (their Table 4)
+
+
+def chen() -> None:
+    t0 = time.perf_counter()
+    prof = memfit.profile(resnet50(stages=CHEN_STAGES), torch.empty(16, 3, 224, 224, device="meta"),
+                          mode="fake", target="v100")
+    secs = time.perf_counter() - t0
+    print(f"Chen setting: bottleneck ResNet, {3 * sum(CHEN_STAGES) + 2} layers, 224x224, batch 16, fp32, "
+          f"v100 preset (profile {secs:.0f} s; plain activation peak {prof.peak_bytes / GB:.2f} GB)")
+    print(f"  {'budget':>16}  {'Chen':>6}  {'memfit':>7}  {'solver':<7} {'peak':>9}  plan seconds")
+    for label, budget in ((f"{CHEN_RATIO:.1%} (7/48)", int(prof.peak_bytes * CHEN_RATIO)), ("sqrt", None),
+                          ("min", "min")):
+        t0 = time.perf_counter()
+        try:
+            p = (memfit.plan(prof, budget=0.99, solver="sqrt") if budget is None
+                 else memfit.plan(prof, budget=budget))
+            ours = f"+{p.recompute_s / prof.step_time_s:.1%}"
+            peak = f"{p.predicted_peak_bytes / prof.peak_bytes:.1%}"
+            solver = p.solver
+        except InfeasibleBudget as e:
+            ours, peak, solver = "no plan", f">= {e.min_feasible_bytes / prof.peak_bytes:.1%}", "-"
+        theirs = f"+{CHEN_OVERHEAD:.0%}" if budget is not None and budget != "min" else "-"
+        print(f"  {label:>16}  {theirs:>6}  {ours:>7}  {solver:<7} {peak:>9}  {time.perf_counter() - t0:.1f}")
+
+
+def korthikanti() -> None:
+    from benchmarks.gpu_fake_check import MegatronLayer
+
+    h, a, s, b, n = 6144, 64, 2048, 4, 48
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = nn.Sequential(*(MegatronLayer(h, a, s, "eager") for _ in range(n))).to(torch.bfloat16)
+    x = torch.empty(b, s, h, dtype=torch.bfloat16, device="meta")
+    prof = memfit.profile(model, x, mode="fake", target="a100")
+    secs = time.perf_counter() - t0
+    full = memfit.plan(prof, budget=1.0, solver="every_block")
+    ours = memfit.plan(prof, budget=full.predicted_peak_bytes)
+    print(f"Korthikanti setting: 22B layer shape (h {h}, {a} heads, s {s}, b {b}), {n} layers, bf16, "
+          f"a100 preset (profile {secs:.0f} s)")
+    print(f"  at full recompute's peak {full.predicted_peak_bytes / GB:.1f} GB "
+          f"({full.predicted_peak_bytes / prof.peak_bytes:.1%} of plain): full recompute published "
+          f"+{KORTHIKANTI_FULL:.0%}, predicted +{full.recompute_s / prof.step_time_s:.1%}; memfit "
+          f"+{ours.recompute_s / prof.step_time_s:.1%} ({ours.solver}, peak "
+          f"{ours.predicted_peak_bytes / GB:.1f} GB, {len(ours.regions)} regions)")
+
+
 def checkmate() -> None:
     from benchmarks.largest_batch import TARGET, vgg19
 
@@ -152,13 +207,18 @@ def checkmate() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="monet,scale", help="sections: monet, scale")
+    ap.add_argument("--only", default="monet,chen,korthikanti,scale",
+                    help="sections: monet, chen, korthikanti, scale")
     ap.add_argument("--checkmate", action="store_true", help="also the VGG19 largest-batch search (minutes)")
     ap.add_argument("--layers", default="8,32,126", help="layer counts of the scale table")
     args = ap.parse_args()
     only = {s.strip() for s in args.only.split(",")}
     if "monet" in only:
         monet()
+    if "chen" in only:
+        chen()
+    if "korthikanti" in only:
+        korthikanti()
     if args.checkmate:
         checkmate()
     if "scale" in only:
