@@ -60,6 +60,7 @@ def fit(
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
     monitor_every: int | None = None,
+    in_flight: int | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -127,6 +128,10 @@ def fit(
             ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
             the budget or more than 10% from the prediction warns (NOTE [monitoring a
             training run] in ``memfit.runtime.monitor``). Default None: no monitor.
+        in_flight: for a pipeline stage: the micro-batches whose activations it holds at once
+            (``memfit.pipeline.in_flight``); ``example_inputs`` are one micro-batch's, and
+            ``budget`` caps the stage's peak over the schedule step (NOTE [pipeline stage
+            memory model] in ``memfit.planning.stages``). Each rank plans its own stage.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -216,12 +221,21 @@ def fit(
                                optimizer_state_dtype=optimizer_state_dtype,
                                master_weights=master_weights, world_size=world_size,
                                sharding=sharding, reserve=reserve)
+                if in_flight is not None and (job is not None or budget is None):
+                    raise TypeError("fit(in_flight=...) plans a pipeline stage for budget=; "
+                                    "give budget, without device_memory")
                 if job is None and budget is None:
                     raise TypeError("fit needs budget= (a cap on the activation peak) or "
                                     "device_memory= (the device the whole job must fit)")
                 try:
-                    new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
-                                         src=src, group=group)  # NOTE [one plan per job]
+                    if in_flight is not None:  # a stage's own plan: no one plan per job
+                        from memfit.planning.stages import plan_stage
+
+                        assert budget is not None  # refused above
+                        new_plan = plan_stage(prof, budget=budget, in_flight=in_flight, solver=solver)
+                    else:
+                        new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
+                                             src=src, group=group)  # NOTE [one plan per job]
                 except InfeasibleBudget as e:
                     if job is None or is_distributed() or step is not None:
                         raise
@@ -265,7 +279,7 @@ def fit(
         replan = replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
                            around=cache_off_for_training)
     # in a distributed job, checks that every rank holds new_plan
-    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
+    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan, check_ranks=in_flight is None,
           plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))
     if monitor_every is not None:
         from memfit.runtime.monitor import install_monitor
