@@ -84,3 +84,12 @@ def test_stage_plans_fit_their_budgets_and_train_bitwise(schedule: str, tmp_path
         assert per[-1]["recompute_s"] < uni[-1]["recompute_s"]
         assert slowest_per <= slowest_uni
     assert "pipeline step (slowest stage)" in results[0]["tables"]["per_stage"]
+
+
+def test_interleaved_1f1b_counts_from_the_action_order_match_the_hooks(tmp_path: Path) -> None:
+    # 2 ranks x 2 stages (rank r holds stages r and r + 2), 4 micro-batches: stage 0 holds all
+    # 4, stage 3 (the last) 1; the schedule object's order and the hooks' count agree
+    results = launch("interleaved", tmp_path)
+    assert [res["in_flight"] for res in results] == [{"0": 4, "2": 2}, {"1": 3, "3": 1}]
+    for res in results:
+        assert res["in_flight_counted"] == res["in_flight"]
