@@ -101,3 +101,11 @@ def test_fit_with_in_flight_plans_the_stage_for_the_micro_batches_it_holds():
         memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), device_memory="1GiB", in_flight=3)
     with pytest.raises(ValueError, match="not made for a pipeline stage"):
         stage_report(none, stage=0, n_microbatches=4)
+
+
+def test_fit_with_in_flight_refuses_what_it_cannot_plan_per_stage():
+    model = gpt_stage(gpt(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=128), 0, 2)
+    x = torch.randint(0, 128, (2, 32))
+    for bad in ({"tune": True}, {"shapes": [(2, 16), (2, 32)]}):
+        with pytest.raises(ValueError, match="in_flight"):
+            memfit.fit(model, x, budget=0.5, in_flight=2, **bad)

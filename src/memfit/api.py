@@ -171,7 +171,10 @@ def fit(
         raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in N), "
                          f"got {monitor_every!r}")
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
-                                     distributed=is_distributed())
+                                     distributed=is_distributed() or in_flight is not None)
+    if (shapes is not None or tune) and in_flight is not None:
+        raise ValueError("fit(in_flight=...) plans a stage from example_inputs alone: not with "
+                         "shapes= or tune=True")
     if shapes is not None and (step is not None or tune or is_distributed()):
         raise ValueError("fit(shapes=...) plans each shape from example_inputs, without tuning, "
                          "on one process: not with step=, tune=True or in a distributed job")
@@ -231,8 +234,7 @@ def fit(
                     if in_flight is not None:  # a stage's own plan: no one plan per job
                         from memfit.planning.stages import plan_stage
 
-                        assert budget is not None  # refused above
-                        new_plan = plan_stage(prof, budget=budget, in_flight=in_flight, solver=solver)
+                        new_plan = plan_stage(prof, budget=budget or 0, in_flight=in_flight, solver=solver)
                     else:
                         new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
                                              src=src, group=group)  # NOTE [one plan per job]
