@@ -34,7 +34,7 @@ from typing import Any
 from memfit.planning.plan import Plan
 from memfit.units import format_bytes
 
-__all__ = ["in_flight", "in_flight_of", "count_in_flight", "StageReport", "stage_report",
+__all__ = ["in_flight", "in_flight_of", "count_in_flight", "kept_by_sends", "StageReport", "stage_report",
            "gather_stages", "pipeline_step_s", "format_stages"]
 
 STAGE_REPORT_SCHEMA_VERSION = 1
@@ -107,6 +107,23 @@ def in_flight_of(schedule: str, stage_index: int, n_stages: int, n_microbatches:
         return min(n_microbatches, n_stages - stage_index)
     raise ValueError(f"in_flight_of knows 'gpipe' and '1f1b', got {schedule!r}; pass the "
                      "schedule object to in_flight")
+
+
+def kept_by_sends(schedule: Any, stage_index: int, n_stages: int, *, output_bytes: int,
+                  input_grad_bytes: int) -> int:
+    """Bytes ``schedule`` keeps on a stage besides its held micro-batches (NOTE [pipeline
+    stage memory model] in ``memfit.planning.stages``, rule 3): under ``Schedule1F1B`` one
+    micro-batch's output (``output_bytes``, on every stage but the last) and one input
+    gradient (``input_grad_bytes``, on every stage but the first); 0 under other schedules.
+
+    Example:
+        >>> kept_by_sends("1f1b", 1, 4, output_bytes=64, input_grad_bytes=64)
+        128
+    """
+    name = schedule if isinstance(schedule, str) else type(schedule).__name__
+    if name.lower().replace("schedule", "") != "1f1b":
+        return 0
+    return (output_bytes if stage_index < n_stages - 1 else 0) + (input_grad_bytes if stage_index > 0 else 0)
 
 
 @dataclass(frozen=True)

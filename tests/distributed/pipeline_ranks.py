@@ -39,7 +39,14 @@ from torch.distributed.pipelining import (
 )
 
 import memfit
-from memfit.pipeline import format_stages, gather_stages, in_flight, in_flight_of, stage_report
+from memfit.pipeline import (
+    format_stages,
+    gather_stages,
+    in_flight,
+    in_flight_of,
+    kept_by_sends,
+    stage_report,
+)
 from memfit.planning.stages import plan_stage, stage_candidates, stage_peak
 from memfit.profiling.meters import AllocatorMeter, DispatchMeter
 from memfit.zoo.gpt import gpt
@@ -116,17 +123,20 @@ def main() -> None:
     loss_fn = (lambda out: lm_loss(out, y[: args.mb])) if rank == p - 1 else None
     prof = memfit.profile(mod, (mb_x,), loss_fn=loss_fn)
     candidates = stage_candidates(prof)
+    boundary = args.mb * args.seq * args.d_model * 4  # one micro-batch's hidden state, float32
+    kept = kept_by_sends(schedule, rank, p, output_bytes=boundary, input_grad_bytes=boundary)
     static = 2 * sum(q.numel() * q.element_size() for q in mod.parameters())  # weights + grads
-    plain_pred = stage_peak(prof, candidates[0], k).peak_bytes
-    tight = max(stage_peak(prof, c, max(ks)).peak_bytes for c in candidates[1:2])
+    plain_pred = stage_peak(prof, candidates[0], k, extra_bytes=kept).peak_bytes
+    tight = min(stage_peak(prof, c, max(ks), extra_bytes=kept).peak_bytes for c in candidates)
     every = _gather((static, plain_pred, tight))
     lo = max(s + t for s, _, t in every)
     hi = max(s + q for s, q, _ in every)
     memory = lo + int(MEMORY_BETWEEN * (hi - lo))  # the same device memory on every stage
     budget = memory - static
-    per = plan_stage(prof, budget=budget, in_flight=k, candidates=candidates)
-    uni = plan_stage(prof, budget=budget, in_flight=max(ks), candidates=candidates)
-    uni_here = stage_peak(prof, uni, k)
+    per = plan_stage(prof, budget=budget, in_flight=k, candidates=candidates, extra_bytes=kept)
+    uni = plan_stage(prof, budget=budget, in_flight=max(ks), candidates=candidates,
+                     extra_bytes=kept)
+    uni_here = stage_peak(prof, uni, k, extra_bytes=kept)
 
     results: dict[str, Any] = {}
     for name, plan in (("per_stage", per), ("uniform", uni)):
@@ -165,7 +175,7 @@ def main() -> None:
     out = {"rank": rank, "stages": p, "schedule": args.schedule, "n_microbatches": n,
            "in_flight": k, "in_flight_counted": k_counted,
            "in_flight_formula": in_flight_of(args.schedule, rank, p, n),
-           "in_flight_all": ks, "device_memory_bytes": memory, "static_bytes": static,
+           "in_flight_all": ks, "kept_bytes": kept, "device_memory_bytes": memory, "static_bytes": static,
            "budget_bytes": budget, "plain_predicted_bytes": plain_pred,
            "plain_measured_bytes": plain_alloc, "plain_tensors_bytes": plain_peak,
            "n_grads": len(plain_grads), **results,

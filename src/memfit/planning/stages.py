@@ -8,7 +8,7 @@ NOTE [pipeline stage memory model]
     stage module, loss or a sum of its output, backward) and a plan, memfit predicts the
     stage's peak over the whole schedule step as
 
-        stage peak = (k - 1) * held + step peak
+        stage peak = (k - 1) * held + step peak + kept
 
     where, for that plan (``simulate``):
       1. ``held`` is the activation memory live at the end of the micro-batch's forward (the
@@ -16,7 +16,14 @@ NOTE [pipeline stage memory model]
          (kept by the stage) and, inside checkpointed regions, only what the regions save;
       2. ``step peak`` is the plan's predicted peak of one micro-batch's step (forward and
          backward), which holds its own ``held``;
-      3. weights, gradients and the stage's buffers (the receive buffers torch's
+      3. ``kept`` (``extra_bytes``): what the schedule itself keeps besides the held
+         micro-batches. Measured with torch's ``Schedule1F1B``: one micro-batch's output on a
+         stage that sends forward and one input gradient on a stage that sends back, each
+         kept by the Python reference to its finished send (``send_work``, ``bwd_sends`` in
+         ``_step_microbatches``) while the next backward runs; ``ScheduleGPipe`` keeps its
+         sends until the step ends too, but only outputs of micro-batches it holds anyway at
+         its peak (the first backward): 0 there (``memfit.pipeline.kept_by_sends``);
+      4. weights, gradients and the stage's buffers (the receive buffers torch's
          ``PipelineStage`` allocates per micro-batch on its first step) are static: counted
          once, before the step, outside the budget, like every memfit budget. Gradients are
          static when they exist before the step (zeroed, not ``None``): the profile then
@@ -53,7 +60,8 @@ class StagePeak:
     in_flight: int
     held_bytes: int       # one micro-batch's activations kept from its forward to its backward
     step_peak_bytes: int  # one micro-batch's step peak
-    peak_bytes: int       # (in_flight - 1) * held_bytes + step_peak_bytes
+    peak_bytes: int       # (in_flight - 1) * held_bytes + step_peak_bytes + extra_bytes
+    extra_bytes: int = 0  # kept by the schedule (its sends) besides the held micro-batches
 
 
 def held_bytes(profile: Profile, sim: Simulation) -> int:
@@ -68,8 +76,9 @@ def held_bytes(profile: Profile, sim: Simulation) -> int:
     return int(held)
 
 
-def stage_peak(profile: Profile, plan: Plan, in_flight: int) -> StagePeak:
-    """The stage peak of ``plan`` when the stage holds ``in_flight`` micro-batches.
+def stage_peak(profile: Profile, plan: Plan, in_flight: int, *, extra_bytes: int = 0) -> StagePeak:
+    """The stage peak of ``plan`` when the stage holds ``in_flight`` micro-batches and the
+    schedule keeps ``extra_bytes`` (bytes, default 0) besides them.
 
     Example:
         >>> stage_peak(profile, memfit.plan(profile, budget="min"), 4).peak_bytes  # doctest: +SKIP
@@ -77,7 +86,8 @@ def stage_peak(profile: Profile, plan: Plan, in_flight: int) -> StagePeak:
     _check_in_flight(in_flight)
     sim = simulate(profile, plan)
     held = held_bytes(profile, sim)
-    return StagePeak(in_flight, held, int(sim.peak_bytes), (in_flight - 1) * held + int(sim.peak_bytes))
+    peak = (in_flight - 1) * held + int(sim.peak_bytes) + extra_bytes
+    return StagePeak(in_flight, held, int(sim.peak_bytes), peak, extra_bytes)
 
 
 def stage_candidates(profile: Profile, *, solver: str = "auto", time_limit_s: float = 10.0,
@@ -103,7 +113,7 @@ def stage_candidates(profile: Profile, *, solver: str = "auto", time_limit_s: fl
 
 def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
                solver: str = "auto", time_limit_s: float = 10.0,
-               candidates: tuple[Plan, ...] | None = None) -> Plan:
+               candidates: tuple[Plan, ...] | None = None, extra_bytes: int = 0) -> Plan:
     """The plan with the least recompute whose stage peak, holding ``in_flight``
     micro-batches, fits ``budget`` (NOTE [pipeline stage memory model]).
 
@@ -117,6 +127,8 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
         solver, time_limit_s: as ``memfit.planning.planner.plan``.
         candidates: the plans to choose from (default :func:`stage_candidates`), to plan
             one profile for several counts or budgets without solving again.
+        extra_bytes: bytes the schedule keeps besides the held micro-batches (default 0;
+            ``memfit.pipeline.kept_by_sends``), inside the budget.
 
     Returns:
         The plan; its ``budget_bytes`` and ``predicted_peak_bytes`` are per micro-batch, and
@@ -136,7 +148,7 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
     _check_in_flight(in_flight)
     if candidates is None:
         candidates = stage_candidates(profile, solver=solver, time_limit_s=time_limit_s)
-    peaks = [stage_peak(profile, p, in_flight) for p in candidates]
+    peaks = [stage_peak(profile, p, in_flight, extra_bytes=extra_bytes) for p in candidates]
     cap = resolve_budget(budget, peaks[0].peak_bytes)  # candidates[0]: no checkpointing
     fits = [(p.recompute_s, i) for i, (p, sp) in enumerate(zip(candidates, peaks, strict=True))
             if sp.peak_bytes <= cap]
@@ -146,7 +158,8 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
             f"no plan fits the stage budget {format_bytes(cap)} holding {in_flight} "
             f"micro-batches: the smallest stage peak is {format_bytes(low.peak_bytes)} "
             f"({in_flight - 1} x {format_bytes(low.held_bytes)} held + "
-            f"{format_bytes(low.step_peak_bytes)} step peak); raise the budget, use more "
+            f"{format_bytes(low.step_peak_bytes)} step peak + {format_bytes(extra_bytes)} kept by "
+            "the schedule); raise the budget, use more "
             "stages or smaller micro-batches", budget_bytes=cap, min_feasible_bytes=low.peak_bytes)
     _, i = min(fits)
     return _with_stage(candidates[i], peaks[i], cap)
@@ -154,7 +167,8 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
 
 def _with_stage(plan: Plan, peak: StagePeak, cap: int) -> Plan:
     info = {"in_flight": peak.in_flight, "held_bytes": peak.held_bytes,
-            "stage_peak_bytes": peak.peak_bytes, "stage_budget_bytes": cap}
+            "stage_peak_bytes": peak.peak_bytes, "stage_budget_bytes": cap,
+            "extra_bytes": peak.extra_bytes}
     return dataclasses.replace(plan, extra={**plan.extra, "pipeline": info})
 
 
