@@ -31,16 +31,19 @@ ROOT = Path(__file__).resolve().parents[1]
 RANKS = ROOT / "tests" / "distributed"
 STAGES = 4
 MODEL = ["--layers", "8", "--d-model", "64", "--seq", "128", "--mb", "2"]
+# (name, schedule, vocab): vocab 8192 makes the last stage (head, loss) the slowest
+RUNS = [("gpipe", "gpipe", 512), ("1f1b", "1f1b", 512), ("1f1b, vocab 8192", "1f1b", 8192)]
 TIMING_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "17179869184",
               "MALLOC_TOP_PAD_": "268435456"}  # DESIGN.md: freed activations stay mapped
 
 
-def launch(schedule: str, n: int) -> list[dict[str, Any]]:
+def launch(schedule: str, n: int, vocab: int = 512) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, **TIMING_ENV, "MEMFIT_DIST_OUT": out, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(RANKS)])}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(STAGES),
-               "--standalone", str(RANKS / "pipeline_ranks.py"), schedule, str(n), *MODEL]
+               "--standalone", str(RANKS / "pipeline_ranks.py"), schedule, str(n), *MODEL,
+               "--vocab", str(vocab)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
         if done.returncode != 0:
             raise SystemExit(f"{schedule} failed:\n{done.stderr[-4000:]}")
@@ -73,11 +76,11 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    runs = {s: launch(s, args.microbatches) for s in ("gpipe", "1f1b")}
+    runs = {name: launch(s, args.microbatches, vocab) for name, s, vocab in RUNS}
     counts = launch("interleaved", args.microbatches)
     md = [f"# Per-stage plans of a {STAGES}-stage pipeline (2026-12-02)", "",
           f"torch {torch.__version__}, CPU (2 shared cores, {STAGES} gloo processes), commit "
-          f"{commit}; zoo GPT {' '.join(MODEL)} (vocab 512), {args.microbatches} micro-batches, "
+          f"{commit}; zoo GPT {' '.join(MODEL)} (vocab 512 unless said), {args.microbatches} micro-batches, "
           "split by blocks (2 a stage). Bytes are activation bytes over one schedule step "
           "(weights and gradients are static, outside the budget); every stage has the same "
           "device memory. Measured peaks: the CPU allocator's; times: each stage's compute "

@@ -131,7 +131,7 @@ def main() -> None:
     every = _gather((static, plain_pred, tight))
     lo = max(s + t for s, _, t in every)
     hi = max(s + q for s, q, _ in every)
-    memory = lo + int(MEMORY_BETWEEN * (hi - lo))  # the same device memory on every stage
+    memory = lo + int(MEMORY_BETWEEN * max(0, hi - lo))  # the same device memory on every stage
     budget = memory - static
     per = plan_stage(prof, budget=budget, in_flight=k, candidates=candidates, extra_bytes=kept)
     uni = plan_stage(prof, budget=budget, in_flight=max(ks), candidates=candidates,
