@@ -21,6 +21,7 @@ parameter gradient with ``torch.equal`` to the plain schedule's. Writes
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -137,6 +138,10 @@ def main() -> None:
     uni = plan_stage(prof, budget=budget, in_flight=max(ks), candidates=candidates,
                      extra_bytes=kept)
     uni_here = stage_peak(prof, uni, k, extra_bytes=kept)
+    # the same through memfit.fit on a copy: every rank plans its own stage (no PlansDiffer)
+    twin = copy.deepcopy(mod)
+    memfit.fit(twin, (mb_x,), loss_fn=loss_fn, budget=budget, in_flight=k, kept_bytes=kept)
+    fitted = twin.memfit_plan.extra["pipeline"]
 
     results: dict[str, Any] = {}
     for name, plan in (("per_stage", per), ("uniform", uni)):
@@ -175,7 +180,7 @@ def main() -> None:
     out = {"rank": rank, "stages": p, "schedule": args.schedule, "n_microbatches": n,
            "in_flight": k, "in_flight_counted": k_counted,
            "in_flight_formula": in_flight_of(args.schedule, rank, p, n),
-           "in_flight_all": ks, "kept_bytes": kept, "device_memory_bytes": memory, "static_bytes": static,
+           "in_flight_all": ks, "kept_bytes": kept, "fit": fitted, "device_memory_bytes": memory, "static_bytes": static,
            "budget_bytes": budget, "plain_predicted_bytes": plain_pred,
            "plain_measured_bytes": plain_alloc, "plain_tensors_bytes": plain_peak,
            "n_grads": len(plain_grads), **results,

@@ -65,6 +65,9 @@ def test_stage_plans_fit_their_budgets_and_train_bitwise(schedule: str, tmp_path
         assert res["kept_bytes"] == (65536 if schedule == "1f1b" else 0)
         assert abs(res["plain_measured_bytes"] - res["plain_predicted_bytes"]) <= 0.001 * res["plain_predicted_bytes"], res
         assert res["plain_measured_bytes"] > res["budget_bytes"], "the budget must need a plan"
+        fitted = res["fit"]  # memfit.fit(stage, micro_batch, in_flight=k, kept_bytes=...)
+        assert (fitted["in_flight"], fitted["extra_bytes"]) == (k, res["kept_bytes"])
+        assert fitted["stage_peak_bytes"] <= fitted["stage_budget_bytes"] == res["budget_bytes"]
         for how in ("per_stage", "uniform"):
             got = res[how]
             assert got["unequal"] == [] and res["n_grads"] > 0, f"{how}: grads differ: {got['unequal']}"
