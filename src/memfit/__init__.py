@@ -60,9 +60,10 @@ _LAZY = {
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",
     "distributed": "memfit.distributed",
+    "pipeline": "memfit.pipeline",
 }
 
-_SUBMODULES = {"policies", "zoo", "distributed"}
+_SUBMODULES = {"policies", "zoo", "distributed", "pipeline"}
 
 __all__ = [
     "InfeasibleBudget",

@@ -60,6 +60,8 @@ def fit(
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
     monitor_every: int | None = None,
+    in_flight: int | None = None,
+    kept_bytes: int = 0,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -127,6 +129,11 @@ def fit(
             ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
             the budget or more than 10% from the prediction warns (NOTE [monitoring a
             training run] in ``memfit.runtime.monitor``). Default None: no monitor.
+        in_flight, kept_bytes: for a pipeline stage: the micro-batches whose activations it
+            holds at once (``memfit.pipeline.in_flight``) and the bytes its schedule keeps
+            besides (``memfit.pipeline.kept_by_sends``; default 0); ``example_inputs`` are one
+            micro-batch's, ``budget`` caps the stage's peak over the schedule step (NOTE [pipeline
+            stage memory model] in ``memfit.planning.stages``). Each rank plans its own stage.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -154,6 +161,7 @@ def fit(
     from memfit.measuring.calibration import profile
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
+    from memfit.planning.stages import plan_stage
     from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
     from memfit.shape_plans import resolve_on_new_shape
@@ -166,7 +174,9 @@ def fit(
         raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in N), "
                          f"got {monitor_every!r}")
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
-                                     distributed=is_distributed())
+                                     distributed=is_distributed() or in_flight is not None)
+    if (shapes is not None or tune) and in_flight is not None:
+        raise ValueError("fit(in_flight=...) plans a stage as profiled: not with shapes= or tune")
     if shapes is not None and (step is not None or tune or is_distributed()):
         raise ValueError("fit(shapes=...) plans each shape from example_inputs, without tuning, "
                          "on one process: not with step=, tune=True or in a distributed job")
@@ -216,12 +226,18 @@ def fit(
                                optimizer_state_dtype=optimizer_state_dtype,
                                master_weights=master_weights, world_size=world_size,
                                sharding=sharding, reserve=reserve)
+                if in_flight is not None and (job is not None or budget is None):
+                    raise TypeError("fit(in_flight=...) needs budget=, without device_memory=")
                 if job is None and budget is None:
                     raise TypeError("fit needs budget= (a cap on the activation peak) or "
                                     "device_memory= (the device the whole job must fit)")
                 try:
-                    new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
-                                         src=src, group=group)  # NOTE [one plan per job]
+                    if in_flight is not None:  # a stage's own plan: no one plan per job
+                        new_plan = plan_stage(prof, budget=budget or 0, in_flight=in_flight,
+                                              solver=solver, extra_bytes=kept_bytes)
+                    else:
+                        new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
+                                             src=src, group=group)  # NOTE [one plan per job]
                 except InfeasibleBudget as e:
                     if job is None or is_distributed() or step is not None:
                         raise
@@ -265,7 +281,7 @@ def fit(
         replan = replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
                            around=cache_off_for_training)
     # in a distributed job, checks that every rank holds new_plan
-    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
+    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan, check_ranks=in_flight is None,
           plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))
     if monitor_every is not None:
         from memfit.runtime.monitor import install_monitor
