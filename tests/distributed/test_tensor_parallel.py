@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 dist = pytest.importorskip("torch.distributed")
-pytestmark = pytest.mark.slow  # 2 ranks, each a process
+pytestmark = pytest.mark.processes  # 2 ranks, each a process
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 pytest.importorskip("torch.distributed.tensor.parallel")
