@@ -222,7 +222,9 @@ def test_verify_runs_a_step_made_in_autocast_under_it():
     p = dataclasses.replace(p, predicted_peak_bytes=simulate(prof, p).peak_bytes)
     report = verify(model, plan=p, step=step)
     assert report.ok and report.bitwise, str(report)
-    fp32 = verify(model, x, plan=p)
+    # this small model's float32 step peaks about 13 KB (7%) above the bf16 prediction, under
+    # the 16 KiB floor of the default tolerance: the relative tolerance alone (3%) is asked
+    fp32 = verify(model, x, plan=p, peak_atol_bytes=0)
     assert fp32.bitwise and fp32.peak_bytes > report.peak_bytes
     assert [c.name for c in fp32.failures] == ["peak matches prediction"], str(fp32)
 

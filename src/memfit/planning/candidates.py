@@ -180,11 +180,14 @@ class PlanningContext:
         hit = self._cands.get(key)  # type: ignore[arg-type]
         if hit is not None or key in self._cands:
             return hit
+        if len({self.profile.modules[self._index[m]].parent for m in modules if m in self._index}) > 1:
+            self._cands[key] = None  # type: ignore[index]
+            return None  # no segment across a join (NOTE [joined chains] in planning.chain_joins)
         span = resolve_span(self.profile, modules, self._index)
         # A segment's replay reruns its blocks only, so no segment spans parent code between
         # two blocks (a UNet's pooling): the runtime would cut it there (NOTE [chains]).
         recs = [self.profile.modules[self._index[m]] for m in modules]
-        if any(self._parent_ops_between(a.last_op, b.first_op)  # type: ignore[arg-type]
+        if any(self.parent_ops_between(a.last_op, b.first_op)  # type: ignore[arg-type]
                for a, b in pairwise(recs)):
             self._cands[key] = None  # type: ignore[index]
             return None
@@ -219,7 +222,7 @@ class PlanningContext:
             choices += tuple(c for c in offl if c.copy is not None and c.copy.nbytes > 0)
         return Candidate(index=-1, model=rm, base=rm.base_effect(), choices=choices, keys=keys)
 
-    def _parent_ops_between(self, prev_last: int, next_first: int) -> bool:
+    def parent_ops_between(self, prev_last: int, next_first: int) -> bool:
         """Whether an op other than torch's ignored ones ran between two sibling blocks."""
         return any(self.profile.ops[i].name not in UNKEYED_OPS
                    for i in range(prev_last + 1, next_first))
@@ -339,7 +342,7 @@ class PlanningContext:
             if last is not None and k.first_op <= last.last_op:  # type: ignore[operator]
                 runs.append(run)  # not one after another: the chain ends here
                 run, open_ = [], []
-            elif open_ and self._parent_ops_between(int(last.last_op), int(k.first_op)):  # type: ignore[arg-type, union-attr]
+            elif open_ and self.parent_ops_between(int(last.last_op), int(k.first_op)):  # type: ignore[arg-type, union-attr]
                 open_ = []  # no block spans the parent's code (a segment's replay cannot)
             open_.append(k)
             if self._clobbered(open_):
@@ -391,7 +394,10 @@ class PlanningContext:
         return memo[chain]  # type: ignore[no-any-return]
 
     def _chain_droppable_share(self, chain: Chain) -> float:
-        in_chain = self._dropped_ids(chain.modules(0, len(chain.blocks) - 1))
+        mods = chain.modules(0, len(chain.blocks) - 1)
+        parent = {m: self.profile.modules[self._index[m]].parent for m in mods}
+        in_chain = set().union(*(self._dropped_ids(tuple(m for m in mods if parent[m] == p))
+                                 for p in dict.fromkeys(parent.values())))  # NOTE [joined chains]
         every = set(in_chain)
         lo, hi = chain.first_ops[0], chain.last_ops[-1]
         for c in self.module_candidates_outside(lo, hi):

@@ -34,7 +34,9 @@ def milp_cells(ctx: PlanningContext, *, above: int | None = None) -> tuple[int, 
 
 def _milp_cells(ctx: PlanningContext, above: int | None) -> tuple[int, int]:
     if above is not None and ctx.chains:
-        ch = ctx.chains[0]
+        from memfit.planning.solvers.chain import main_chain
+
+        ch = main_chain(ctx)
         part = [c for c in (ctx.candidate(b) for b in ch.blocks) if c is not None] + ctx.segment_candidates(ch)
         n_vars = len(part) + sum(len(c.choices) for c in part)
         n_points = ctx.arrays.n_ops + sum(c.stop - c.a + 1 for c in part)
@@ -81,7 +83,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
     why = "no chain of blocks found"
     share = 0.0
     if ctx.chains:
-        ch = ctx.chains[0]
+        ch = chain.main_chain(ctx)
         share = ctx.chain_droppable_share(ch)
         why = (f"chain {ch.parent or '<root>'} ({len(ch.blocks)} blocks) can drop {share:.0%} of the "
                "activation bytes any region can drop")

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from memfit.planning.candidates import Candidate, Chain, PlanningContext, segment_cap
+from memfit.planning.chain_joins import joined_chain
 from memfit.planning.effects import Effect, dense
 from memfit.planning.nesting import NestedModel
 from memfit.planning.plan import Region
@@ -444,9 +445,8 @@ def regions_of(chosen: list[_Choice]) -> tuple:
 
 
 def main_chain(ctx: PlanningContext, chain: Chain | None = None) -> Chain:
-    """``chain``, or the profile's first (longest-saving) chain.
-
-    Raises:
+    """``chain``, or the joined chain (NOTE [joined chains]) where the DP takes it, else the
+    profile's first (longest-saving) chain. Raises:
         NotAChain: ``chain`` is None and the profile has no chain.
     """
     if chain is not None:
@@ -454,7 +454,11 @@ def main_chain(ctx: PlanningContext, chain: Chain | None = None) -> Chain:
     if not ctx.chains:
         raise NotAChain("no chain of blocks (children of an nn.ModuleList/Sequential called "
                         "one after another) found in the profile; use solver='milp'")
-    return ctx.chains[0]
+    joined = joined_chain(ctx)
+    try:
+        return joined if joined is not None and chain_model(ctx, joined) else ctx.chains[0]
+    except NotAChain:
+        return ctx.chains[0]
 
 
 def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0,
@@ -482,7 +486,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
 def min_peak(ctx: PlanningContext, chain: Chain | None = None, *, nested: bool = True) -> int:
     """The smallest predicted peak any plan of the chain's plan space reaches (``nested``:
     with NOTE [nested regions] in it)."""
-    return run_dp(chain_model(ctx, chain or ctx.chains[0], nested=nested), None)[1]
+    return run_dp(chain_model(ctx, main_chain(ctx, chain), nested=nested), None)[1]
 
 
 def chain_model(ctx: PlanningContext, chain: Chain, *, nested: bool = True) -> ChainModel:
