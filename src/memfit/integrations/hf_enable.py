@@ -70,7 +70,7 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
         max_length: for batches padded to their longest row: the longest padded length; the
             step is planned at ``max_length`` tokens (the inputs resized, a fractional budget
             taken of that step's plain peak) and every length from 1 to it is covered (NOTE
-            [planning for dynamic padding] in ``memfit.integrations.hf_shapes``). Default
+            [planning for dynamic padding] in ``memfit.integrations.lengths``). Default
             None: the inputs' own length only.
         shapes: sequence lengths to plan for (ints), every length between the shortest and
             the longest covered; with ``max_length``, it is one of them.
@@ -98,7 +98,7 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
         example_inputs = training_inputs(model, batch_size=batch_size, seq_len=seq_len)
     others = None
     if max_length is not None or shapes is not None:
-        from memfit.integrations.hf_shapes import length_shapes
+        from memfit.integrations.lengths import length_shapes
 
         example_inputs, others = length_shapes(example_inputs, max_length=max_length,
                                                shapes=shapes)

@@ -13,7 +13,7 @@ NOTE [planning on the first real batch]
     parameters, gradients, buffers and the RNG state as it found them, so the run is bitwise
     the run it would have been without memfit. The plan's budget holds for that batch's shape:
     give ``max_length=`` for batches padded to their longest row (NOTE [planning for dynamic
-    padding] in ``memfit.integrations.hf_shapes``).
+    padding] in ``memfit.integrations.lengths``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
             the longest padded length. The step is planned at ``max_length`` tokens (the
             first batch resized: a fractional budget is of that step's plain peak) and every
             length from 1 to it runs a plan that fits, switched without a trace (NOTE
-            [planning for dynamic padding] in ``memfit.integrations.hf_shapes``). Default
+            [planning for dynamic padding] in ``memfit.integrations.lengths``). Default
             None: the first batch's shape only; other shapes re-plan once each.
         shapes: sequence lengths to plan for (ints), as for ``hf.enable``.
         on_new_shape: as for ``memfit.fit`` (default ``"replan"``).

@@ -133,9 +133,12 @@ class Monitor:
         model: the planned model.
         every: monitor one training call in ``every`` (the first, then every ``every``-th).
         tolerance: the drift from the prediction that warns, a fraction (default 0.10).
+        planned: the inputs the plan's prediction is for, as ``(args, kwargs)`` of a call
+            (default: the plan's ``input_signature``); other calls are not checked for drift.
     """
 
-    def __init__(self, model: nn.Module, every: int, *, tolerance: float = DRIFT_TOLERANCE) -> None:
+    def __init__(self, model: nn.Module, every: int, *, tolerance: float = DRIFT_TOLERANCE,
+                 planned: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in "
                              f"N), got {every!r}")
@@ -148,6 +151,13 @@ class Monitor:
         self.parameter = first_floating_parameter(model)
         self.warned: set[tuple[str, Any]] = set()
         self._open: dict[str, Any] | None = None
+        self.planned = None if planned is None else self.signature(*planned)
+
+    def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  ) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """A call's signature, as plain data (``MonitorRecord.shape``)."""
+        return tuple((n, tuple(int(d) for d in s), str(dt).removeprefix("torch."))
+                     for n, s, dt in call_signature(args, kwargs, self.parameter))
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
@@ -165,8 +175,8 @@ class Monitor:
                       "no trainable parameters" if not params else "another profiler records")
             return
         plan = module.__dict__.get("memfit_plan")
-        sig = tuple((n, tuple(int(d) for d in s), str(dt).removeprefix("torch."))
-                    for n, s, dt in call_signature(args, kwargs, self.parameter))
+        sig = self.signature(args, kwargs)
+        planned = self.planned or tuple(getattr(plan, "input_signature", ()) or sig)
         device = self.parameter.device if self.parameter is not None else torch.device("cpu")
         state: dict[str, Any] = {
             "step": step, "shape": sig, "device": device,
@@ -174,7 +184,7 @@ class Monitor:
             "budget": getattr(plan, "budget_bytes", None),
             # a plan covering a range of shapes predicts its own shape's peak: an upper bound
             # for the others, not a value to drift from (rule 6)
-            "exact": tuple(getattr(plan, "input_signature", ()) or sig) == sig}
+            "exact": planned == sig}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)

@@ -1,5 +1,5 @@
-"""Plans for every padded length of a Hugging Face model's batches (``max_length=``,
-``shapes=`` of ``hf.enable`` and ``MemfitCallback``).
+"""Plans for every padded length of a model's batches: ``max_length=`` and ``shapes=`` of
+``hf.enable``, of the Trainer's ``MemfitCallback`` and (``max_length=``) of Lightning's.
 
 NOTE [planning for dynamic padding]
     A collator that pads each batch to its longest row (``DataCollatorWithPadding``,
@@ -15,7 +15,8 @@ NOTE [planning for dynamic padding]
        (``0.5``) is a fraction of the plain peak at that length.
     2. the example of each length is made from the given inputs (or the first training
        batch) by :func:`inputs_at_length`: every tensor whose size along dimension 1 is the
-       batch's sequence length keeps its first ``length - 1`` columns and its last one
+       batch's sequence length (that of ``input_ids``, else of the first tensor of two or
+       more dimensions) keeps its first ``length - 1`` columns and its last one
        (shortening), or repeats its last column (lengthening). The last column of a
        right-padded batch, the first of a left-padded one, are padding: both kept, every
        example carries the padding (an attention mask with zeros, labels of -100) of the
@@ -25,6 +26,12 @@ NOTE [planning for dynamic padding]
        without a trace: no re-plan during training. A length outside the range (or another
        batch size, a last batch left short: ``dataloader_drop_last=True`` avoids it) goes to
        ``on_new_shape``, ``"replan"`` by default: one profile per new shape.
+    4. Lightning's callback plans a ``training_step`` (a callable: no input guard, NOTE
+       [planning a training_step] in ``memfit.integrations.lightning``): it plans the batch
+       resized to ``max_length`` only, and every shorter batch runs that plan. This assumes
+       the step's peak does not fall as the length grows (true of the transformers we test,
+       whose activations grow with the length); the monitor (``monitor_every=``) checks it
+       on the run.
 """
 
 from __future__ import annotations
@@ -37,23 +44,46 @@ import torch
 __all__ = ["inputs_at_length", "length_shapes"]
 
 
-def _seq_len(inputs: Mapping[str, Any]) -> int:
-    if not isinstance(inputs, Mapping):
-        raise TypeError("max_length=/shapes= resize keyword inputs (a dict, as the Trainer passes "
-                        f"them), got {type(inputs).__name__}")
-    ids = inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        ids = next((v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2),
-                   None)
-    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, Mapping):
+        first = [x["input_ids"]] if isinstance(x.get("input_ids"), torch.Tensor) else []
+        return first + [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _seq_len(inputs: Any) -> int:
+    ids = next((t for t in _tensors(inputs) if t.dim() >= 2), None)
+    if ids is None:
         raise TypeError("max_length=/shapes= resize the inputs' sequence dimension (dimension 1 "
-                        f"of input_ids); got inputs {sorted(inputs)} without a 2-D tensor")
+                        f"of input_ids, or of the first 2-D tensor); got {type(inputs).__name__} "
+                        "without a tensor of two or more dimensions")
     return int(ids.shape[1])
 
 
-def inputs_at_length(inputs: Mapping[str, Any], length: int) -> dict[str, Any]:
-    """``inputs`` (keyword inputs of one step) with their sequence dimension resized to
-    ``length``, the padding kept (NOTE [planning for dynamic padding], rule 2).
+def _resized(x: Any, seq: int, length: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.dim() < 2 or x.shape[1] != seq:
+            return x
+        if length <= seq:
+            return torch.cat([x[:, :length - 1], x[:, -1:]], dim=1).contiguous()
+        return torch.cat([x, x[:, -1:].expand(-1, length - seq, *x.shape[2:])], dim=1)
+    if isinstance(x, Mapping):
+        return {k: _resized(v, seq, length) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(_resized(v, seq, length) for v in x)
+    if isinstance(x, list):
+        return [_resized(v, seq, length) for v in x]
+    return x
+
+
+def inputs_at_length(inputs: Any, length: int) -> Any:
+    """``inputs`` (one step's inputs or batch: a tensor, or a dict, tuple or list of them)
+    with their sequence dimension resized to ``length``, the padding kept (NOTE [planning for
+    dynamic padding], rule 2).
 
     Example:
         >>> x = {"input_ids": torch.tensor([[5, 6, 7, 0]]), "labels": torch.tensor([[5, 6, 7, -100]])}
@@ -61,26 +91,16 @@ def inputs_at_length(inputs: Mapping[str, Any], length: int) -> dict[str, Any]:
         (tensor([[   5, -100]]), tensor([[5, 6, 7, 0, 0, 0]]))
 
     Raises:
-        TypeError: inputs without a 2-D tensor to take the sequence length from.
+        TypeError: inputs without a tensor of two or more dimensions.
         ValueError: ``length`` below 1.
     """
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ValueError(f"a sequence length must be an int >= 1, got {length!r}")
-    seq = _seq_len(inputs)
-    out: dict[str, Any] = {}
-    for name, value in inputs.items():
-        if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq):
-            out[name] = value
-        elif length <= seq:
-            out[name] = torch.cat([value[:, :length - 1], value[:, -1:]], dim=1).contiguous()
-        else:
-            tail = value[:, -1:].expand(-1, length - seq, *value.shape[2:])
-            out[name] = torch.cat([value, tail], dim=1).contiguous()
-    return out
+    return _resized(inputs, _seq_len(inputs), length)
 
 
-def length_shapes(inputs: Mapping[str, Any], *, max_length: int | None = None,
-                  shapes: Sequence[int] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def length_shapes(inputs: Any, *, max_length: int | None = None,
+                  shapes: Sequence[int] | None = None) -> tuple[Any, list[Any]]:
     """The example of the longest length and the examples of the others, for
     ``fit(example, shapes=others)`` (NOTE [planning for dynamic padding], rule 1).
 
