@@ -26,11 +26,14 @@ def _train(tmp_path, callbacks, **args) -> torch.nn.Module:
     from transformers import Trainer, TrainingArguments
 
     model = llama()
+    settings = {"logging_strategy": "no", **args}
     targs = TrainingArguments(output_dir=str(tmp_path), max_steps=3, report_to=[], use_cpu=True,
                               per_device_train_batch_size=BATCH, dataloader_num_workers=0,
                               seed=0, learning_rate=1e-2, save_strategy="no",
-                              logging_strategy="no", disable_tqdm=True, **args)
-    Trainer(model=model, args=targs, train_dataset=_dataset(), callbacks=callbacks).train()
+                              disable_tqdm=True, **settings)
+    trainer = Trainer(model=model, args=targs, train_dataset=_dataset(), callbacks=callbacks)
+    trainer.train()
+    model.trainer_state = trainer.state
     return model
 
 
@@ -45,6 +48,23 @@ def test_trainer_with_callback_trains_bitwise(tmp_path):
     assert_same_weights(ours, plain)
     assert any(not torch.equal(p, q) for p, q in zip(plain.parameters(), llama().parameters(),
                                                        strict=True))  # it did train
+
+
+def test_trainer_logs_carry_the_monitor_records(tmp_path):
+    from memfit.integrations.hf import MemfitCallback
+
+    ours = _train(tmp_path, [MemfitCallback(budget=0.5, monitor_every=2)],
+                  logging_strategy="steps", logging_steps=1)
+    records = list(ours.memfit_monitor)
+    assert [r.step for r in records] == [0, 2]
+    logged = {e["step"]: e for e in ours.trainer_state.log_history if "loss" in e}
+    assert sorted(logged) == [1, 2, 3]
+    # a record is logged once, at the first log after its step: steps 1 and 3 (none at 2)
+    assert "memfit/peak_bytes" not in logged[2]
+    for step, rec in ((1, records[0]), (3, records[1])):
+        assert logged[step]["memfit/peak_bytes"] == rec.peak_bytes  # int bytes, exact
+        assert logged[step]["memfit/step_s"] == rec.step_s
+        assert logged[step]["memfit/recompute_overhead"] == ours.memfit_plan.overhead > 0
 
 
 def test_trainer_callback_takes_over_gradient_checkpointing(tmp_path, caplog):
