@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 from torch import nn
 
-from memfit._torch import forward_pre_hooks
+from memfit._torch import forward_pre_hook_takes_kwargs, forward_pre_hooks
 
 if TYPE_CHECKING:
     from memfit.planning.solvers import SolverName
@@ -69,11 +69,10 @@ class _PlanOnFirstCall:
         # The model's hooks were gathered before this call, so those ``enable`` just installed
         # (the input guard, CacheOff, the monitor) would miss this first call: run them here,
         # in their order.
-        with_kwargs = module._forward_pre_hooks_with_kwargs
         for key, hook in list(forward_pre_hooks(module).items()):
             if key in before:
                 continue
-            if key in with_kwargs:
+            if forward_pre_hook_takes_kwargs(module, key):
                 out = hook(module, args, kwargs)
                 if out is not None:
                     args, kwargs = out
