@@ -41,7 +41,9 @@ NOTE [monitoring a training run]
        range of shapes, NOTE [shape ranges] in ``memfit.shape_plans``, predicts its largest
        shape's peak, a bound for the others).
     Cost: a monitored step on CPU runs under the profiler (slower; ``step_s`` includes it)
-    and its events are read when it stops; other calls cost one counter increment.
+    and its events are read when it stops; other calls cost one counter increment. Measured
+    (``benchmarks/monitor_cost.py``, a 4x128 zoo GPT, one thread): +30 ms a monitored step,
+    +24% at ``monitor_every=1``, +1.6% at 10; within 1% of a step from N = 25.
 """
 
 from __future__ import annotations
