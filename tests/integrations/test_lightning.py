@@ -148,6 +148,9 @@ def test_callback_with_max_length_keeps_the_budget_at_every_length(tmp_path, rec
     callback = MemfitCallback(budget=0.6, max_length=LONGEST, monitor_every=1)
     logger = lightning.pytorch.loggers.CSVLogger(str(tmp_path), name="run", version=0)
     planned = _train_ragged([callback], logger)
+    from memfit._torch import profiler_active
+
+    assert not profiler_active()  # the last step's CPU meter ended with the training
     plan, budget = planned.memfit_plan, planned.memfit_plan.budget_bytes
     assert plan.regions and budget == int(0.6 * plan.plain_peak_bytes)  # of the 33-token step
     records = list(planned.memfit_monitor)

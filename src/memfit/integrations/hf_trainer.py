@@ -146,6 +146,12 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
         hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
         self._hook = hook
 
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                     **kwargs: Any) -> None:
+        records = None if model is None else model.__dict__.get("memfit_monitor")
+        if records is not None:
+            len(records)  # reading ends the last step's CPU meter, which waits for a next call
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                model: nn.Module | None = None, **kwargs: Any) -> None:
         """Add the monitor's last record, if not logged before, to ``logs`` (and to the

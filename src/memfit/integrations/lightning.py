@@ -155,6 +155,10 @@ class _MemfitCallbackBase:
         if self.monitor is not None:
             self.monitor(pl_module, (batch,), {})
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.flush()  # the last step's CPU meter would wait for a next step
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         """Log the monitor's new record: ``memfit/peak_bytes`` (float64, exact to the byte),
