@@ -55,7 +55,8 @@ __all__ = [
     "FAKE_TENSOR_LOGGER", "OpOverload", "OpOverloadPacket", "tree_flatten", "tree_map",
     "op_schema", "op_packet", "op_namespace", "written_tensors", "is_view_tensor",
     "storage_key", "tensor_version", "module_parameters", "module_buffers",
-    "forward_pre_hooks", "remove_forward_pre_hook", "set_display_name", "clear_display_name",
+    "forward_pre_hooks", "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook",
+    "set_display_name", "clear_display_name",
     "current_autograd_node", "node_sequence_nr", "peek_sequence_nr", "no_python_dispatch",
     "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
     "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
@@ -201,6 +202,11 @@ def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
 def forward_pre_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:
     """The module's forward pre-hooks by handle id, in call order (the live dict: read it)."""
     return module._forward_pre_hooks
+
+
+def forward_pre_hook_takes_kwargs(module: nn.Module, key: int) -> bool:
+    """Whether the pre-hook with handle id ``key`` was registered ``with_kwargs=True``."""
+    return key in module._forward_pre_hooks_with_kwargs
 
 
 def remove_forward_pre_hook(module: nn.Module, key: int) -> None:

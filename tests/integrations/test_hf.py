@@ -170,3 +170,20 @@ def test_hf_checkpointing_switched_on_after_a_plan_is_refused_at_the_next_traini
         hf.disable(model)
     model(**batch()).loss.backward()
     assert not any("HFCheckpointingGuard" in repr(h) for h in model._forward_pre_hooks.values())
+
+
+@pytest.mark.slow  # a calibrated fit and two more profiles
+def test_enable_max_length_plans_every_shorter_length_up_front():
+    from hf_models import SEQ, VOCAB
+
+    from memfit.runtime.apply import input_guard
+
+    model = hf.enable(llama(), 0.5, batch_size=2, max_length=SEQ)
+    checked = model.memfit_plan.extra["shapes"]
+    lengths = sorted(int(k.split("input_ids=2x")[1].split(":")[0])
+                     for k in checked["predicted_peak_bytes"])
+    assert lengths == [1, SEQ // 2, SEQ]
+    assert all(v <= checked["budget_bytes"] for v in checked["predicted_peak_bytes"].values())
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()  # inside the range: no re-plan
+    assert input_guard(model).replans == 0

@@ -111,3 +111,64 @@ def test_callback_profiles_under_the_precision_plugins_autocast():
     # save: a profile of the fp32 step would give the fp32 plan's signature and peak
     assert mixed.profile_signature != full.profile_signature
     assert mixed.plain_peak_bytes < full.plain_peak_bytes
+
+
+def _pad_to_longest(rows):
+    """Each batch right-padded with token 0 to its longest row: (batch, time) token ids."""
+    n = max(len(r) for (r,) in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, (r,) in enumerate(rows):
+        ids[i, :len(r)] = r
+    return [ids]
+
+
+RAGGED_STEPS, LONGEST = 6, 33  # rows of 9..33 tokens: the GPT sees 8..32 positions
+
+
+def _train_ragged(callbacks, logger=False):
+    lightning.seed_everything(0, verbose=False)
+    module = GPTModule()
+    g = torch.Generator().manual_seed(3)
+    rows = [(torch.randint(0, 64, (int(n),), generator=g),)
+            for n in torch.randint(9, LONGEST + 1, (4 * RAGGED_STEPS,), generator=g)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True,
+                                         collate_fn=_pad_to_longest)
+    trainer = lightning.Trainer(max_steps=RAGGED_STEPS, accelerator="cpu", logger=logger,
+                                log_every_n_steps=1, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                deterministic=True, callbacks=callbacks)
+    trainer.fit(module, loader)
+    return module
+
+
+def test_callback_with_max_length_keeps_the_budget_at_every_length(tmp_path, recwarn):
+    import csv
+
+    plain = _train_ragged([])
+    callback = MemfitCallback(budget=0.6, max_length=LONGEST, monitor_every=1)
+    logger = lightning.pytorch.loggers.CSVLogger(str(tmp_path), name="run", version=0)
+    planned = _train_ragged([callback], logger)
+    from memfit._torch import profiler_active
+
+    assert not profiler_active()  # the last step's CPU meter ended with the training
+    plan, budget = planned.memfit_plan, planned.memfit_plan.budget_bytes
+    assert plan.regions and budget == int(0.6 * plan.plain_peak_bytes)  # of the 33-token step
+    records = list(planned.memfit_monitor)
+    assert [r.step for r in records] == list(range(RAGGED_STEPS))
+    lengths = [r.shape[0][1][1] for r in records]
+    assert len(set(lengths)) > 2 and max(lengths) <= LONGEST
+    for r, n in zip(records, lengths, strict=True):
+        print(f"seq {n}: peak {r.peak_bytes} <= budget {budget} ({r.peak_bytes / budget:.3f})")
+        assert r.peak_bytes <= 1.03 * budget, n
+    for (name, p), q in zip(planned.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # the prediction is the 33-token step's: shorter steps are not drifting from it
+    assert not [w for w in recwarn if "memfit monitor" in str(w.message)]
+    # the logger got each step's record, peak_bytes to the byte
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("memfit/peak_bytes")]
+    assert [int(row["step"]) for row in rows] == list(range(RAGGED_STEPS))
+    for row, r in zip(rows, records, strict=True):
+        assert int(float(row["memfit/peak_bytes"])) == r.peak_bytes
+        assert float(row["memfit/step_s"]) == pytest.approx(r.step_s, rel=1e-12)  # csv repr
+        assert float(row["memfit/recompute_overhead"]) == pytest.approx(plan.overhead, rel=1e-12)

@@ -5,6 +5,7 @@ over HF checkpointing] in ``memfit.integrations.hf_state``)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -45,7 +46,9 @@ def training_inputs(model: nn.Module, *, batch_size: int | None = None,
 
 def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
            batch_size: int | None = None, seq_len: int | None = None,
-           solver: SolverName = "auto") -> M:
+           solver: SolverName = "auto", max_length: int | None = None,
+           shapes: Sequence[int] | None = None, on_new_shape: str | None = None,
+           monitor_every: int | None = None) -> M:
     """Plan ``model``'s training step for ``budget`` and apply it: the budgeted counterpart of
     ``model.gradient_checkpointing_enable()``.
 
@@ -64,6 +67,15 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
         seq_len: tokens per row of the default inputs (default the config's
             ``max_position_embeddings``, at most 4096); only without ``example_inputs``.
         solver: as for ``memfit.fit`` (default ``"auto"``).
+        max_length: for batches padded to their longest row: the longest padded length; the
+            step is planned at ``max_length`` tokens (the inputs resized, a fractional budget
+            taken of that step's plain peak) and every length from 1 to it is covered (NOTE
+            [planning for dynamic padding] in ``memfit.integrations.lengths``). Default
+            None: the inputs' own length only.
+        shapes: sequence lengths to plan for (ints), every length between the shortest and
+            the longest covered; with ``max_length``, it is one of them.
+        on_new_shape, monitor_every: as for ``memfit.fit`` (defaults ``"replan"``, no
+            monitor).
 
     Returns:
         ``model``, planned; the plan is ``model.memfit_plan``.
@@ -84,9 +96,16 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
                          "seq_len only shape the default inputs")
     if example_inputs is None:
         example_inputs = training_inputs(model, batch_size=batch_size, seq_len=seq_len)
+    others = None
+    if max_length is not None or shapes is not None:
+        from memfit.integrations.lengths import length_shapes
+
+        example_inputs, others = length_shapes(example_inputs, max_length=max_length,
+                                               shapes=shapes)
     take_over_hf_checkpointing(model)
     try:
-        fit(model, example_inputs, budget=budget, solver=solver)
+        fit(model, example_inputs, budget=budget, solver=solver, shapes=others,
+            on_new_shape=on_new_shape, monitor_every=monitor_every)
     except BaseException:
         restore_hf_checkpointing(model)
         raise

@@ -12,19 +12,20 @@ NOTE [planning on the first real batch]
     its autocast state, before its forward runs; then the hook removes itself. ``fit`` leaves
     parameters, gradients, buffers and the RNG state as it found them, so the run is bitwise
     the run it would have been without memfit. The plan's budget holds for that batch's shape:
-    pad to a fixed length (``padding="max_length"``) for it to hold on every step.
+    give ``max_length=`` for batches padded to their longest row (NOTE [planning for dynamic
+    padding] in ``memfit.integrations.lengths``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import transformers
 from torch import nn
 
-from memfit._torch import forward_pre_hooks
-from memfit.integrations.hf_state import CacheOff, cache_module
+from memfit._torch import forward_pre_hook_takes_kwargs, forward_pre_hooks
 
 if TYPE_CHECKING:
     from memfit.planning.solvers import SolverName
@@ -52,24 +53,34 @@ class _PlanOnFirstCall:
         if self.running or not (module.training and torch.is_grad_enabled()):
             return None
         self.running = True
+        cb = self.callback
+        before = set(forward_pre_hooks(module))
         try:
             self.handle.remove()
             inputs: Any = kwargs if not args else (args if not kwargs else None)
             if inputs is None:
                 raise TypeError("MemfitCallback plans from the model's inputs, which must be all "
                                 "keyword (as the Trainer passes them) or all positional")
-            enable(module, self.callback.budget, inputs, solver=self.callback.solver)
+            enable(module, cb.budget, inputs, solver=cb.solver, max_length=cb.max_length,
+                   shapes=cb.shapes, on_new_shape=cb.on_new_shape, monitor_every=cb.monitor_every)
         finally:
             self.running = False
         log.info("%s", module.memfit_plan)
-        # The model's own hooks were gathered before this call, so the CacheOff hook ``enable``
-        # just installed would miss this first call: run it here.
-        target = cache_module(module)
-        if target is module:
-            for hook in forward_pre_hooks(module).values():
-                if isinstance(hook, CacheOff):
-                    return hook(module, args, kwargs)
-        return None
+        # The model's hooks were gathered before this call, so those ``enable`` just installed
+        # (the input guard, CacheOff, the monitor) would miss this first call: run them here,
+        # in their order.
+        for key, hook in list(forward_pre_hooks(module).items()):
+            if key in before:
+                continue
+            if forward_pre_hook_takes_kwargs(module, key):
+                out = hook(module, args, kwargs)
+                if out is not None:
+                    args, kwargs = out
+            else:
+                out = hook(module, args)
+                if out is not None:
+                    args = out if isinstance(out, tuple) else (out,)
+        return args, kwargs
 
 
 class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
@@ -84,16 +95,35 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
         budget: the cap on peak activation memory: ``int`` bytes, a fraction of the plain peak
             (``0.5``), ``"6GiB"``, ``"50%"`` or ``"min"``.
         solver: as for ``memfit.fit`` (default ``"auto"``).
+        max_length: with dynamic padding (a collator padding each batch to its longest row):
+            the longest padded length. The step is planned at ``max_length`` tokens (the
+            first batch resized: a fractional budget is of that step's plain peak) and every
+            length from 1 to it runs a plan that fits, switched without a trace (NOTE
+            [planning for dynamic padding] in ``memfit.integrations.lengths``). Default
+            None: the first batch's shape only; other shapes re-plan once each.
+        shapes: sequence lengths to plan for (ints), as for ``hf.enable``.
+        on_new_shape: as for ``memfit.fit`` (default ``"replan"``).
+        monitor_every: monitor one training call in N (``memfit.fit``'s ``monitor_every``);
+            each log then carries ``memfit/peak_bytes``, ``memfit/step_s`` (of the last
+            monitored step) and ``memfit/recompute_overhead`` (the plan in effect's predicted
+            recompute time, a fraction of the plain step). Default None: no monitor.
 
     Example:
-        >>> trainer = Trainer(model, args, train_dataset=ds,
-        ...                   callbacks=[MemfitCallback(budget=0.5)])   # doctest: +SKIP
+        >>> trainer = Trainer(model, args, train_dataset=ds, data_collator=pad_to_longest,
+        ...                   callbacks=[MemfitCallback(budget=0.5, max_length=1024)])  # doctest: +SKIP
         >>> trainer.train(); trainer.model.memfit_plan                  # doctest: +SKIP
     """
 
-    def __init__(self, budget: int | float | str, *, solver: SolverName = "auto") -> None:
+    def __init__(self, budget: int | float | str, *, solver: SolverName = "auto",
+                 max_length: int | None = None, shapes: Sequence[int] | None = None,
+                 on_new_shape: str | None = None, monitor_every: int | None = None) -> None:
         self.budget = budget
         self.solver = solver
+        self.max_length = max_length
+        self.shapes = shapes
+        self.on_new_shape = on_new_shape
+        self.monitor_every = monitor_every
+        self._logged: Any = None  # the monitor record last added to a log
         self._hook: _PlanOnFirstCall | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -115,3 +145,29 @@ class MemfitCallback(transformers.TrainerCallback):  # type: ignore[misc]
         hook = _PlanOnFirstCall(self, model)
         hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
         self._hook = hook
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                     **kwargs: Any) -> None:
+        records = None if model is None else model.__dict__.get("memfit_monitor")
+        if records is not None:
+            len(records)  # reading ends the last step's CPU meter, which waits for a next call
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               model: nn.Module | None = None, **kwargs: Any) -> None:
+        """Add the monitor's last record, if not logged before, to ``logs`` (and to the
+        ``state.log_history`` entry the Trainer made of them). The Trainer calls ``report_to`` loggers' callbacks before
+        the ones passed to it: to have them log these keys too, move this callback first
+        (``trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(cb))``)."""
+        from memfit.runtime.monitor import log_values
+
+        if logs is None or model is None:
+            return
+        records = model.__dict__.get("memfit_monitor")
+        last = records[-1] if records else None
+        if last is None or last is self._logged:
+            return
+        self._logged = last
+        values = log_values(model)
+        logs.update(values)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
