@@ -34,23 +34,17 @@ NOTE [exact codecs check what they assume]
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from memfit.planning.compression import BLOCK, Exactness, codec_packed_bytes
+
 __all__ = ["Exactness", "Packed", "Codec", "CODECS", "codec", "BLOCK"]
 
-BLOCK = 256  # elements per int8_blockwise scale
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-class Exactness(str, enum.Enum):
-    EXACT = "exact"  # decode(encode(x)) is bitwise x
-    SIGN = "sign"    # only x > 0 survives; exact for a reader that compares with 0 only
-    LOSSY = "lossy"  # bounded error (the codec's docstring states the bound)
 
 
 @dataclass(frozen=True)
@@ -108,10 +102,6 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.view(-1)[:numel].bool()
 
 
-def _bits_bytes(numel: int) -> int:
-    return -(-numel // 8)
-
-
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
              torch.bfloat16: torch.int16}
 
@@ -138,7 +128,8 @@ class Codec:
     def packed_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Bytes of the packed form of a tensor of ``shape`` and ``dtype`` (for value-dependent
         codecs, ``narrow_int``, the bound from the shape: int32)."""
-        raise NotImplementedError
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return codec_packed_bytes(self.name, math.prod(shape), itemsize)
 
     def __repr__(self) -> str:
         return f"codec({self.name!r})"
@@ -163,8 +154,6 @@ class _BoolBits(Codec):
         raw = _decode_raw(p)
         return raw if raw is not None else unpack_bits(p.data[0], math.prod(p.shape)).view(p.shape)
 
-    def packed_bytes(self, shape, dtype):
-        return _bits_bytes(math.prod(shape))
 
 
 class _TwoLevel(Codec):
@@ -192,8 +181,6 @@ class _TwoLevel(Codec):
         mask = unpack_bits(bits, math.prod(p.shape)).view(p.shape)
         return torch.zeros(p.shape, dtype=p.dtype, device=bits.device).masked_fill_(mask, value[0])
 
-    def packed_bytes(self, shape, dtype):
-        return _bits_bytes(math.prod(shape)) + torch.empty((), dtype=dtype).element_size()
 
 
 class _NarrowInt(Codec):
@@ -217,8 +204,6 @@ class _NarrowInt(Codec):
         raw = _decode_raw(p)
         return raw if raw is not None else p.data[0].to(torch.int64)
 
-    def packed_bytes(self, shape, dtype):
-        return 4 * math.prod(shape)
 
 
 class _SignBit(Codec):
@@ -239,8 +224,6 @@ class _SignBit(Codec):
             return raw
         return unpack_bits(p.data[0], math.prod(p.shape)).view(p.shape).to(p.dtype)
 
-    def packed_bytes(self, shape, dtype):
-        return _bits_bytes(math.prod(shape))
 
 
 class _Bf16(Codec):
@@ -258,8 +241,6 @@ class _Bf16(Codec):
         raw = _decode_raw(p)
         return raw if raw is not None else p.data[0].to(p.dtype)
 
-    def packed_bytes(self, shape, dtype):
-        return 2 * math.prod(shape)
 
 
 class _Fp8E4m3(Codec):
@@ -283,8 +264,6 @@ class _Fp8E4m3(Codec):
         q, scale = p.data
         return (q.float() * scale).to(p.dtype)
 
-    def packed_bytes(self, shape, dtype):
-        return math.prod(shape) + 4
 
 
 class _Int8Blockwise(Codec):
@@ -319,9 +298,6 @@ class _Int8Blockwise(Codec):
             qf = torch.cat([qf, qf.new_zeros(pad)])
         return (qf.view(-1, BLOCK) * scale.view(-1, 1)).view(-1)[:n].view(p.shape).to(p.dtype)
 
-    def packed_bytes(self, shape, dtype):
-        n = math.prod(shape)
-        return n + 4 * -(-n // BLOCK)
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
