@@ -60,6 +60,7 @@ def fit(
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
     monitor_every: int | None = None,
+    compress: str | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -127,6 +128,10 @@ def fit(
             ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
             the budget or more than 10% from the prediction warns (NOTE [monitoring a
             training run] in ``memfit.runtime.monitor``). Default None: no monitor.
+        compress: also keep saved tensors outside the regions packed (NOTE [compress or
+            recompute] in ``memfit.planning.compress_pass``): ``"lossless"`` (exact codecs
+            only; the step stays bitwise plain), ``"lossy"`` (also bf16: gradients change;
+            NOTE [what lossy means]); default None: no compression.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -177,6 +182,9 @@ def fit(
         raise ValueError(f"fit(target={target!r}) plans a model on the meta device for that "
                          f"device; {type(model).__name__} has weights and is profiled where it is "
                          "(move it to the device, or build it under torch.device('meta'))")
+    if compress is not None and (tune or device_memory is not None or shapes is not None):
+        raise ValueError("fit(compress=...) plans against budget= for one input shape; not "
+                         "with tune, device_memory or shapes yet")
     if tune and budget is None:
         raise TypeError("fit(tune=True) measures plans against budget=: give budget")
     if tune and device_memory is not None:
@@ -219,9 +227,16 @@ def fit(
                 if job is None and budget is None:
                     raise TypeError("fit needs budget= (a cap on the activation peak) or "
                                     "device_memory= (the device the whole job must fit)")
+                def solve(b: Any) -> Plan:
+                    return make_plan(prof, budget=b, solver=solver, job=job)
+
+                def first_plan() -> Plan:
+                    from memfit.planning.compress_pass import choose
+
+                    return solve(budget) if compress is None else choose(prof, solve, budget, mode=compress)
+
                 try:
-                    new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
-                                         src=src, group=group)  # NOTE [one plan per job]
+                    new_plan = plan_once(first_plan, src=src, group=group)  # NOTE [one plan per job]
                 except InfeasibleBudget as e:
                     if job is None or is_distributed() or step is not None:
                         raise
