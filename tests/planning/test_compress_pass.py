@@ -13,6 +13,7 @@ import memfit
 from memfit import zoo
 from memfit.planning.compress_pass import (
     CODEC_S_PER_BYTE,
+    CODEC_S_PER_TENSOR,
     candidates,
     compressed_peak,
     with_compression,
@@ -48,12 +49,13 @@ def test_cnn_candidates() -> None:
     p = memfit.profile(_cnn(), torch.randn(2, 2, 8, 8))
     got = [(c.entry.key, c.entry.codec, c.entry.raw_bytes, c.entry.packed_bytes, c.entry.output)
            for c in candidates(p)]
+    assert [c.entry.module for c in candidates(p)] == ["2", "4", "6", "7"]
     # relu#0's result is also max-pool's saved input: not a candidate (NOTE [sign-only readers])
     assert got == [
         ("aten.max_pool2d_with_indices.default#0", "narrow_int", 576, 288, 1),
         ("aten.div_.Scalar#0", "two_level", 288, 13, 0),
-        ("aten.relu.default#1", "sign_bit", 64, 2, 0),
-        ("aten.div_.Scalar#1", "two_level", 64, 6, 0),
+        ("aten.relu.default#0", "sign_bit", 64, 2, 0),
+        ("aten.div_.Scalar#0", "two_level", 64, 6, 0),
     ]
 
 
@@ -79,7 +81,7 @@ def test_choice_is_the_brute_force_optimum(gpt_case) -> None:
     for mask in range(1 << len(found)):  # every subset: the cheapest whose peak fits
         subset = [c for j, c in enumerate(found) if mask >> j & 1]
         if compressed_peak(p, sim.live_bytes, sim.positions, subset) <= budget:
-            s = sum(CODEC_S_PER_BYTE[c.entry.codec] * c.entry.raw_bytes for c in subset)
+            s = sum(CODEC_S_PER_TENSOR + CODEC_S_PER_BYTE[c.entry.codec] * c.entry.raw_bytes for c in subset)
             best = s if best is None else min(best, s)
     got = with_compression(p, plain, budget_bytes=budget)
     assert got.predicted_peak_bytes <= budget

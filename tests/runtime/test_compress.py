@@ -27,8 +27,8 @@ def _cnn() -> nn.Module:
 CNN_PLAN = (
     Compressed("aten.max_pool2d_with_indices.default#0", "narrow_int", "2", 576, 288, 1),
     Compressed("aten.div_.Scalar#0", "two_level", "4", 288, 13),
-    Compressed("aten.relu.default#1", "sign_bit", "6", 64, 2),
-    Compressed("aten.div_.Scalar#1", "two_level", "7", 64, 6),
+    Compressed("aten.relu.default#0", "sign_bit", "6", 64, 2),
+    Compressed("aten.div_.Scalar#0", "two_level", "7", 64, 6),
 )
 
 
@@ -62,7 +62,7 @@ def test_relu_bits_go_only_to_relus_own_save() -> None:
 def test_relu_without_a_node_is_not_packed() -> None:
     # relu of an input that needs no grad has no node; the next linear saves its result whole
     model, twin = pair(lambda: nn.Sequential(nn.ReLU(), nn.Linear(4, 3)))
-    apply(model, _plan((Compressed("aten.relu.default#0", "sign_bit"),)))
+    apply(model, _plan((Compressed("aten.relu.default#0", "sign_bit", "0"),)))
     assert_bitwise_twin(model, twin, (torch.randn(5, 4),))
     assert compressor(model).packed_bytes == 0
 
@@ -71,7 +71,9 @@ def test_gpt_dropout_masks_lossless() -> None:
     model, twin = pair(lambda: zoo.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16))
     ids = torch.randint(0, 64, (2, 16))
     # every dropout's mask: the embedding's, and per block attention probs + two residuals
-    masks = tuple(Compressed(f"aten.div_.Scalar#{k}", "two_level") for k in range(7))
+    drops = ["drop"] + [f"blocks.{i}.{d}" for i in range(2)
+                        for d in ("attn.attn_drop", "attn.resid_drop", "mlp.drop")]
+    masks = tuple(Compressed("aten.div_.Scalar#0", "two_level", d) for d in drops)
     apply(model, _plan(masks))
     assert_bitwise_twin(model, twin, (ids,), steps=2)
     comp = compressor(model)
@@ -83,7 +85,7 @@ def test_gpt_dropout_masks_lossless() -> None:
 
 def test_lossy_bf16_changes_gradients_a_little() -> None:
     model, twin = pair(_cnn)
-    apply(model, _plan((Compressed("aten.mul.Tensor#0", "bf16"),)))
+    apply(model, _plan((Compressed("aten.mul.Tensor#0", "bf16", "4"),)))
     x = torch.randn(2, 2, 8, 8)
     torch.manual_seed(0)
     model(x).square().mean().backward()
@@ -98,8 +100,10 @@ def test_lossy_bf16_changes_gradients_a_little() -> None:
 
 def test_bad_decisions() -> None:
     with pytest.raises(ValueError, match="only the nodes of"):
-        Compressor({"aten.gelu.default#0": "sign_bit"})
+        Compressor([("", "aten.gelu.default#0", "sign_bit", 0)])
     with pytest.raises(ValueError, match="not of the form"):
-        Compressor({"aten.relu.default": "sign_bit"})
+        Compressor([("", "aten.relu.default", "sign_bit", 0)])
+    with pytest.raises(ValueError, match="does not have"):
+        Compressor([("9", "aten.relu.default#0", "sign_bit", 0)]).install(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown codec"):
         Compressed("aten.relu.default#0", "zip")

@@ -37,7 +37,8 @@ from memfit.planning.compression import Compressed, codec_packed_bytes
 from memfit.planning.plan import Plan, Region
 from memfit.profiling.profile import Profile, StorageKind, StorageRecord
 
-__all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "CODEC_S_PER_BYTE"]
+__all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "CODEC_S_PER_BYTE",
+           "CODEC_S_PER_TENSOR"]
 
 CompressMode = Literal["lossless", "lossy"]
 
@@ -45,12 +46,15 @@ _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8
              "bool": 1, "uint8": 1, "int8": 1}
 _SIGN_READERS = ("aten.relu.default", "aten.relu_.default")  # memfit.runtime.compress.SIGN_READERS
 
-# Seconds per raw byte to encode and decode, measured on this project's 2-core CPU box with
-# ``memfit.measuring.codec_cost.codec_seconds`` (torch 2.13) on 4 MiB tensors; used when the
-# caller passes none.
-CODEC_S_PER_BYTE = {"sign_bit": 1.2e-9, "two_level": 2.5e-9, "narrow_int": 0.6e-9,
-                    "bool_bits": 1.2e-9, "bf16": 0.5e-9, "fp8_e4m3": 1.5e-9,
+# Seconds to encode and decode, per raw byte and per tensor (Python dispatch, small ops, a
+# tagging mode over the op's module), measured on this project's 2-core CPU box (torch
+# 2.13): encode + decode of 32 KiB and 2 MiB tensors (two_level 247 us and 6.4 ms, sign_bit
+# 3.3 ms and bf16 0.20 ms at 2 MiB). fp8_e4m3 and int8_blockwise are estimates, not measured.
+# Used when the caller passes none.
+CODEC_S_PER_BYTE = {"sign_bit": 1.6e-9, "two_level": 3.1e-9, "narrow_int": 0.5e-9,
+                    "bool_bits": 1.6e-9, "bf16": 0.1e-9, "fp8_e4m3": 1.5e-9,
                     "int8_blockwise": 3.0e-9}
+CODEC_S_PER_TENSOR = 150e-6
 
 
 @dataclass(frozen=True)
@@ -104,13 +108,14 @@ def candidates(profile: Profile, regions: Sequence[Region] = (), *, mode: Compre
 
 def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mode: CompressMode,
           lossy_codec: str, seen: set[int]) -> list[Candidate]:
-    counts: dict[str, int] = {}
+    starts = {m.path: m.first_op for m in profile.modules if m.first_op is not None}
     out: list[Candidate] = []
     for op in profile.ops[first: last + 1]:
-        k = counts.get(op.name, 0)
-        counts[op.name] = k + 1
-        if _in_regions(op.module, regions):
+        if _in_regions(op.module, regions) or op.module not in starts:
             continue
+        # the key counts within the op's module's call (NOTE [compression through saved-tensor
+        # hooks] in memfit.runtime.compress)
+        k = sum(1 for o in profile.ops[starts[op.module]: op.index] if o.name == op.name)
         for index, meta in enumerate(op.outputs):
             rec = profile.storage(meta.storage)
             itemsize = _ITEMSIZE.get(meta.dtype)
@@ -141,7 +146,10 @@ def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec:
     if name in _SIGN_READERS:
         # relu's own node alone saves it (NOTE [sign-only readers]): one save, made right
         # after relu ran (a second save in the same module would also be counted at relu)
-        return "sign_bit" if len(saves) == 1 and saves[0][0] == i else None
+        if len(saves) == 1 and saves[0][0] == i:
+            return "sign_bit"
+        if mode != "lossy":
+            return None  # read by value elsewhere; the lossy pass may still take it
     if name == "aten.div_.Scalar" and i > 0 and profile.ops[i - 1].name.startswith("aten.bernoulli_"):
         prev = profile.ops[i - 1].outputs
         if prev and prev[0].storage == rec.id:
@@ -211,7 +219,7 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
     rates = {**CODEC_S_PER_BYTE, **(codec_s_per_byte or {})}
 
     def cost(c: Candidate) -> float:
-        return rates.get(c.entry.codec, 0.0) * c.entry.raw_bytes
+        return CODEC_S_PER_TENSOR + rates.get(c.entry.codec, 0.0) * c.entry.raw_bytes
 
     def peak(cs: Sequence[Candidate]) -> int:
         return compressed_peak(profile, sim.live_bytes, sim.positions, cs)

@@ -66,10 +66,10 @@ class Compressed:
     """One forward op outside every region whose saved outputs the plan keeps packed.
 
     Attributes:
-        key: ``"<overload>#<k>"``, the k-th call (from 0) of that overload in the model's
-            forward (step-wide, unlike a region's op keys).
+        key: ``"<overload>#<k>"``, the k-th call (from 0) of that overload within one call
+            of ``module`` (its children's ops counted too).
         codec: a name of ``CODEC_EXACTNESS``.
-        module: the module running the op (for the reader).
+        module: the innermost module running the op (``""``: the root).
         raw_bytes: bytes of the saved storage as autograd would keep it.
         packed_bytes: bytes of its packed form.
         output: which of the op's outputs (max-pool's indices: 1).
@@ -112,8 +112,9 @@ def compressed_lines(entries: tuple[Compressed, ...]) -> list[str]:
     out = [f"  compressed: {len(entries)} saved tensor(s), {format_bytes(saved)} less kept; "
            + ("LOSSY: gradients differ from the plain step's (verify reports their relative error)"
               if lossy else "lossless: the step stays bitwise equal to the plain one")]
-    w = max(len(c.key) for c in entries)
+    w = max(len(c.module or "<root>") for c in entries)
+    k = max(len(c.key) for c in entries)
     for c in entries:
-        out.append(f"    {c.key.ljust(w)}  {c.codec:<14}  {format_bytes(c.raw_bytes):>10} -> "
-                   f"{format_bytes(c.packed_bytes):>10}  {c.module or '<root>'}")
+        out.append(f"    {(c.module or '<root>').ljust(w)}  {c.key.ljust(k)}  {c.codec:<14}  "
+                   f"{format_bytes(c.raw_bytes):>10} -> {format_bytes(c.packed_bytes):>10}")
     return out

@@ -301,16 +301,8 @@ def _compress(model: nn.Module, plan: Plan, applied: _Applied) -> None:
         return
     from memfit.runtime.compress import Compressor
 
-    comp = applied.compressor = Compressor({c.key: (c.codec, c.output) for c in plan.compressed})
-
-    def enter(module: nn.Module, args: Any) -> None:
-        comp.__enter__()
-
-    def leave(module: nn.Module, args: Any, out: Any) -> None:
-        comp.__exit__(None, None, None)
-
-    applied.compress_hooks = [model.register_forward_pre_hook(enter),
-                              model.register_forward_hook(leave, always_call=True)]
+    comp = applied.compressor = Compressor((c.module, c.key, c.codec, c.output) for c in plan.compressed)
+    applied.compress_hooks = comp.install(model)
 
 
 def compressor(model: nn.Module) -> Any:

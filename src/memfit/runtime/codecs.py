@@ -165,12 +165,12 @@ class _TwoLevel(Codec):
     def encode(self, t):
         if t.dtype not in _INT_VIEW or not _packable(t):
             return _raw(t)
-        iv = t.view(_INT_VIEW[t.dtype])  # bit patterns: +0.0 is 0, -0.0 and NaN compare as bits
+        iv = t.view(_INT_VIEW[t.dtype]).reshape(-1)  # bit patterns: +0.0 is 0; -0.0, NaN are not
         nonzero = iv != 0
-        first = iv.reshape(-1)[nonzero.reshape(-1).nonzero()[:1, 0]]
-        if first.numel() and not bool((iv == first).logical_or_(~nonzero).all()):
+        at = nonzero.to(torch.uint8).argmax()  # the first nonzero element (0 if none)
+        if not bool(((iv == iv[at]) | ~nonzero).all()):
             return _raw(t)  # three or more values: kept whole (NOTE [exact codecs check ...])
-        value = t.reshape(-1)[nonzero.reshape(-1).nonzero()[:1, 0]].clone() if first.numel() else t.new_zeros(1)
+        value = t.reshape(-1)[at].reshape(1).clone()  # +0.0 itself when all are +0.0
         return Packed(self.name, tuple(t.shape), t.dtype, (pack_bits(nonzero), value))
 
     def decode(self, p):
