@@ -80,7 +80,7 @@ def train(model: torch.nn.Module, batch: Callable, loss_fn: Callable, steps: int
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "median_step_s": statistics.median(times[5:] or times),
             "params": [p.detach().clone() for p in model.parameters()]}
 
