@@ -3,12 +3,14 @@ synthetic data, plain and under memfit plans at one activation budget.
 
     PYTHONPATH=src python benchmarks/compress.py [--steps 300] [--budget 0.8]
 
-Per model, four runs from the same weights and data: plain; memfit recompute-only
-(``compress=None``); memfit lossless (``compress="lossless"``); memfit lossy
-(``compress="lossy"``). Each run: the plan's predicted peak, the peak ``memfit.verify``
-measured on one step (CPU allocator), the median step seconds of the training loop, the loss
-of every step. Also the "least peak" lossless plan: the recompute-only plan with every
-lossless candidate outside its regions compressed (predicted and measured). Writes
+Per model, runs from the same weights, data and dropout draws, plans made from one profile:
+plain; recompute-only at the budget; the planner's choice with ``compress="lossless"`` and
+``"lossy"`` at the budget (NOTE [compress or recompute]: it may choose no compression); the
+recompute-only plan with every lossless candidate compressed (the least lossless peak); every
+lossy candidate compressed with no regions, and the recompute-only plan at that plan's peak
+(the same memory). Each run: the plan's predicted peak, the peak ``memfit.verify`` measured
+on one step (CPU allocator), the median step seconds of the training loop, the loss of every
+step. Writes
 benchmarks/results/compress.json, compress.md and compress.png. The runs go one after the
 other (not interleaved): step times are indicative, this box's 2 cores being shared.
 """
@@ -86,47 +88,57 @@ def train(model: torch.nn.Module, batch: Callable, loss_fn: Callable, steps: int
 
 
 def run_model(name: str, case: Callable, steps: int, budget: float) -> dict[str, Any]:
-    from memfit.planning.compress_pass import with_compression
+    from memfit.planning.compress_pass import choose, with_compression
+    from memfit.planning.plan import Plan
 
     model, batch, loss_fn = case(steps)
     x0, y0 = batch(0)
-    step_loss = lambda out: loss_fn_out(out, y0)  # noqa: E731
 
-    def loss_fn_out(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step_loss(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.reshape(-1, out.shape[-1]) if name == "gpt" else out,
-                               y.reshape(-1) if name == "gpt" else y)
+                               y0.reshape(-1) if name == "gpt" else y0)
 
     out: dict[str, Any] = {"model": name, "budget_fraction": budget, "runs": {}}
     prof = memfit.profile(model, x0, loss_fn=step_loss)
     out["plain_peak_bytes"] = prof.peak_bytes
-    variants: dict[str, Any] = {"plain": None, "recompute-only": None, "lossless": "lossless",
-                                "lossy": "lossy"}
-    for label, compress in variants.items():
+
+    def solve(b: Any) -> Plan:
+        return memfit.plan(prof, budget=b)
+
+    plain_plan = Plan((), prof.peak_bytes, 0.0, None, "none", prof.signature,
+                      plain_peak_bytes=prof.peak_bytes, plain_step_s=prof.step_time_s)
+    plans: dict[str, Callable[[], Plan | None]] = {
+        "plain": lambda: None,
+        "recompute-only": lambda: solve(budget),
+        "lossless (planner's choice)": lambda: choose(prof, solve, budget, mode="lossless"),
+        "lossy (planner's choice)": lambda: choose(prof, solve, budget, mode="lossy"),
+        "recompute-only + every lossless candidate": lambda: with_compression(prof, solve(budget)),
+        "every lossy candidate, no regions": lambda: with_compression(prof, plain_plan, mode="lossy"),
+    }
+    made: dict[str, Plan | None] = {}
+    for label, make in plans.items():
+        try:
+            made[label] = make()
+        except memfit.InfeasibleBudget as e:
+            out["runs"][label] = {"infeasible": str(e), "min_feasible_bytes": e.min_feasible_bytes}
+    lossy_all = made.get("every lossy candidate, no regions")
+    if lossy_all is not None:  # the recompute-only plan at the same memory as the lossy one
+        label = "recompute-only at the lossy plan's peak"
+        try:
+            made[label] = solve(lossy_all.predicted_peak_bytes)
+        except memfit.InfeasibleBudget as e:
+            out["runs"][label] = {"infeasible": str(e), "min_feasible_bytes": e.min_feasible_bytes}
+    for label, plan in made.items():
         m = copy.deepcopy(model)
         rec: dict[str, Any] = {}
-        if label != "plain":
-            try:
-                m = memfit.fit(m, x0, budget=budget, loss_fn=step_loss, compress=compress)
-            except memfit.InfeasibleBudget as e:
-                out["runs"][label] = {"infeasible": str(e), "min_feasible_bytes": e.min_feasible_bytes}
-                continue
-            plan = m.memfit_plan
+        if plan is not None:
+            memfit.apply(m, plan)
             report = memfit.verify(m, x0, loss_fn=step_loss)
             rec.update(predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=report.peak_bytes,
                        budget_bytes=plan.budget_bytes, regions=len(plan.regions),
                        compressed=[c.to_dict() for c in plan.compressed], bitwise_step=report.bitwise,
                        gradient_rel_error=report.gradient_rel_error, verify_ok=report.ok,
                        predicted_extra_s=plan.recompute_s)
-            if label == "recompute-only":
-                least = with_compression(prof, plan)  # every lossless candidate outside its regions
-                memfit.unapply(m)
-                memfit.apply(m, least)
-                r2 = memfit.verify(m, x0, loss_fn=step_loss)
-                out["least_peak_lossless"] = {"predicted_peak_bytes": least.predicted_peak_bytes,
-                                              "measured_peak_bytes": r2.peak_bytes,
-                                              "bitwise_step": r2.bitwise, "compressed": len(least.compressed)}
-                memfit.unapply(m)
-                memfit.apply(m, plan)
         result = train(m, batch, loss_fn, steps)
         rec.update(losses=result["losses"], median_step_s=result["median_step_s"], final_loss=result["losses"][-1])
         rec["_params"] = result["params"]
@@ -148,30 +160,26 @@ def write(results: list[dict[str, Any]], steps: int) -> None:
     (RESULTS / "compress.json").write_text(json.dumps({**meta, "models": results}, indent=1))
     lines = [f"# Activation compression (issue #30): {steps} training steps, torch {torch.__version__}, "
              f"CPU, commit {commit}", "",
-             "| model | run | predicted peak | measured peak | regions | compressed | median step | "
-             "final loss | vs plain | params bitwise plain | grad rel. error (1 step) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| model | run | predicted peak | measured peak | regions | compressed | predicted extra | "
+             "median step | final loss | vs plain | params bitwise plain | grad rel. error (1 step) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         for label, rec in r["runs"].items():
             if "infeasible" in rec:
                 lines.append(f"| {r['model']} | {label} | infeasible: least peak {rec['min_feasible_bytes']:,} "
-                             "| | | | | | | | |")
+                             "| | | | | | | | | |")
                 continue
             pred = rec.get("predicted_peak_bytes", r["plain_peak_bytes"])
             meas = rec.get("measured_peak_bytes", "")
             rel = rec.get("gradient_rel_error")
+            extra = rec.get("predicted_extra_s", 0.0)
             lines.append(f"| {r['model']} | {label} | {pred:,} | {meas:,} | {rec.get('regions', 0)} | "
-                         f"{len(rec.get('compressed', []))} | {rec['median_step_s'] * 1e3:.1f} ms | "
+                         f"{len(rec.get('compressed', []))} | {extra * 1e3:.1f} ms | {rec['median_step_s'] * 1e3:.1f} ms | "
                          f"{rec['final_loss']:.4f} | {rec['final_loss_rel_diff']:.2%} | "
                          f"{rec['params_bitwise_plain']} | {'' if rel is None else f'{rel:.2e}'} |"
                          if meas != "" else
-                         f"| {r['model']} | {label} | {pred:,} | | 0 | 0 | {rec['median_step_s'] * 1e3:.1f} ms | "
+                         f"| {r['model']} | {label} | {pred:,} | | 0 | 0 | | {rec['median_step_s'] * 1e3:.1f} ms | "
                          f"{rec['final_loss']:.4f} | - | - | |")
-        least = r.get("least_peak_lossless")
-        if least:
-            lines.append(f"| {r['model']} | recompute-only + every lossless candidate | "
-                         f"{least['predicted_peak_bytes']:,} | {least['measured_peak_bytes']:,} | | "
-                         f"{least['compressed']} | | | | step bitwise: {least['bitwise_step']} | |")
     (RESULTS / "compress.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -183,7 +191,7 @@ def write(results: list[dict[str, Any]], steps: int) -> None:
         for label, rec in r["runs"].items():
             if "losses" not in rec:
                 continue
-            ax.plot(rec["losses"], label=label, linestyle="--" if label == "lossless" else "-", linewidth=1)
+            ax.plot(rec["losses"], label=label, linestyle="--" if "lossless" in label else "-", linewidth=1)
         ax.set_title(f"{r['model']}: budget {r['budget_fraction']:.0%} of the plain peak")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
