@@ -137,3 +137,20 @@ def test_bad_mode(gpt_case) -> None:
         memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="zip")
     with pytest.raises(ValueError, match="compress mode"):
         candidates(gpt_case[2], mode="zip")  # type: ignore[arg-type]
+
+
+def test_plan_json_and_regions() -> None:
+    from memfit.planning.compression import Compressed
+    from memfit.planning.plan import OpPolicy, Region
+
+    plan = Plan((), 10, 0.0, None, "hand", "", compressed=(
+        Compressed("aten.div_.Scalar#0", "two_level", "drop", 32768, 1028),
+        Compressed("aten.mul.Tensor#0", "bf16", "fc", 400, 200)))
+    data = plan.to_dict()
+    assert data["compressed"][1] == {"key": "aten.mul.Tensor#0", "codec": "bf16", "module": "fc",
+                                     "raw_bytes": 400, "packed_bytes": 200, "output": 0}
+    assert Plan.from_dict(data) == plan and plan.lossy
+    del data["compressed"]  # a plan written before the field
+    assert Plan.from_dict(data).compressed == ()
+    with pytest.raises(ValueError, match="COMPRESS inside a checkpointed region"):
+        Region(("fc",), {"aten.mm.default#0": OpPolicy.COMPRESS})
