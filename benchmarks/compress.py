@@ -88,6 +88,7 @@ def train(model: torch.nn.Module, batch: Callable, loss_fn: Callable, steps: int
 
 
 def run_model(name: str, case: Callable, steps: int, budget: float) -> dict[str, Any]:
+    from memfit.measuring.codec_cost import codec_costs_for
     from memfit.planning.compress_pass import choose, with_compression
     from memfit.planning.plan import Plan
 
@@ -105,15 +106,19 @@ def run_model(name: str, case: Callable, steps: int, budget: float) -> dict[str,
     def solve(b: Any) -> Plan:
         return memfit.plan(prof, budget=b)
 
+    costs = codec_costs_for("lossy")  # NOTE [codec cost measurement]
+    out["codec_costs"] = {"per_byte_s": costs.per_byte_s, "per_tensor_s": costs.per_tensor_s,
+                          "mode_per_op_s": costs.mode_per_op_s}
     plain_plan = Plan((), prof.peak_bytes, 0.0, None, "none", prof.signature,
                       plain_peak_bytes=prof.peak_bytes, plain_step_s=prof.step_time_s)
     plans: dict[str, Callable[[], Plan | None]] = {
         "plain": lambda: None,
         "recompute-only": lambda: solve(budget),
-        "lossless (planner's choice)": lambda: choose(prof, solve, budget, mode="lossless"),
-        "lossy (planner's choice)": lambda: choose(prof, solve, budget, mode="lossy"),
-        "recompute-only + every lossless candidate": lambda: with_compression(prof, solve(budget)),
-        "every lossy candidate, no regions": lambda: with_compression(prof, plain_plan, mode="lossy"),
+        "lossless (planner's choice)": lambda: choose(prof, solve, budget, mode="lossless", costs=costs),
+        "lossy (planner's choice)": lambda: choose(prof, solve, budget, mode="lossy", costs=costs),
+        "recompute-only + every lossless candidate": lambda: with_compression(prof, solve(budget), costs=costs),
+        "every lossy candidate, no regions": lambda: with_compression(prof, plain_plan, mode="lossy",
+                                                                      costs=costs),
     }
     made: dict[str, Plan | None] = {}
     for label, make in plans.items():

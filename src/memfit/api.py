@@ -231,9 +231,11 @@ def fit(
                     return make_plan(prof, budget=b, solver=solver, job=job)
 
                 def first_plan() -> Plan:
+                    if compress is None:
+                        return solve(budget)
+                    from memfit.measuring.codec_cost import codec_costs_for
                     from memfit.planning.compress_pass import choose
-
-                    return solve(budget) if compress is None else choose(prof, solve, budget, mode=compress)
+                    return choose(prof, solve, budget, mode=compress, costs=codec_costs_for(compress))
 
                 try:
                     new_plan = plan_once(first_plan, src=src, group=group)  # NOTE [one plan per job]

@@ -154,3 +154,13 @@ def test_plan_json_and_regions() -> None:
     assert Plan.from_dict(data).compressed == ()
     with pytest.raises(ValueError, match="COMPRESS inside a checkpointed region"):
         Region(("fc",), {"aten.mm.default#0": OpPolicy.COMPRESS})
+
+
+def test_measured_codec_costs_cover_the_codecs() -> None:
+    from memfit.measuring.codec_cost import codec_costs_for
+    from memfit.planning.compression import LOSSLESS_CODECS
+
+    costs = codec_costs_for("lossless")
+    assert set(LOSSLESS_CODECS) <= set(costs.per_byte_s)
+    assert all(v >= 0 for v in costs.per_byte_s.values())
+    assert costs.per_tensor_s >= 0 and costs.mode_per_op_s >= 0

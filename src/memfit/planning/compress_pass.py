@@ -33,12 +33,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from memfit.planning.compression import Compressed, codec_packed_bytes
+from memfit.planning.compression import (
+    DEFAULT_CODEC_COSTS,
+    CodecCosts,
+    Compressed,
+    codec_packed_bytes,
+)
 from memfit.planning.plan import Plan, Region
 from memfit.profiling.profile import Profile, StorageKind, StorageRecord
 
-__all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "codec_seconds",
-           "CODEC_S_PER_BYTE", "CODEC_S_PER_TENSOR", "MODE_S_PER_OP"]
+__all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "codec_seconds"]
 
 CompressMode = Literal["lossless", "lossy"]
 
@@ -46,29 +50,15 @@ _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8
              "bool": 1, "uint8": 1, "int8": 1}
 _SIGN_READERS = ("aten.relu.default", "aten.relu_.default")  # memfit.runtime.compress.SIGN_READERS
 
-# Seconds to encode and decode, per raw byte and per tensor (Python dispatch, small ops, a
-# tagging mode over the op's module), measured on this project's 2-core CPU box (torch
-# 2.13): encode + decode of 32 KiB and 2 MiB tensors (two_level 247 us and 6.4 ms, sign_bit
-# 3.3 ms and bf16 0.20 ms at 2 MiB). fp8_e4m3 and int8_blockwise are estimates, not measured.
-# Used when the caller passes none.
-CODEC_S_PER_BYTE = {"sign_bit": 1.6e-9, "two_level": 3.1e-9, "narrow_int": 0.5e-9,
-                    "bool_bits": 1.6e-9, "bf16": 0.1e-9, "fp8_e4m3": 1.5e-9,
-                    "int8_blockwise": 3.0e-9}
-CODEC_S_PER_TENSOR = 150e-6
-# The tagging mode's cost per op of a named module's call (a Python dispatch mode: measured
-# +6.6 ms over the 143 forward ops of a zoo GPT step on this box, 46 us an op).
-MODE_S_PER_OP = 46e-6
-
-
-def codec_seconds(profile: Profile, chosen: Sequence[Candidate],
-                  codec_s_per_byte: dict[str, float] | None = None) -> float:
+def codec_seconds(profile: Profile, chosen: Sequence[Candidate], costs: CodecCosts | None = None) -> float:
     """Predicted seconds ``chosen`` adds to a step: per tensor, per byte, and the tagging mode
     over each named module's ops (NOTE [compression through saved-tensor hooks])."""
-    rates = {**CODEC_S_PER_BYTE, **(codec_s_per_byte or {})}
+    costs = costs or DEFAULT_CODEC_COSTS
     spans = {m.path: m.last_op - m.first_op + 1 for m in profile.modules
              if m.first_op is not None and m.last_op is not None}
-    per = sum(CODEC_S_PER_TENSOR + rates.get(c.entry.codec, 0.0) * c.entry.raw_bytes for c in chosen)
-    return per + MODE_S_PER_OP * sum(spans.get(m, 0) for m in {c.entry.module for c in chosen})
+    per = sum(costs.per_tensor_s + costs.per_byte_s.get(c.entry.codec, 0.0) * c.entry.raw_bytes
+              for c in chosen)
+    return per + costs.mode_per_op_s * sum(spans.get(m, 0) for m in {c.entry.module for c in chosen})
 
 
 @dataclass(frozen=True)
@@ -232,7 +222,7 @@ EXHAUSTIVE_UP_TO = 10  # candidates: every subset tried up to this many, greedy 
 
 
 def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "lossless",
-                     lossy_codec: str = "bf16", codec_s_per_byte: dict[str, float] | None = None,
+                     lossy_codec: str = "bf16", costs: CodecCosts | None = None,
                      budget_bytes: int | None = None) -> Plan:
     """``plan`` with candidates outside its regions compressed: its predicted peak from NOTE
     [compressed peak], its ``recompute_s`` plus the codecs' seconds.
@@ -252,7 +242,7 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
         return plan
     sim = simulate(profile, plan)
     def cost(cs: Sequence[Candidate]) -> float:
-        return codec_seconds(profile, cs, codec_s_per_byte)
+        return codec_seconds(profile, cs, costs)
 
     def peak(cs: Sequence[Candidate]) -> int:
         return compressed_peak(profile, sim.live_bytes, sim.positions, cs)
@@ -283,7 +273,7 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
 
 def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
            budget: int | float | str | None, *, mode: str = "lossless",
-           lossy_codec: str = "bf16", codec_s_per_byte: dict[str, float] | None = None) -> Plan:
+           lossy_codec: str = "bf16", costs: CodecCosts | None = None) -> Plan:
     """The fastest plan under ``budget`` among recompute-only and compressed ones.
 
     NOTE [compress or recompute]
@@ -307,7 +297,7 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
 
     def compress(p: Plan) -> Plan:
         return with_compression(profile, p, mode=kind, lossy_codec=lossy_codec,
-                                codec_s_per_byte=codec_s_per_byte, budget_bytes=cap)
+                                costs=costs, budget_bytes=cap)
 
     error: InfeasibleBudget | None = None
     cap: int | None = None
