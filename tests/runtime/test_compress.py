@@ -107,3 +107,19 @@ def test_bad_decisions() -> None:
         Compressor([("9", "aten.relu.default#0", "sign_bit", 0)]).install(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown codec"):
         Compressed("aten.relu.default#0", "zip")
+
+
+def test_unet_pool_indices_narrowed_bitwise() -> None:
+    import memfit
+    from memfit.planning.compress_pass import with_compression
+
+    model, twin = pair(lambda: zoo.unet3d(base=2, depth=1))
+    x = torch.randn(1, 1, 8, 8, 8)
+    prof = memfit.profile(model, x)
+    plan = with_compression(prof, Plan((), prof.peak_bytes, 0.0, None, "none", prof.signature))
+    # every relu result is also the next conv's or the pool's saved input: only the indices
+    assert [(c.module, c.codec, c.raw_bytes) for c in plan.compressed] == [("pool", "narrow_int", 1024)]
+    apply(model, plan)
+    assert_bitwise_twin(model, twin, (x,))
+    # (1, 2, 4, 4, 4) int64 indices into an 8^3 plane (values < 512): int16, 256 B
+    assert (compressor(model).raw_bytes, compressor(model).packed_bytes) == (1024, 256)
