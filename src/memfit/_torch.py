@@ -53,12 +53,11 @@ from memfit.torch_range import (  # noqa: F401  (re-exported: rule 0)
 __all__ = [
     "SUPPORTED_TORCH", "require_supported_torch", "TorchDispatchMode", "FakeTensorMode",
     "FAKE_TENSOR_LOGGER", "OpOverload", "OpOverloadPacket", "tree_flatten", "tree_map",
-    "op_schema", "op_packet", "op_namespace", "written_tensors", "is_view_tensor",
-    "storage_key", "tensor_version", "module_parameters", "module_buffers",
-    "forward_pre_hooks", "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook",
-    "set_display_name", "clear_display_name",
-    "current_autograd_node", "node_sequence_nr", "peek_sequence_nr", "no_python_dispatch",
-    "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
+    "op_schema", "op_packet", "op_namespace", "written_tensors", "is_view_tensor", "storage_key",
+    "tensor_version", "module_parameters", "module_buffers", "forward_pre_hooks",
+    "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook", "set_display_name",
+    "clear_display_name", "current_autograd_node", "node_sequence_nr", "peek_sequence_nr",
+    "no_python_dispatch", "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
     "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
     "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
     "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
@@ -194,8 +193,7 @@ def module_parameters(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def module_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """The module's own buffer slots, by name: the live dict, to read or replace a buffer
-    without the bookkeeping of ``register_buffer`` (its persistence is left as it is)."""
+    """The module's own buffer slots by name (the live dict: replace a buffer, persistence kept)."""
     return module._buffers
 
 
@@ -216,8 +214,7 @@ def remove_forward_pre_hook(module: nn.Module, key: int) -> None:
 
 
 def set_display_name(module: nn.Module, name: Callable[[], str]) -> None:
-    """Make ``repr(module)`` show ``name()`` as the module's class name (an instance attribute
-    over ``nn.Module._get_name``)."""
+    """Make ``repr(module)`` show ``name()`` as its class name (over ``nn.Module._get_name``)."""
     module._get_name = name  # type: ignore[method-assign]
 
 
@@ -311,8 +308,7 @@ _SAC_STORAGE_PROBLEM = _sac_storage_problem()
 
 
 def require_sac_storage() -> None:
-    """Raise ``UnsupportedTorch`` if this torch's selective checkpoint cannot host offload
-    (rule 4)."""
+    """Raise ``UnsupportedTorch`` if this torch's selective checkpoint cannot host offload (rule 4)."""
     if _SAC_STORAGE_PROBLEM is not None:
         raise unsupported(_SAC_STORAGE_PROBLEM, feature="offload",
                           advice="plan without offload (offload=False)")

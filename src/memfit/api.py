@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from memfit.errors import InfeasibleBudget
+from memfit.fit_checks import refuse_fit_arguments
 from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
@@ -62,6 +63,7 @@ def fit(
     monitor_every: int | None = None,
     in_flight: int | None = None,
     kept_bytes: int = 0,
+    compress: str | None = None,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -135,6 +137,10 @@ def fit(
             besides (``memfit.pipeline.kept_by_sends``; default 0); ``example_inputs`` are one
             micro-batch's, ``budget`` caps the stage's peak over the schedule step (NOTE [pipeline
             stage memory model] in ``memfit.planning.stages``). Each rank plans its own stage.
+        compress: also keep saved tensors outside the regions packed (NOTE [compress or
+            recompute] in ``memfit.planning.compress_pass``): ``"lossless"`` (exact codecs
+            only; the step stays bitwise plain), ``"lossy"`` (also bf16: gradients change;
+            NOTE [what lossy means]); default None: no compression.
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -170,35 +176,11 @@ def fit(
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
-    if monitor_every is not None and (not isinstance(monitor_every, int)
-                                      or isinstance(monitor_every, bool) or monitor_every < 1):
-        raise ValueError(f"monitor_every must be an int >= 1 (monitor one training call in N), "
-                         f"got {monitor_every!r}")
+    refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
+                         in_flight=in_flight, target=target, compress=compress, budget=budget,
+                         device_memory=device_memory, on_meta=_on_meta(model))
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
                                      distributed=is_distributed() or in_flight is not None)
-    if (shapes is not None or tune) and in_flight is not None:
-        raise ValueError("fit(in_flight=...) plans a stage as profiled: not with shapes= or tune")
-    if shapes is not None and (step is not None or tune or is_distributed()):
-        raise ValueError("fit(shapes=...) plans each shape from example_inputs, without tuning, "
-                         "on one process: not with step=, tune=True or in a distributed job")
-    if tune and _on_meta(model):
-        raise ValueError(f"fit(tune=True) times real steps, and {type(model).__name__} is on the meta "
-                         "device; materialize the model or plan without tune")
-    if target is not None and target != "cpu" and not _on_meta(model):
-        raise ValueError(f"fit(target={target!r}) plans a model on the meta device for that "
-                         f"device; {type(model).__name__} has weights and is profiled where it is "
-                         "(move it to the device, or build it under torch.device('meta'))")
-    if tune and budget is None:
-        raise TypeError("fit(tune=True) measures plans against budget=: give budget")
-    if tune and device_memory is not None:
-        raise ValueError("fit(tune=True) with device_memory= is not supported yet: tuning "
-                         "measures activation plans against budget=; plan for the device "
-                         "without tune")
-    if tune and is_distributed():
-        raise ValueError("fit(tune=True) in a distributed job is not supported: each rank would "
-                         "time its own candidates and could choose another plan; fit without "
-                         "tune (one plan per job), or tune on one process and apply its plan "
-                         "file on every rank")
     refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
     refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
     previous = [(path, m, old_plan, _guard_settings(m)) for path, m in model.named_modules()
@@ -232,13 +214,22 @@ def fit(
                 if job is None and budget is None:
                     raise TypeError("fit needs budget= (a cap on the activation peak) or "
                                     "device_memory= (the device the whole job must fit)")
+                def solve(b: Any) -> Plan:
+                    return make_plan(prof, budget=b, solver=solver, job=job)
+
+                def first_plan() -> Plan:
+                    if compress is None:
+                        return solve(budget)
+                    from memfit.measuring.codec_cost import codec_costs_for
+                    from memfit.planning.compress_pass import choose
+                    return choose(prof, solve, budget, mode=compress, costs=codec_costs_for(compress))
+
                 try:
                     if in_flight is not None:  # a stage's own plan: no one plan per job
                         new_plan = plan_stage(prof, budget=budget or 0, in_flight=in_flight,
                                               solver=solver, extra_bytes=kept_bytes)
                     else:
-                        new_plan = plan_once(lambda: make_plan(prof, budget=budget, solver=solver, job=job),
-                                             src=src, group=group)  # NOTE [one plan per job]
+                        new_plan = plan_once(first_plan, src=src, group=group)  # NOTE [one plan per job]
                 except InfeasibleBudget as e:
                     if job is None or is_distributed() or step is not None:
                         raise

@@ -107,6 +107,10 @@ class VerifyReport:
         comparison: how tensors were compared: ``"bitwise"`` (CPU, or deterministic
             algorithms) or ``"within plain spread"`` (a ``Comparison`` value; NOTE [comparison
             modes] in ``memfit.measuring.comparison``).
+        gradient_rel_error: for a lossy plan (``Plan.lossy``; NOTE [what lossy means] in
+            ``memfit.planning.compression``), the largest ``|g - g_plain| / |g_plain|`` (2-norms)
+            over parameters; ``bitwise`` is then False and no tensor check is made. None for
+            other plans.
     """
 
     ok: bool
@@ -124,6 +128,7 @@ class VerifyReport:
     tracked_peak_bytes: int = 0
     compared: str = "twins"
     comparison: str = Comparison.BITWISE.value
+    gradient_rel_error: float | None = None
 
     @property
     def failures(self) -> tuple[Check, ...]:
@@ -277,18 +282,37 @@ def verify(
     checks = [Check("plan applies to the model", True,
                     f"{len(plan.regions)} region{'s' if len(plan.regions) != 1 else ''} ({plan.solver})")]
     tensor_checks, total, bn_ok = compare_steps(got, ref, mode, ref2)
+    rel = gradient_rel_error(got, ref) if plan.lossy else None
+    if rel is not None:  # a lossy plan: no bitwise claim, the gradients' error reported
+        tensor_checks = [Check("lossy plan: gradients' relative error reported, not compared", True,
+                               f"largest |g - g_plain| / |g_plain| over parameters {rel:.3g}")]
     checks += tensor_checks
     checks += _peak_checks_of(got, ref, plan, budget, peak_rtol, peak_atol_bytes)
     ok = all(c.passed for c in checks)
     report = VerifyReport(
-        ok=ok, bitwise=total.bitwise, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,
+        ok=ok, bitwise=total.bitwise and rel is None, max_abs_diff=total.max_abs, max_rel_diff=total.max_rel,
         peak_bytes=got.peak_bytes, plain_peak_bytes=ref.peak_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget, bn_stats_equal=bn_ok,
         checks=tuple(checks), device=str(device), solver=plan.solver,
         tracked_peak_bytes=got.tracked_peak_bytes, compared=compared, comparison=mode.value,
+        gradient_rel_error=rel,
     )
     log.info("%s", report)
     return report
+
+
+def gradient_rel_error(got: StepResult, ref: StepResult) -> float:
+    """The largest ``|g - g_ref| / |g_ref|`` (2-norms) over the parameters both steps gave a
+    gradient (a zero reference gradient: the absolute norm)."""
+    worst = 0.0
+    for name, g_ref in ref.param_grads.items():
+        g = got.param_grads.get(name)
+        if g is None or g_ref is None:
+            continue
+        diff = float((g.double() - g_ref.double()).norm())
+        scale = float(g_ref.double().norm())
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
 
 
 def _plan_of(model: nn.Module, plan: Plan | None) -> Plan:

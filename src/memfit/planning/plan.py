@@ -22,7 +22,8 @@ NOTE [plan schema]
     reads as 0, and so is ``"memory"`` (the job's breakdown, ``JobMemory``): absent, None.
     ``"extra_flops"`` (the FLOPs the recompute adds to one step) and ``"profile_device"`` (the
     device the plan's seconds are for) are optional as well: absent, None and ``""``
-    (``Plan.cost`` then reports no FLOPs and asks for ``target=``).
+    (``Plan.cost`` then reports no FLOPs and asks for ``target=``). ``"compressed"`` (the saved
+    tensors kept packed, ``memfit.planning.compression``) is optional: absent, ``()``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import SchemaError
+from memfit.planning.compression import Compressed, compressed_lines
 from memfit.planning.job import JobMemory
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ class OpPolicy(str, enum.Enum):
                              # memfit.ops.KEPT_DRAW_OPS, keep its draw (NOTE [kept draws])
     RECOMPUTE = "recompute"  # drop, rerun in backward (PREFER_RECOMPUTE); the default
     OFFLOAD = "offload"      # keep in host memory: copied out in forward, back for the replay
+    # keep packed by a codec (Plan.compressed, ops outside regions; inside a region: not yet)
+    COMPRESS = "compress"
 
 
 Decisions = Mapping[str, OpPolicy]
@@ -96,6 +100,9 @@ class Region:
             key, policy = item
             if not isinstance(policy, OpPolicy):
                 raise TypeError(f"Region.ops[{key!r}] is {policy!r}, not a memfit.OpPolicy")
+            if policy is OpPolicy.COMPRESS:
+                raise ValueError(f"Region.ops[{key!r}]: COMPRESS inside a checkpointed region is not "
+                                 "supported yet; Plan.compressed names ops outside regions")
             pairs.append((str(key), policy))
         keys = [k for k, _ in pairs]
         if len(set(keys)) != len(keys):
@@ -169,6 +176,13 @@ class Plan:
     # the device the plan's seconds are for: the profile's fake-mode target ("h100") or the
     # device it was measured on ("cpu", "cuda:0"); "" in plans made before the field
     profile_device: str = ""
+    # saved tensors of ops outside every region kept packed (memfit.planning.compression)
+    compressed: tuple[Compressed, ...] = ()
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a codec of the plan changes values (NOTE [what lossy means])."""
+        return any(not c.lossless for c in self.compressed)
 
     def cost(self, steps: int, gpus: int = 1, *, target: str | None = None,
              board_power_w: float | None = None, price_per_gpu_hour: float | None = None) -> RunCost:
@@ -242,6 +256,7 @@ class Plan:
             "memory": None if self.memory is None else self.memory.to_dict(),
             "extra_flops": self.extra_flops,
             "profile_device": self.profile_device,
+            "compressed": [c.to_dict() for c in self.compressed],
         }
 
     @classmethod
@@ -278,6 +293,7 @@ class Plan:
                 memory=None if data.get("memory") is None else JobMemory.from_dict(data["memory"]),
                 extra_flops=None if data.get("extra_flops") is None else int(data["extra_flops"]),
                 profile_device=str(data.get("profile_device", "")),
+                compressed=tuple(Compressed.from_dict(c) for c in data.get("compressed", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
@@ -357,6 +373,7 @@ class Plan:
         if draws:
             lines.append(f"  kept ops include {draws} dropout draw(s): the mask is kept, 1 byte per "
                          "element, and not drawn again in the replay")
+        lines.extend(compressed_lines(self.compressed))
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.tuning is not None:
             lines.extend(self.tuning.lines())

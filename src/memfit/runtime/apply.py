@@ -30,7 +30,7 @@ from memfit.runtime.wrap import unwrap, wrap
 from memfit.step import model_device
 from memfit.units import parse_bytes
 
-__all__ = ["apply", "unapply", "host_pool", "input_guard"]
+__all__ = ["apply", "unapply", "host_pool", "input_guard", "compressor"]
 
 
 @dataclass
@@ -44,6 +44,8 @@ class _Applied:
     guard: int | None = None  # id of the HF checkpointing guard (NOTE [checkpointed twice])
     inputs: Any = None  # the handle of the input guard (NOTE [inputs other than the profiled ones])
     input_guard: InputGuard | None = None  # the guard itself
+    compressor: Any = None  # the plan's Compressor (memfit.runtime.compress), None: none
+    compress_hooks: list[Any] = field(default_factory=list)  # its forward hook handles
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -231,6 +233,7 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
                          "cannot be re-planned or switched per input shape; plan it again")
     applied = _Applied()
     _wrap_regions(model, plan, targets, applied, check, cap)
+    _compress(model, plan, applied)
     applied.guard = install_guard(model)  # NOTE [checkpointed twice] in memfit.runtime.hf_guard
     if applied.host is not None:
         _say_offload_on_cpu(model, plan)
@@ -283,7 +286,35 @@ def _switch(model: nn.Module, plan: Plan, *, check: CheckArg, cap: int | None) -
     except (WrapError, ValueError):
         _wrap_regions(model, old, _check(model, old), applied, check, cap)
         raise
+    _compress(model, plan, applied)
     model.memfit_plan = plan  # type: ignore[assignment]
+
+
+def _compress(model: nn.Module, plan: Plan, applied: _Applied) -> None:
+    """Compress the saved tensors ``plan.compressed`` names while the model's forward runs
+    (NOTE [compression through saved-tensor hooks] in ``memfit.runtime.compress``)."""
+    for handle in applied.compress_hooks:
+        handle.remove()
+    applied.compress_hooks.clear()
+    applied.compressor = None
+    if not plan.compressed:
+        return
+    from memfit.runtime.compress import Compressor
+
+    comp = applied.compressor = Compressor((c.module, c.key, c.codec, c.output) for c in plan.compressed)
+    applied.compress_hooks = comp.install(model)
+
+
+def compressor(model: nn.Module) -> Any:
+    """The ``memfit.runtime.compress.Compressor`` of the plan applied to ``model`` (its
+    ``raw_bytes`` / ``packed_bytes`` so far); None: the plan compresses nothing, or no plan.
+
+    Example:
+        >>> compressor(torch.nn.Linear(2, 2)) is None   # doctest: +SKIP
+        True
+    """
+    applied = model.__dict__.get(APPLIED_ATTR)
+    return None if applied is None else applied.compressor
 
 
 def input_guard(model: nn.Module) -> InputGuard | None:
@@ -325,6 +356,9 @@ def _undo(model: nn.Module, applied: _Applied) -> None:
     remove_guard(model, applied.guard)
     if applied.inputs is not None:
         applied.inputs.remove()
+    for handle in applied.compress_hooks:
+        handle.remove()
+    applied.compress_hooks.clear()
     _undo_regions(model, applied)
 
 

@@ -1,0 +1,335 @@
+"""Which saved tensors outside a plan's regions to keep packed, and the peak that gives.
+
+NOTE [compression candidates]
+    Read from the profile alone (``StorageRecord.saves``: which forward op's node saved a
+    storage). Only forward ops of the model's own forward (the root module's ops, where
+    ``memfit.runtime.compress`` counts them) outside every region are named:
+
+    - ``sign_bit`` (SIGN): the result of ``relu`` when relu's own node is the only one that
+      saves it (NOTE [sign-only readers] in ``memfit.runtime.compress``); saved also by
+      another node (the next convolution's input) the bits would free nothing.
+    - ``two_level`` (EXACT): the mask ``div_`` writes right after ``bernoulli_`` on the same
+      storage (dropout on CPU): +0 or ``1/(1-p)``.
+    - ``narrow_int`` (EXACT): the int64 indices of ``max_pool*_with_indices`` (charged at the
+      int32 bound; the runtime packs them narrower where the values allow).
+    - ``bool_bits`` (EXACT): any saved bool output.
+    - with ``mode="lossy"`` also every other saved fp32 activation an op outside the regions
+      created (``lossy_codec``, default ``bf16``).
+
+NOTE [compressed peak]
+    A compressed storage is held whole from its creation to its last use in the forward,
+    with its packed form beside it from the save on (counted from creation); after its last
+    forward use only the packed form is held, until autograd releases the last save. Each
+    unpack in backward decodes a whole copy, held from the op that first reads that save to
+    the one after which its node lets it go. The planned timeline (``simulate``) is adjusted
+    by those differences, entry by entry; replay entries in backward count the packed form
+    while it is held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from memfit.planning.compression import (
+    DEFAULT_CODEC_COSTS,
+    CodecCosts,
+    Compressed,
+    codec_packed_bytes,
+)
+from memfit.planning.plan import Plan, Region
+from memfit.profiling.profile import Profile, StorageKind, StorageRecord
+
+__all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "codec_seconds"]
+
+CompressMode = Literal["lossless", "lossy"]
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+             "bool": 1, "uint8": 1, "int8": 1}
+_SIGN_READERS = ("aten.relu.default", "aten.relu_.default")  # memfit.runtime.compress.SIGN_READERS
+
+def codec_seconds(profile: Profile, chosen: Sequence[Candidate], costs: CodecCosts | None = None) -> float:
+    """Predicted seconds ``chosen`` adds to a step: per tensor, per byte, and the tagging mode
+    over each named module's ops (NOTE [compression through saved-tensor hooks])."""
+    costs = costs or DEFAULT_CODEC_COSTS
+    spans = {m.path: m.last_op - m.first_op + 1 for m in profile.modules
+             if m.first_op is not None and m.last_op is not None}
+    per = sum(costs.per_tensor_s + costs.per_byte_s.get(c.entry.codec, 0.0) * c.entry.raw_bytes
+              for c in chosen)
+    return per + costs.mode_per_op_s * sum(spans.get(m, 0) for m in {c.entry.module for c in chosen})
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A compressible saved storage: the plan entry and where it lives in the step."""
+
+    entry: Compressed
+    storage: int
+    created: int
+    last_forward_use: int
+    release: int | None  # the backward op after which autograd let its last save go
+    reads: tuple[tuple[int, int], ...] = ()  # per save: (first unpack, release) in backward
+
+
+def _in_regions(path: str, regions: Sequence[Region]) -> bool:
+    for r in regions:
+        for m in r.modules:
+            if m == "" or path == m or path.startswith(m + "."):
+                return True
+    return False
+
+
+def _release(profile: Profile, sid: int) -> int | None:
+    rec = profile.storage(sid)
+    ends = [s[2] for s in rec.saves]
+    if not ends or any(e is None for e in ends):
+        return rec.freed_after
+    return max(e for e in ends if e is not None)
+
+
+def candidates(profile: Profile, regions: Sequence[Region] = (), *, mode: CompressMode = "lossless",
+               lossy_codec: str = "bf16") -> list[Candidate]:
+    """The saved storages outside ``regions`` that ``mode`` may compress (NOTE [compression
+    candidates]), in op order.
+
+    Example:
+        >>> [c.entry.codec for c in candidates(profile)]   # doctest: +SKIP
+        ['two_level', 'sign_bit']
+    """
+    if mode not in ("lossless", "lossy"):
+        raise ValueError(f"compress mode must be 'lossless' or 'lossy', got {mode!r}")
+    root = next((m for m in profile.modules if m.path == ""), None)
+    if root is None or root.first_op is None or root.last_op is None:
+        return []
+    found = _scan(profile, root.first_op, root.last_op, regions, "lossless", lossy_codec, set())
+    if mode == "lossy":  # after the exact ones: a dropout mask is two_level, not bf16
+        # not a region's input: the checkpoint saves its inputs through the same hooks, and a
+        # replay from lossy inputs would differ from its forward (the divergence check raises)
+        skip = {c.storage for c in found} | _region_inputs(profile, regions)
+        found += _scan(profile, root.first_op, root.last_op, regions, "lossy", lossy_codec, skip)
+    return sorted(found, key=lambda c: c.created)
+
+
+def _region_inputs(profile: Profile, regions: Sequence[Region]) -> set[int]:
+    """Storages a region's ops read that were made before the region began."""
+    spans = {m.path: (m.first_op, m.last_op) for m in profile.modules}
+    out: set[int] = set()
+    for r in regions:
+        bounds = [spans.get(m, (None, None)) for m in r.modules]
+        firsts = [b[0] for b in bounds if b[0] is not None]
+        lasts = [b[1] for b in bounds if b[1] is not None]
+        if not firsts or not lasts:
+            continue
+        lo, hi = min(firsts), max(lasts)
+        for op in profile.ops[lo: hi + 1]:
+            for sid in op.inputs:
+                made = profile.storage(sid).created_by
+                if made is None or made < lo:
+                    out.add(sid)
+    return out
+
+
+def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mode: CompressMode,
+          lossy_codec: str, seen: set[int]) -> list[Candidate]:
+    starts = {m.path: m.first_op for m in profile.modules if m.first_op is not None}
+    out: list[Candidate] = []
+    for op in profile.ops[first: last + 1]:
+        if _in_regions(op.module, regions) or op.module not in starts:
+            continue
+        # the key counts within the op's module's call (NOTE [compression through saved-tensor
+        # hooks] in memfit.runtime.compress)
+        k = sum(1 for o in profile.ops[starts[op.module]: op.index] if o.name == op.name)
+        for index, meta in enumerate(op.outputs):
+            rec = profile.storage(meta.storage)
+            itemsize = _ITEMSIZE.get(meta.dtype)
+            if (not rec.saved or rec.kind is not StorageKind.ACTIVATION or rec.id in seen
+                    or itemsize is None):
+                continue
+            numel = 1
+            for d in meta.shape:
+                numel *= d
+            if numel == 0 or numel * itemsize != rec.nbytes:
+                continue  # a view of part of a storage: packing it frees nothing
+            codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec)
+            if codec is None:
+                continue
+            seen.add(rec.id)
+            entry = Compressed(f"{op.name}#{k}", codec, op.module, rec.nbytes,
+                               codec_packed_bytes(codec, numel, itemsize), index)
+            used = rec.last_forward_use if rec.last_forward_use is not None else op.index
+            reads = tuple((u, r if r is not None else u) for _, u, r in rec.saves if u is not None)
+            out.append(Candidate(entry, rec.id, op.index, max(used, op.index),
+                                 _release(profile, rec.id), reads))
+    return out
+
+
+def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec: StorageRecord,
+               mode: CompressMode, lossy_codec: str) -> str | None:
+    saves, created_by = rec.saves, rec.created_by
+    if name in _SIGN_READERS:
+        # relu's own node alone saves it (NOTE [sign-only readers]): one save, made right
+        # after relu ran (a second save in the same module would also be counted at relu)
+        if len(saves) == 1 and saves[0][0] == i:
+            return "sign_bit"
+        if mode != "lossy":
+            return None  # read by value elsewhere; the lossy pass may still take it
+    if name == "aten.div_.Scalar" and i > 0 and profile.ops[i - 1].name.startswith("aten.bernoulli_"):
+        prev = profile.ops[i - 1].outputs
+        if prev and prev[0].storage == rec.id:
+            return "two_level"
+    if name.startswith("aten.max_pool") and name.split(".")[1].endswith("with_indices") and index == 1:
+        return "narrow_int"
+    if dtype == "bool":
+        return "bool_bits"
+    if mode == "lossy" and dtype == "float32" and created_by == i and index == 0:
+        return lossy_codec
+    return None
+
+
+def compressed_peak(profile: Profile, live_bytes: Sequence[int], positions: Sequence[int],
+                    chosen: Iterable[Candidate]) -> int:
+    """The peak of a planned timeline (``Simulation.live_bytes``/``positions``) with
+    ``chosen`` compressed (NOTE [compressed peak])."""
+    chosen = list(chosen)
+    released = [False] * len(chosen)
+    backward = False
+    peak = 0
+    for live, p in zip(live_bytes, positions, strict=True):
+        if p >= profile.n_forward:
+            backward = True
+        delta = 0
+        for j, c in enumerate(chosen):
+            e = c.entry
+            if not backward:
+                if c.created <= p <= c.last_forward_use:
+                    delta += e.packed_bytes
+                elif p > c.last_forward_use:
+                    delta -= e.raw_bytes - e.packed_bytes
+            else:
+                if not released[j]:
+                    delta -= e.raw_bytes - e.packed_bytes
+                    if c.release is not None and p >= profile.n_forward and p >= c.release:
+                        released[j] = True
+                # each unpack decodes a copy, held while its node runs
+                delta += sum(e.raw_bytes for u, r in c.reads if u <= p <= r)
+        peak = max(peak, live + delta)
+    return peak
+
+
+EXHAUSTIVE_UP_TO = 10  # candidates: every subset tried up to this many, greedy above
+
+
+def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "lossless",
+                     lossy_codec: str = "bf16", costs: CodecCosts | None = None,
+                     budget_bytes: int | None = None) -> Plan:
+    """``plan`` with candidates outside its regions compressed: its predicted peak from NOTE
+    [compressed peak], its ``recompute_s`` plus the codecs' seconds.
+
+    Args:
+        budget_bytes: compress the subset of least codec time whose peak fits it (every
+            subset for up to ``EXHAUSTIVE_UP_TO`` candidates, else greedily by bytes freed per
+            codec second); none fitting, or None (default): every candidate.
+
+    Example:
+        >>> print(with_compression(profile, plan))   # doctest: +SKIP
+    """
+    from memfit.planning.simulate import simulate
+
+    found = candidates(profile, plan.regions, mode=mode, lossy_codec=lossy_codec)
+    if not found:
+        return plan
+    sim = simulate(profile, plan)
+    def cost(cs: Sequence[Candidate]) -> float:
+        return codec_seconds(profile, cs, costs)
+
+    def peak(cs: Sequence[Candidate]) -> int:
+        return compressed_peak(profile, sim.live_bytes, sim.positions, cs)
+
+    chosen = found
+    if budget_bytes is not None and peak(found) <= budget_bytes:
+        if len(found) <= EXHAUSTIVE_UP_TO:
+            subsets = ([c for j, c in enumerate(found) if mask >> j & 1] for mask in range(1 << len(found)))
+            fitting = (s for s in subsets if peak(s) <= budget_bytes)
+            chosen = min(fitting, key=lambda s: (cost(s), peak(s)))
+        else:
+            order = sorted(found, key=lambda c: -(c.entry.raw_bytes - c.entry.packed_bytes) / max(cost([c]), 1e-12))
+            chosen = []
+            for c in order:
+                if sim.peak_bytes <= budget_bytes or (chosen and peak(chosen) <= budget_bytes):
+                    break
+                chosen.append(c)
+        chosen = sorted(chosen, key=lambda c: c.created)
+    if not chosen:
+        return plan
+    codec_s = cost(chosen)
+    kind = "lossy" if any(not c.entry.lossless for c in chosen) else "lossless"
+    note = (f"{len(chosen)} saved tensor(s) compressed ({kind}), +{codec_s * 1e3:.2f} ms of codecs "
+            "counted in the recompute time")
+    return dataclasses.replace(plan, compressed=tuple(c.entry for c in chosen), predicted_peak_bytes=peak(chosen),
+                               recompute_s=plan.recompute_s + codec_s, notes=(*plan.notes, note))
+
+
+def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
+           budget: int | float | str | None, *, mode: str = "lossless",
+           lossy_codec: str = "bf16", costs: CodecCosts | None = None) -> Plan:
+    """The fastest plan under ``budget`` among recompute-only and compressed ones.
+
+    NOTE [compress or recompute]
+        Compression frees bytes outside the regions at a codec's cost; recompute frees bytes
+        inside them at the ops' cost. The choice: the recompute-only plan at the budget; the
+        plain step with every candidate compressed; and, for looser region budgets (the
+        budget plus 100/75/50/25% of what compression frees on the plain step), the solver's
+        plan there with the candidates outside its regions compressed, kept if its peak fits
+        the budget. The least predicted time wins (recompute + codec seconds; ties: the
+        lower peak). ``solve`` is the solver (budget -> Plan); it raises ``InfeasibleBudget``.
+
+    Raises:
+        InfeasibleBudget: no option fits (the recompute-only plan's error).
+        ValueError: a mode other than ``"lossless"`` and ``"lossy"``.
+    """
+    from memfit.errors import InfeasibleBudget
+
+    if mode not in ("lossless", "lossy"):
+        raise ValueError(f"compress must be None, 'lossless' or 'lossy', got {mode!r}")
+    kind: CompressMode = "lossy" if mode == "lossy" else "lossless"
+
+    def compress(p: Plan) -> Plan:
+        return with_compression(profile, p, mode=kind, lossy_codec=lossy_codec,
+                                costs=costs, budget_bytes=cap)
+
+    error: InfeasibleBudget | None = None
+    cap: int | None = None
+    options: list[Plan] = []
+    base: Plan | None = None
+    try:
+        base = solve(budget)
+        cap = base.budget_bytes
+        options += [base, compress(base)]
+    except InfeasibleBudget as e:
+        error, cap = e, e.budget_bytes
+    if cap is None:
+        return options[0]
+    plain = Plan((), profile.peak_bytes, 0.0, cap, "compress", profile.signature,
+                 plain_peak_bytes=profile.peak_bytes, plain_step_s=profile.step_time_s,
+                 model=profile.model, input_signature=profile.input_signature,
+                 profile_device=base.profile_device if base is not None else profile.device)
+    whole = compress(plain)
+    options.append(whole)
+    freed = profile.peak_bytes - whole.predicted_peak_bytes
+    for f in (1.0, 0.75, 0.5, 0.25):
+        looser = cap + int(f * freed)
+        if freed <= 0 or looser >= profile.peak_bytes:
+            continue
+        try:
+            options.append(compress(solve(looser)))
+        except InfeasibleBudget:
+            continue
+    fits = [p for p in options if p.predicted_peak_bytes <= cap]
+    if not fits:
+        if error is not None:
+            raise error
+        return options[0]
+    best = min(fits, key=lambda p: (p.recompute_s, p.predicted_peak_bytes))
+    return dataclasses.replace(best, budget_bytes=cap)

@@ -1,0 +1,166 @@
+"""memfit.planning.compress_pass: candidates read from a profile, the compressed peak, the
+choice of what to compress, and fit(compress=) end to end (verify: bitwise / relative error)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.planning.compress_pass import (
+    candidates,
+    codec_seconds,
+    compressed_peak,
+    with_compression,
+)
+from memfit.planning.plan import Plan
+from memfit.planning.simulate import simulate
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Dropout(0.5), nn.Linear(36, 8), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Linear(8, 2))
+
+
+def _gpt() -> nn.Module:
+    return zoo.gpt(n_layer=2, d_model=64, n_head=4, vocab_size=64, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def gpt_case() -> tuple[nn.Module, torch.Tensor, memfit.Profile]:
+    model = _gpt()
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    return model, ids, memfit.profile(model, ids)
+
+
+def _plain(profile: memfit.Profile) -> Plan:
+    return Plan((), profile.peak_bytes, 0.0, None, "none", profile.signature,
+                plain_peak_bytes=profile.peak_bytes)
+
+
+def test_cnn_candidates() -> None:
+    p = memfit.profile(_cnn(), torch.randn(2, 2, 8, 8))
+    got = [(c.entry.key, c.entry.codec, c.entry.raw_bytes, c.entry.packed_bytes, c.entry.output)
+           for c in candidates(p)]
+    assert [c.entry.module for c in candidates(p)] == ["2", "4", "6", "7"]
+    # relu#0's result is also max-pool's saved input: not a candidate (NOTE [sign-only readers])
+    assert got == [
+        ("aten.max_pool2d_with_indices.default#0", "narrow_int", 576, 288, 1),
+        ("aten.div_.Scalar#0", "two_level", 288, 13, 0),
+        ("aten.relu.default#0", "sign_bit", 64, 2, 0),
+        ("aten.div_.Scalar#0", "two_level", 64, 6, 0),
+    ]
+
+
+def test_gpt_lossless_candidates(gpt_case) -> None:
+    _, _, p = gpt_case
+    got = [(c.entry.codec, c.entry.raw_bytes, c.entry.packed_bytes) for c in candidates(p)]
+    # B=4, T=32, C=64, 4 heads: the embedding dropout's mask (4,32,64) fp32, and per block
+    # the causal mask (bool, 32x32), attention-probs mask (4,4,32,32), two residual masks;
+    # a mask of n fp32 elements packs to n / 8 bytes of bits and the 4-byte value
+    block = [("bool_bits", 1024, 128), ("two_level", 65536, 2048 + 4),
+             ("two_level", 32768, 1024 + 4), ("two_level", 32768, 1024 + 4)]
+    assert got == [("two_level", 32768, 1024 + 4), *block, *block]
+
+
+def test_choice_is_the_brute_force_optimum(gpt_case) -> None:
+    _, _, p = gpt_case
+    plain = _plain(p)
+    found = candidates(p)
+    sim = simulate(p, plain)
+    least = compressed_peak(p, sim.live_bytes, sim.positions, found)
+    budget = (least + p.peak_bytes) // 2
+    best = None
+    for mask in range(1 << len(found)):  # every subset: the cheapest whose peak fits
+        subset = [c for j, c in enumerate(found) if mask >> j & 1]
+        if compressed_peak(p, sim.live_bytes, sim.positions, subset) <= budget:
+            s = codec_seconds(p, subset)
+            best = s if best is None else min(best, s)
+    got = with_compression(p, plain, budget_bytes=budget)
+    assert got.predicted_peak_bytes <= budget
+    assert got.recompute_s == pytest.approx(best, rel=1e-12)
+
+
+def test_lossless_plan_is_bitwise_with_a_lower_peak(gpt_case) -> None:
+    model, ids, p = gpt_case
+    base = memfit.plan(p, budget="90%")  # recompute only
+    plan = with_compression(p, base)  # and every lossless candidate outside its regions
+    assert plan.compressed and not plan.lossy
+    assert plan.predicted_peak_bytes < base.predicted_peak_bytes
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), ids)
+    base_report = memfit.verify(memfit.apply(copy.deepcopy(model), base), ids)
+    assert report.ok and report.bitwise and report.gradient_rel_error is None
+    assert report.peak_bytes < base_report.peak_bytes
+    assert Plan.from_dict(plan.to_dict()).compressed == plan.compressed
+    assert "lossless: the step stays bitwise equal" in str(plan)
+
+
+def test_lossless_fit_stays_bitwise(gpt_case) -> None:
+    # whether the planner compresses depends on measured times (NOTE [compress or recompute])
+    model, ids, _ = gpt_case
+    planned = memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="lossless")
+    assert not planned.memfit_plan.lossy
+    report = memfit.verify(planned, ids)
+    assert report.ok and report.bitwise
+
+
+def test_lossy_plan_reports_the_gradients_error(gpt_case) -> None:
+    model, ids, p = gpt_case
+    plan = with_compression(p, _plain(p), mode="lossy")  # every candidate, bf16 among them
+    assert plan.lossy and any(c.codec == "bf16" for c in plan.compressed)
+    planned = memfit.apply(copy.deepcopy(model), plan)
+    report = memfit.verify(planned, ids)
+    assert report.ok and not report.bitwise
+    # bf16 keeps 8 significant bits (2^-8 relative per element); through two blocks the
+    # gradients measured 1.3e-3 relative; stated bound 2^-7
+    assert report.gradient_rel_error is not None and 0 < report.gradient_rel_error <= 2.0**-7
+    assert "LOSSY" in str(plan)
+
+
+def test_lossy_fit_says_whether_it_compressed(gpt_case) -> None:
+    # the planner may prefer recompute (NOTE [compress or recompute]); verify follows the plan
+    model, ids, _ = gpt_case
+    planned = memfit.fit(copy.deepcopy(model), ids, budget="70%", compress="lossy")
+    report = memfit.verify(planned, ids)
+    assert report.ok and report.bitwise is not planned.memfit_plan.lossy
+
+
+def test_bad_mode(gpt_case) -> None:
+    model, ids, _ = gpt_case
+    with pytest.raises(ValueError, match="compress must be"):
+        memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="zip")
+    with pytest.raises(ValueError, match="compress mode"):
+        candidates(gpt_case[2], mode="zip")  # type: ignore[arg-type]
+
+
+def test_plan_json_and_regions() -> None:
+    from memfit.planning.compression import Compressed
+    from memfit.planning.plan import OpPolicy, Region
+
+    plan = Plan((), 10, 0.0, None, "hand", "", compressed=(
+        Compressed("aten.div_.Scalar#0", "two_level", "drop", 32768, 1028),
+        Compressed("aten.mul.Tensor#0", "bf16", "fc", 400, 200)))
+    data = plan.to_dict()
+    assert data["compressed"][1] == {"key": "aten.mul.Tensor#0", "codec": "bf16", "module": "fc",
+                                     "raw_bytes": 400, "packed_bytes": 200, "output": 0}
+    assert Plan.from_dict(data) == plan and plan.lossy
+    del data["compressed"]  # a plan written before the field
+    assert Plan.from_dict(data).compressed == ()
+    with pytest.raises(ValueError, match="COMPRESS inside a checkpointed region"):
+        Region(("fc",), {"aten.mm.default#0": OpPolicy.COMPRESS})
+
+
+def test_measured_codec_costs_cover_the_codecs() -> None:
+    from memfit.measuring.codec_cost import codec_costs_for
+    from memfit.planning.compression import LOSSLESS_CODECS
+
+    costs = codec_costs_for("lossless")
+    assert set(LOSSLESS_CODECS) <= set(costs.per_byte_s)
+    assert all(v >= 0 for v in costs.per_byte_s.values())
+    assert costs.per_tensor_s >= 0 and costs.mode_per_op_s >= 0
