@@ -192,6 +192,12 @@ def _forward_pre_hooks() -> None:
     assert [h.__name__ for h in hooks.values()] == ["plain", "with_kwargs"]
 
 
+def _forward_pre_hook_takes_kwargs() -> None:
+    lin, _, first, second = _hooked()
+    assert not T.forward_pre_hook_takes_kwargs(lin, first.id)
+    assert T.forward_pre_hook_takes_kwargs(lin, second.id)
+
+
 def _remove_forward_pre_hook() -> None:
     lin, calls, first, second = _hooked()
     T.remove_forward_pre_hook(lin, second.id)  # a with_kwargs hook: both records go
@@ -513,6 +519,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "module_parameters": _module_parameters,
     "module_buffers": _module_buffers,
     "forward_pre_hooks": _forward_pre_hooks,
+    "forward_pre_hook_takes_kwargs": _forward_pre_hook_takes_kwargs,
     "remove_forward_pre_hook": _remove_forward_pre_hook,
     "set_display_name": _set_display_name,
     "clear_display_name": _clear_display_name,
