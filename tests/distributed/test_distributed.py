@@ -8,15 +8,12 @@ run several at once) and asserts on the JSON every rank writes. Model: the tiny 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launcher import launch
 
 pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -24,28 +21,7 @@ pytestmark = pytest.mark.processes  # 2 ranks, each a process
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "src"
 RANKS = 2
-TIMEOUT_S = 300  # the launch itself takes 10-40 s here (imports, 2 ranks on 2 shared cores)
-
-
-def launch(script: str, *args: str, tmp_path: Path) -> list[dict[str, Any]]:
-    """Run ``script`` on ``RANKS`` ranks; every rank's JSON result, in rank order."""
-    env = {**os.environ, "MEMFIT_DIST_OUT": str(tmp_path), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-           "--standalone", str(HERE / script), *args]
-    try:
-        done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} {' '.join(args)} hung for {TIMEOUT_S} s:\n{(e.stderr or '')[-4000:]}")
-    assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stderr[-6000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
-
-
 def assert_one_plan(results: list[dict[str, Any]]) -> None:
     """Every rank saw every rank's ``Plan.to_dict()`` equal to its own, and planned something."""
     for r, res in enumerate(results):

@@ -9,14 +9,11 @@ machine's 2 cores take minutes).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launcher import launch as run_ranks
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.processes  # 2 ranks, each a process
@@ -24,29 +21,16 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 pytest.importorskip("torch.distributed.pipelining")
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parents[1] / "src"
 RANKS = 2
 N_MICROBATCHES = 4
-TIMEOUT_S = 300  # a launch takes about 20 s here (2 ranks on 2 shared cores)
 PEAK_TOLERANCE = 0.03  # NOTE [peak tolerance]: the allocator's peak vs the budget, prediction
 
 
 def launch(schedule: str, tmp_path: Path, script: str = "pipeline_ranks.py") -> list[dict[str, Any]]:
     """``script`` (``pipeline_ranks.py SCHEDULE N``) on ``RANKS`` ranks; every rank's JSON
     result, in rank order."""
-    env = {**os.environ, "MEMFIT_DIST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-           "--standalone", str(HERE / script),
-           *([schedule, str(N_MICROBATCHES)] if schedule else [])]
-    try:
-        done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} {schedule} hung for {TIMEOUT_S} s:\n{(e.stderr or '')[-4000:]}")
-    assert done.returncode == 0, f"{script} {schedule} failed:\n{done.stderr[-6000:]}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    return run_ranks(script, *([schedule, str(N_MICROBATCHES)] if schedule else []),
+                     tmp_path=tmp_path, ranks=RANKS)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
