@@ -73,5 +73,5 @@ def _opened(ctx: PlanningContext, ch: Chain, by_parent: dict[str, Chain]) -> Cha
         ids = arrs.created_in(a0, a1 - 1)
         if ids.size and int(arrs.lfu[ids].max()) > b1:
             return None
-    return Chain(f"{ch.parent}+", tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-                 tuple(p[2] for p in parts))
+    return Chain(f"{ch.parent or '<root>'} (stages opened)", tuple(p[0] for p in parts),
+                 tuple(p[1] for p in parts), tuple(p[2] for p in parts))
