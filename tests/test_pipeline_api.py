@@ -15,6 +15,7 @@ from memfit.pipeline import (
     format_stages,
     in_flight,
     in_flight_of,
+    kept_by_sends,
     pipeline_step_s,
     stage_report,
 )
@@ -42,6 +43,16 @@ def test_counts_of_1f1b_and_gpipe_orders_match_the_formulas(p, n):
         assert count_in_flight(one_f_one_b(s, p, n)) == {s: in_flight_of("1f1b", s, p, n)}
         gpipe = [f"{s}F{i}" for i in range(n)] + [f"{s}B{i}" for i in range(n)]
         assert count_in_flight(gpipe) == {s: in_flight_of("ScheduleGPipe", s, p, n) == n and n}
+
+
+@pytest.mark.parametrize(("stage", "n", "kept"), [
+    (0, 8, 64), (0, 6, 64), (0, 5, 0), (0, 4, 0),      # 4 stages: output kept from n = p - i + 2
+    (1, 5, 64 + 32), (1, 4, 32), (2, 4, 64 + 32), (3, 4, 32), (3, 1, 32),
+])
+def test_1f1b_sends_keep_an_output_from_two_steady_forwards_and_an_input_gradient(stage, n, kept):
+    # measured on 4 gloo stages (tests/distributed/test_pipeline.py): outputs 64 B, grads 32 B
+    assert kept_by_sends("1f1b", stage, 4, output_bytes=64, input_grad_bytes=32, n_microbatches=n) == kept
+    assert kept_by_sends("gpipe", stage, 4, output_bytes=64, input_grad_bytes=32, n_microbatches=n) == 0
 
 
 def test_split_backward_frees_at_the_weight_half_and_comms_are_ignored():

@@ -110,20 +110,27 @@ def in_flight_of(schedule: str, stage_index: int, n_stages: int, n_microbatches:
 
 
 def kept_by_sends(schedule: Any, stage_index: int, n_stages: int, *, output_bytes: int,
-                  input_grad_bytes: int) -> int:
+                  input_grad_bytes: int, n_microbatches: int | None = None) -> int:
     """Bytes ``schedule`` keeps on a stage besides its held micro-batches (NOTE [pipeline
     stage memory model] in ``memfit.planning.stages``, rule 3): under ``Schedule1F1B`` one
     micro-batch's output (``output_bytes``, on every stage but the last) and one input
     gradient (``input_grad_bytes``, on every stage but the first); 0 under other schedules.
+    Given ``n_microbatches``, the output only where the stage runs at least two steady-state
+    forwards (``n >= p - i + 2``): measured on 4 stages, stage 0 at 4 and 5 micro-batches and
+    stage 1 at 4 peak one output lower, at 8 (and stage 1 at 5) with it.
 
     Example:
         >>> kept_by_sends("1f1b", 1, 4, output_bytes=64, input_grad_bytes=64)
         128
+        >>> kept_by_sends("1f1b", 0, 4, output_bytes=64, input_grad_bytes=64, n_microbatches=5)
+        0
     """
     name = schedule if isinstance(schedule, str) else type(schedule).__name__
     if name.lower().replace("schedule", "") != "1f1b":
         return 0
-    return (output_bytes if stage_index < n_stages - 1 else 0) + (input_grad_bytes if stage_index > 0 else 0)
+    sends_output = stage_index < n_stages - 1 and (
+        n_microbatches is None or n_microbatches >= n_stages - stage_index + 2)
+    return (output_bytes if sends_output else 0) + (input_grad_bytes if stage_index > 0 else 0)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def main() -> None:
     prof = memfit.profile(mod, (mb_x,), loss_fn=loss_fn)
     candidates = stage_candidates(prof)
     boundary = args.mb * args.seq * args.d_model * 4  # one micro-batch's hidden state, float32
-    kept = kept_by_sends(schedule, rank, p, output_bytes=boundary, input_grad_bytes=boundary)
+    kept = kept_by_sends(schedule, rank, p, output_bytes=boundary, input_grad_bytes=boundary,
+                         n_microbatches=n)
     static = 2 * sum(q.numel() * q.element_size() for q in mod.parameters())  # weights + grads
     plain_pred = stage_peak(prof, candidates[0], k, extra_bytes=kept).peak_bytes
     tight = min(stage_peak(prof, c, max(ks), extra_bytes=kept).peak_bytes for c in candidates)

@@ -41,18 +41,17 @@ def test_stage_plans_fit_their_budgets_and_train_bitwise(schedule: str, tmp_path
     check_stages(results, schedule, expected, kept=[65536, 65536] if schedule == "1f1b" else [0, 0])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_four_stages_each_planned_for_what_it_holds(schedule: str, tmp_path: Path) -> None:
-    # 4 processes, one block a stage, 8 micro-batches: under 1F1B stage i holds 4 - i, and the
-    # end stages' sends keep one boundary tensor (2 x 128 x 64 fp32 = 64 KiB), the middle ones
-    # two; under GPipe every stage holds all 8. (With 4 micro-batches 1F1B's stage 0 has no
-    # steady phase and keeps no output: its plain peak came 65,524 B under the prediction,
-    # which counts one.)
-    results = launch(schedule, tmp_path, ranks=4, n_microbatches=8)
+@pytest.mark.parametrize(("schedule", "n"), [("gpipe", 8), ("1f1b", 8), ("1f1b", 5)])
+def test_four_stages_each_planned_for_what_it_holds(schedule: str, n: int, tmp_path: Path) -> None:
+    # 4 processes, one block a stage: under 1F1B stage i holds 4 - i, and the end stages'
+    # sends keep one boundary tensor (2 x 128 x 64 fp32 = 64 KiB), the middle ones two; with 5
+    # micro-batches stage 0 runs one steady-state forward and keeps no output
+    # (memfit.pipeline.kept_by_sends); under GPipe every stage holds all n
+    results = launch(schedule, tmp_path, ranks=4, n_microbatches=n)
     if schedule == "gpipe":
-        check_stages(results, schedule, [8, 8, 8, 8], kept=[0, 0, 0, 0])
+        check_stages(results, schedule, [n] * 4, kept=[0, 0, 0, 0])
         return
-    check_stages(results, schedule, [4, 3, 2, 1], kept=[65536, 131072, 131072, 65536])
+    check_stages(results, schedule, [4, 3, 2, 1], kept=[65536 if n >= 6 else 0, 131072, 131072, 65536])
     per = results[0]["reports"]["per_stage"]
     uni = results[0]["reports"]["uniform"]
     assert sum(r["recompute_s"] for r in per) < sum(r["recompute_s"] for r in uni)
@@ -81,7 +80,12 @@ def check_stages(results: list[dict[str, Any]], schedule: str, expected: list[in
             assert got["unequal"] == [] and res["n_grads"] > 0, f"{how}: grads differ: {got['unequal']}"
             assert got["measured_peak_bytes"] <= (1 + PEAK_TOLERANCE) * res["budget_bytes"], (how, res)
             assert got["predicted_peak_bytes"] <= res["budget_bytes"]
-            assert abs(got["measured_peak_bytes"] - got["predicted_peak_bytes"]) <= PEAK_TOLERANCE * got["predicted_peak_bytes"], (how, res)
+            # at most the prediction (+3%); below it by at most what the sends keep (+3%): a
+            # planned 1F1B stage, under load, has peaked a send's tensor lower (its send had
+            # completed and been dropped by then)
+            tol = PEAK_TOLERANCE * got["predicted_peak_bytes"]
+            assert got["measured_peak_bytes"] <= got["predicted_peak_bytes"] + tol, (how, res)
+            assert got["measured_peak_bytes"] >= got["predicted_peak_bytes"] - res["kept_bytes"] - tol, (how, res)
     # one device memory on every stage; a stage holding fewer micro-batches than the most
     # never recomputes more than the uniform recipe, so the pipeline's step (its slowest
     # stage, predicted) is never slower, and faster when the counts differ
