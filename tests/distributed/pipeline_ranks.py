@@ -84,18 +84,21 @@ def main() -> None:
     for name in ("forward_one_chunk", "backward_one_chunk"):
         _time_calls(stage, name, spent)
 
-    def step() -> None:
-        torch.manual_seed(0)  # the same dropout masks in every step
-        for q in mod.parameters():
-            assert q.grad is not None
-            q.grad.zero_()  # static: the grads exist before the step (NOTE [pipeline stage memory model])
-        stage.clear_runtime_states()  # the last step's outputs and input grads, before metering
+    def run_schedule() -> None:
         if rank == 0:
             schedule.step(x, return_outputs=False)
         elif rank == p - 1:
             schedule.step(target=y, losses=[], return_outputs=False)
         else:
             schedule.step(return_outputs=False)
+
+    def step() -> None:
+        torch.manual_seed(0)  # the same dropout masks in every step
+        for q in mod.parameters():
+            assert q.grad is not None
+            q.grad.zero_()  # static: the grads exist before the step (NOTE [pipeline stage memory model])
+        stage.clear_runtime_states()  # the last step's outputs and input grads, before metering
+        run_schedule()
 
     def metered() -> tuple[int, int, dict[str, torch.Tensor]]:
         step()  # warm (the plan's first step)
@@ -107,12 +110,7 @@ def main() -> None:
     # the plain schedule: its first step builds the stage's buffers and the grads (and
     # may run the stage once more for its shapes), so the count is of the second step
     torch.manual_seed(0)
-    if rank == 0:
-        schedule.step(x, return_outputs=False)
-    elif rank == p - 1:
-        schedule.step(target=y, losses=[], return_outputs=False)
-    else:
-        schedule.step(return_outputs=False)
+    run_schedule()
     counted = _count_in_flight(mod)
     step()
     k_counted = counted()
