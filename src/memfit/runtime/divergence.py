@@ -46,7 +46,12 @@ NOTE [value check]
        fingerprinted; other outputs (subclasses, sparse, meta, complex128) are compared by
        op, shape and dtype only. So are the outputs of ops that allocate without writing
        (``empty``, ``empty_like``, ``new_empty``...): their bits are whatever the allocator
-       held; the ops that fill them are fingerprinted.
+       held; the ops that fill them are fingerprinted. Views of such a storage are not
+       fingerprinted until an op writes into it (a slice of an ``empty`` buffer that a
+       ``cat(out=)`` fills next: ZeRO-3's parameter gathers). Nor are the outputs of
+       collectives (``c10d.*``) or views of them: an async collective writes after it
+       returns; the ops that read its result compute from the gathered values and are
+       fingerprinted.
     6. Every op output is fingerprinted, on the differentiable path or not: a value the
        region makes without grad can still reach backward as a saved tensor
        (``x * torch.tensor(random.uniform(...))`` saves the re-drawn scalar, and torch's early
@@ -243,6 +248,8 @@ class OpRecorder(TorchDispatchMode):
         # Fingerprints of op outputs, and where each comes from: (op index, output index).
         self.prints: list[int | torch.Tensor] = []
         self.where: list[tuple[int, int]] = []
+        # Storages allocated without a write or owned by a collective (NOTE [value check], 5).
+        self.blank: set[int] = set()
         # Number of leading recorded ops the recomputation must reproduce (None: all).
         self.replayed_prefix: int | None = None
         # > 0 while a recomputation of this region runs inside its own forward: a backward
@@ -270,7 +277,8 @@ class OpRecorder(TorchDispatchMode):
         if self.record:
             self.ops.append((func, _meta(out)))
             if self.values:
-                _take_prints(func, out, len(self.ops) - 1, self.prints, self.where)
+                _take_prints(func, out, len(self.ops) - 1, self.prints, self.where,
+                             self.blank)
 
 
 class OpChecker(TorchDispatchMode):
@@ -285,10 +293,11 @@ class OpChecker(TorchDispatchMode):
         self.position = 0
         self.prints: list[int | torch.Tensor] = []
         self._where: list[tuple[int, int]] = []
+        self.blank: set[int] = set()
 
     def __enter__(self):
         self.position = 0
-        self.prints, self._where = [], []
+        self.prints, self._where, self.blank = [], [], set()
         return super().__enter__()
 
     def _expected_len(self) -> int:
@@ -317,7 +326,7 @@ class OpChecker(TorchDispatchMode):
         if got != expected[1]:
             self._fail(i, expected, (func, got))
         if self.recorder.values:
-            _take_prints(func, out, i, self.prints, self._where)
+            _take_prints(func, out, i, self.prints, self._where, self.blank)
         return out
 
     def __exit__(self, exc_type, exc, tb):

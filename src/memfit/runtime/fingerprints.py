@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memfit._torch import no_python_dispatch, op_schema
+from memfit.ops import is_view
 
 __all__ = ["SAMPLE", "fingerprint"]
 
@@ -94,23 +95,61 @@ def _unwritten(func: Any) -> bool:
     return found
 
 
-def _take_prints(func: Any, out: Any, op_index: int, prints: list, where: list) -> None:
-    if _unwritten(func):
-        return
+def _storage_key(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (0 for an empty one: never tracked)."""
+    with no_python_dispatch():
+        return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else 0
+
+
+def _collective(func: Any) -> bool:
+    """True for ``c10d`` ops: a collective may write its outputs after it returns (an async
+    work, gloo's included), so what they hold at dispatch is not yet their value."""
+    found = _COLLECTIVE.get(func)
+    if found is None:
+        found = _COLLECTIVE[func] = str(func).startswith("c10d.")
+    return found
+
+
+_COLLECTIVE: dict[Any, bool] = {}
+
+
+def _take_prints(func: Any, out: Any, op_index: int, prints: list, where: list,
+                 blank: set[int] | None = None) -> None:
+    """Fingerprint ``func``'s outputs into ``prints`` / ``where`` (NOTE [value check]).
+
+    ``blank`` holds the storages, of this region's tensors, that an op allocated without
+    writing (rule 5) or a collective owns: a view of one is not fingerprinted (it would read
+    whatever the allocator or an in-flight collective left there); the op that fills the
+    storage, or reads it once filled, is. Any other op writing into such a storage (an
+    ``out=`` or in-place op, the result shares its storage) takes it off the set.
+    """
     if isinstance(out, torch.Tensor):
         outs: tuple = (out,)
     elif isinstance(out, (tuple, list)):
         outs = tuple(out)
     else:
         return
+    if _unwritten(func) or _collective(func):
+        if blank is not None:
+            blank.update(k for o in outs if isinstance(o, torch.Tensor)
+                         and type(o) in _PLAIN and (k := _storage_key(o)))
+        return
+    view = blank and is_view(func)
     scratch = _scratch(func)
     with no_python_dispatch():
         for k, o in enumerate(outs):
-            if isinstance(o, torch.Tensor) and k not in scratch:
-                fp = fingerprint(o)
-                if fp is not None:
-                    prints.append(fp)
-                    where.append((op_index, k))
+            if not isinstance(o, torch.Tensor) or k in scratch:
+                continue
+            if blank and type(o) in _PLAIN:
+                key = _storage_key(o)
+                if key in blank:
+                    if view:
+                        continue
+                    blank.discard(key)
+            fp = fingerprint(o)
+            if fp is not None:
+                prints.append(fp)
+                where.append((op_index, k))
 
 
 def _as_ints(prints: list) -> list[int]:

@@ -1,0 +1,198 @@
+"""DeepSpeed: ``initialize`` plans the model for a memory budget, then hands it to DeepSpeed.
+
+``deepspeed`` is imported when ``initialize`` runs (this module imports without it); without
+it installed, ``initialize`` raises an ``ImportError`` that says what to install.
+
+NOTE [planning under a DeepSpeed engine]
+    1. The plan is made and applied before ``deepspeed.initialize``, on the model as the user
+       built it: the engine's ZeRO stages 1 and 2 hook every parameter's gradient and assert
+       that each is reduced once per step, and profiling runs the backward several times
+       (found on 0.19.8: "has already been reduced"); ZeRO-3 partitions the parameters at
+       ``initialize``, after which the model's parameters are empty placeholders.
+    2. The budget comes from the config's ``"memfit"`` block (``{"budget": 0.6}``,
+       ``{"device_memory": "80GiB"}``, and the other ``memfit.fit`` keywords in ``_KEYS``) or
+       from the keywords of ``initialize``; a keyword given both ways is refused. The block is
+       taken out of a copy of the config before DeepSpeed reads it; the caller's dict is not
+       changed.
+    3. With ``device_memory`` the whole job is planned per rank (NOTE [the job's memory] in
+       ``memfit.planning.job``) with the ZeRO stage's sharding over the job's world size:
+       stage 0 none, 1 ``"optimizer"``, 2 ``"gradients"``, 3 ``"full"``; the optimizer from
+       the config's ``"optimizer"`` block (``Adam``, ``AdamW``, ``SGD``, or the ``optimizer=``
+       instance passed to ``initialize``); with ``bf16`` or ``fp16`` enabled, fp32 master
+       weights and fp32 optimizer states, as DeepSpeed keeps them.
+    4. With ``bf16`` or ``fp16`` enabled DeepSpeed casts the model at ``initialize``; a plan of
+       the fp32 model would count twice its activation bytes, so a model whose floating
+       parameters are not already in that dtype is refused (cast it first: the cast is then a
+       no-op for DeepSpeed).
+    5. Under ZeRO-3 the engine gathers each module's parameters in its forward pre-hook, also
+       when a checkpointed region runs again in backward: the recomputation re-runs the
+       gathers. Its ops slice a freshly allocated buffer before the copy and the collective
+       fill it, which the divergence check does not fingerprint (NOTE [value check], rule 5
+       in ``memfit.runtime.divergence``). The gathered parameters are not in the plan's
+       predicted peak, and neither are ZeRO's communication buckets
+       (``reduce_bucket_size``, ``allgather_bucket_size``): leave them room with ``reserve``.
+    6. A model already partitioned (built under ``deepspeed.zero.Init``) is refused: its
+       parameters hold no values to profile.
+
+Example:
+    >>> from memfit.integrations import deepspeed as memfit_ds
+    >>> config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2},
+    ...           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    ...           "memfit": {"budget": 0.5}}
+    >>> engine, optimizer, _, _ = memfit_ds.initialize(
+    ...     model=model, config=config, example_inputs=(x, y),
+    ...     model_parameters=model.parameters())                      # doctest: +SKIP
+    >>> print(engine.module.memfit_plan)                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import memfit
+
+__all__ = ["initialize", "fit_arguments"]
+
+# The memfit.fit keywords a config's "memfit" block may hold (NOTE [planning under a
+# DeepSpeed engine], rule 2).
+_KEYS = ("budget", "device_memory", "solver", "reserve", "tune", "tune_time_limit_s", "target",
+         "optimizer_state_dtype", "compress", "on_new_shape", "monitor_every", "src")
+_SHARDING = {0: "none", 1: "optimizer", 2: "gradients", 3: "full"}
+_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd"}
+
+
+def _load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A copy of ``config`` (a dict, or the path of DeepSpeed's JSON config)."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be DeepSpeed's config dict or the path of its JSON file, "
+                        f"got {type(config).__name__}")
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
+
+
+def _enabled(block: Any) -> bool:
+    return isinstance(block, Mapping) and bool(block.get("enabled", False))
+
+
+def _half_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    if _enabled(config.get("bf16")) or _enabled(config.get("bfloat16")):
+        return torch.bfloat16
+    if _enabled(config.get("fp16")):
+        return torch.float16
+    return None
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
+                  optimizer: torch.optim.Optimizer | None = None,
+                  **overrides: Any) -> dict[str, Any]:
+    """The ``memfit.fit`` keywords for ``model`` under DeepSpeed ``config`` (NOTE [planning
+    under a DeepSpeed engine], rules 2-4): the config's ``"memfit"`` block, ``overrides``,
+    and with ``device_memory`` the ZeRO sharding, world size and optimizer."""
+    block = config.get("memfit")
+    block = {} if block is None else block
+    if not isinstance(block, Mapping):
+        raise TypeError(f'the config\'s "memfit" block must be a dict of memfit.fit keywords, '
+                        f"got {type(block).__name__}")
+    unknown = sorted(set(block) - set(_KEYS))
+    if unknown:
+        raise ValueError(f'unknown key(s) {unknown} in the config\'s "memfit" block; it takes '
+                         f"{list(_KEYS)}")
+    both = sorted(set(block) & {k for k, v in overrides.items() if v is not None})
+    if both:
+        raise ValueError(f"{both} given both in the config's \"memfit\" block and as keywords "
+                         "of initialize; give each once")
+    args = {**block, **{k: v for k, v in overrides.items() if v is not None}}
+    if args.get("budget") is None and args.get("device_memory") is None:
+        raise ValueError('no memory budget: put {"memfit": {"budget": 0.6}} (a fraction, bytes '
+                         'or "6GiB") or {"memfit": {"device_memory": "80GiB"}} in the config, or '
+                         "pass budget= or device_memory= to initialize")
+    half = _half_dtype(config)
+    if half is not None:
+        dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if dtypes - {half}:
+            raise ValueError(
+                f"the config enables {half} training, which DeepSpeed casts the model to at "
+                f"initialize, but the model's parameters are {sorted(map(str, dtypes))}: a "
+                f"plan of that model would not be the engine's; cast it first "
+                f"(model.to({half}))")
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError("the model's parameters are already partitioned by DeepSpeed (built "
+                         "under deepspeed.zero.Init): they hold no values to profile; build it "
+                         "without zero.Init, or plan it on the meta device with target=")
+    if args.get("device_memory") is not None:
+        zero = config.get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+        if stage not in _SHARDING:
+            raise ValueError(f"zero_optimization.stage must be 0-3, got {stage}")
+        args["sharding"] = _SHARDING[stage]
+        args["world_size"] = _world_size()
+        args["optimizer"] = optimizer if optimizer is not None else _config_optimizer(config)
+        if half is not None:
+            args["master_weights"] = True
+            args.setdefault("optimizer_state_dtype", torch.float32)
+    return args
+
+
+def _config_optimizer(config: Mapping[str, Any]) -> str | None:
+    block = config.get("optimizer")
+    if not isinstance(block, Mapping):
+        return None
+    kind = str(block.get("type", "")).lower()
+    if kind not in _OPTIMIZERS:
+        raise ValueError(f"device_memory planning knows DeepSpeed optimizers {sorted(_OPTIMIZERS)}, "
+                         f"got {block.get('type')!r}; pass the optimizer instance as optimizer=")
+    if kind == "sgd" and (block.get("params") or {}).get("momentum"):
+        return "sgd-momentum"
+    return _OPTIMIZERS[kind]
+
+
+def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLike[str],
+               example_inputs: Any = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               step: Callable[[], torch.Tensor] | None = None,
+               budget: int | float | str | None = None,
+               device_memory: int | str | None = None,
+               **deepspeed_kwargs: Any) -> tuple[Any, ...]:
+    """``deepspeed.initialize`` with ``model`` planned and checkpointed for a budget first.
+
+    Args:
+        model: the model, planned in place (``model.memfit_plan``), then given to DeepSpeed.
+        config: DeepSpeed's config (a dict or a JSON file's path) with a ``"memfit"`` block of
+            ``memfit.fit`` keywords, or none when ``budget`` / ``device_memory`` are given.
+        example_inputs, loss_fn, step: one micro-batch's inputs and the loss, as for
+            ``memfit.fit``.
+        budget, device_memory: as for ``memfit.fit`` (rule 2 of the note: or in the block).
+        deepspeed_kwargs: the other arguments of ``deepspeed.initialize`` (``optimizer``,
+            ``model_parameters``, ``lr_scheduler``...), passed on unchanged.
+
+    Returns: what ``deepspeed.initialize`` returns (engine, optimizer, dataloader, scheduler).
+    """
+    try:
+        import deepspeed  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ImportError("memfit.integrations.deepspeed.initialize needs DeepSpeed: pip install "
+                          "--no-build-isolation deepspeed (it builds against the installed "
+                          "torch)") from e
+    cfg = _load_config(config)
+    user_optimizer = deepspeed_kwargs.get("optimizer")
+    args = fit_arguments(cfg, model, budget=budget, device_memory=device_memory,
+                         optimizer=user_optimizer if isinstance(user_optimizer, torch.optim.Optimizer)
+                         else None)
+    cfg.pop("memfit", None)
+    if deepspeed_kwargs.get("dist_init_required", True) and not torch.distributed.is_initialized():
+        deepspeed.init_distributed()  # what initialize would do; fit plans one plan per job
+    memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+    return deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)

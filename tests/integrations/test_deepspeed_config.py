@@ -1,0 +1,80 @@
+"""``memfit.integrations.deepspeed.fit_arguments``: DeepSpeed's config read into memfit.fit's
+keywords (NOTE [planning under a DeepSpeed engine]); no DeepSpeed needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.integrations import deepspeed as memfit_ds
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    return nn.Linear(4, 4).to(dtype)
+
+
+@pytest.mark.parametrize(("stage", "sharding"),
+                         [(0, "none"), (1, "optimizer"), (2, "gradients"), (3, "full")])
+def test_device_memory_plans_the_zero_stages_sharding(stage: int, sharding: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"},
+           "memfit": {"device_memory": "80GiB", "reserve": "2GiB"}}
+    assert memfit_ds.fit_arguments(cfg, _model()) == {
+        "device_memory": "80GiB", "reserve": "2GiB", "sharding": sharding, "world_size": 8,
+        "optimizer": "adamw"}
+
+
+def test_bf16_plans_fp32_master_weights_and_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}
+    args = memfit_ds.fit_arguments(cfg, _model(torch.bfloat16), device_memory=1 << 30)
+    assert args == {"device_memory": 1 << 30, "sharding": "none", "world_size": 2,
+                    "optimizer": "sgd-momentum", "master_weights": True,
+                    "optimizer_state_dtype": torch.float32}
+
+
+def test_a_budget_alone_passes_through() -> None:
+    assert memfit_ds.fit_arguments({"memfit": {"budget": 0.6, "solver": "chain"}}, _model()) == \
+        {"budget": 0.6, "solver": "chain"}
+    assert memfit_ds.fit_arguments({}, _model(), budget="6GiB") == {"budget": "6GiB"}
+
+
+def test_an_optimizer_instance_is_planned_as_given() -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    args = memfit_ds.fit_arguments({}, model, device_memory="1GiB", optimizer=opt)
+    assert args["optimizer"] is opt
+
+
+@pytest.mark.parametrize(("cfg", "kwargs", "message"), [
+    ({}, {}, r"no memory budget: put \{\"memfit\": \{\"budget\": 0.6\}\}"),
+    ({"memfit": {"budgt": 0.5}}, {}, r"unknown key\(s\) \['budgt'\] in the config's \"memfit\""),
+    ({"memfit": {"budget": 0.5}}, {"budget": 0.4}, r"\['budget'\] given both"),
+    ({"memfit": []}, {}, r"must be a dict of memfit.fit keywords, got list"),
+    ({"fp16": {"enabled": True}, "memfit": {"budget": 0.5}}, {},
+     r"enables torch.float16 training.*cast it first \(model.to\(torch.float16\)\)"),
+    ({"optimizer": {"type": "Lamb"}}, {"device_memory": "1GiB"},
+     r"knows DeepSpeed optimizers \['adam', 'adamw', 'sgd'\], got 'Lamb'"),
+    ({"zero_optimization": {"stage": 4}}, {"device_memory": "1GiB"}, r"stage must be 0-3, got 4"),
+])
+def test_bad_configs_are_refused_with_what_to_do(cfg: dict, kwargs: dict, message: str) -> None:
+    before = repr(cfg)
+    with pytest.raises((ValueError, TypeError), match=message):
+        memfit_ds.fit_arguments(cfg, _model(), **kwargs)
+    assert repr(cfg) == before  # nothing the caller passed is changed
+
+
+def test_a_partitioned_model_is_refused() -> None:
+    model = _model()
+    model.weight.ds_id = 0  # what deepspeed.zero.Init leaves on each parameter
+    with pytest.raises(ValueError, match=r"already partitioned by DeepSpeed .*zero.Init"):
+        memfit_ds.fit_arguments({}, model, budget=0.5)
+
+
+def test_initialize_without_deepspeed_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(ImportError, match=r"needs DeepSpeed: pip install --no-build-isolation"):
+        memfit_ds.initialize(model=_model(), config={}, budget=0.5)
