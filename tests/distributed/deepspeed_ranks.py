@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from memfit.integrations import deepspeed as memfit_ds  # noqa: E402
+from memfit.profiling.meters import AllocatorMeter  # noqa: E402
 from memfit.zoo.gpt import gpt  # noqa: E402
 
 STEPS = 3
@@ -42,13 +43,18 @@ def weights(engine: Any) -> dict[str, torch.Tensor]:
             for n, q in engine.module.named_parameters()}
 
 
-def train(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+def train(engine: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+    """3 steps; the weights after them and the last step's measured forward + backward peak
+    (the CPU allocator's, gradients' reduction included)."""
+    peak = 0
     for i in range(STEPS):
         torch.manual_seed(10 + i)  # the same dropout masks in both runs
-        loss = engine(x, y)
-        engine.backward(loss)
+        with AllocatorMeter() as alloc:
+            loss = engine(x, y)
+            engine.backward(loss)
+        peak = alloc.peak_bytes
         engine.step()
-    return weights(engine)
+    return weights(engine), peak
 
 
 def main() -> None:
@@ -62,7 +68,7 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank}
     plain_engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=config(stage),
                                             model_parameters=None)
-    plain = train(plain_engine, x, y)
+    plain, out["plain_measured_bytes"] = train(plain_engine, x, y)
     model = copy.deepcopy(base)
     cfg = {**config(stage), "memfit": {"budget": 0.6}}
     engine, *_ = memfit_ds.initialize(model=model, config=cfg, example_inputs=(x, y),
@@ -72,7 +78,7 @@ def main() -> None:
     out.update(regions=[list(r.modules) for r in p.regions], budget_bytes=p.budget_bytes,
                predicted_peak_bytes=p.predicted_peak_bytes, plain_peak_bytes=p.plain_peak_bytes)
     initial = weights(engine)
-    planned = train(engine, x, y)
+    planned, out["measured_bytes"] = train(engine, x, y)
     out["n_weights"] = len(plain)
     out["elements"] = sum(t.numel() for t in planned.values())
     out["unequal"] = sorted(n for n in plain if not torch.equal(plain[n], planned[n]))

@@ -1,7 +1,8 @@
 """``memfit.integrations.deepspeed.initialize`` under DeepSpeed's engine, ZeRO stages 1-3, on 2
 gloo ranks (``deepspeed_ranks.py``): weights after 3 AdamW steps bitwise equal to the same
-engine without memfit. DeepSpeed is installed by ``./run`` into ``.venv/deepspeed`` (it builds
-against the installed torch: ``--no-build-isolation``), or importable from the environment."""
+engine without memfit, and the measured step peak below its. DeepSpeed is installed by
+``./run`` into ``.venv/deepspeed`` (it builds against the installed torch:
+``--no-build-isolation``), or importable from the environment."""
 
 from __future__ import annotations
 
@@ -40,4 +41,9 @@ def test_zero_stage_weights_equal_the_engine_without_memfit(stage: int, tmp_path
         assert res["n_weights"] == 29
         assert res["elements"] > 0
         assert len(res["trained"]) == 29  # every weight moved in 3 steps
+        # measured forward + backward (the CPU allocator): below the plain engine's; under
+        # ZeRO-3 (no gradient buckets) within the budget (seen: the prediction + 16 B)
+        assert res["measured_bytes"] < res["plain_measured_bytes"]
+        if stage == 3:
+            assert res["measured_bytes"] <= res["budget_bytes"]
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ under ZeRO-{stage}"
