@@ -28,5 +28,7 @@ def test_tp_one_plan_and_weights_equal_plain_tp_after_3_adamw_steps(tmp_path: Pa
                 if any(q == m or q.startswith(m + ".") or m == "" for q in reduces)]
         assert res["regions"] and held == [], res["regions"]
         assert res["predicted_peak_bytes"] <= res["budget_bytes"]
+        assert res["measured_bytes"] <= 1.03 * res["budget_bytes"], res
+        assert res["measured_bytes"] < res["plain_measured_bytes"]
         assert res["n_weights"] == 29
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ from plain TP"

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import memfit
+from memfit.profiling.meters import AllocatorMeter
 from memfit.zoo.gpt import gpt
 
 STEPS = 3
@@ -64,6 +65,12 @@ def main() -> None:
     except Exception as e:  # reported, not hidden: the test shows it
         out["fit_error"] = f"{type(e).__name__}: {e}"[:2000]
     a, b = train(plain, x, y), train(planned, x, y)
+    # the planned step's measured peak (CPU allocator), forward + backward, grads existing
+    for m in (plain, planned):
+        torch.manual_seed(20)
+        with AllocatorMeter() as alloc:
+            m(x, y).backward()
+        out["measured_bytes" if m is planned else "plain_measured_bytes"] = alloc.peak_bytes
     out["n_weights"] = len(a)
     out["unequal"] = sorted(n for n in a if not torch.equal(a[n], b[n]))
     Path(os.environ["MEMFIT_DIST_OUT"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
