@@ -109,6 +109,19 @@ def test_a_plan_whose_own_host_work_hides_costs_its_device_seconds():
     assert "hidden for this plan" in p.notes[0]
 
 
+@pytest.mark.parametrize(("scale", "charged"), [(2.0**-5, False), (2.0**-8, True)], ids=["hides", "host-bound"])
+def test_a_baseline_plan_is_costed_by_rule_4_too(scale, charged):
+    """every_block's fixed plan (layers.0 and layers.1 whole, 10 ticks each): at ops 32x
+    shorter its host work (18 + 6 launches, 6 checked ops, 2 regions) hides behind its 69 + 20
+    ticks; at 256x it does not, and its 2 regions and 6 ops are charged."""
+    prof = _toy("h100", "roofline:h100", DEFAULT, scale)
+    p = plan(prof, budget=0.9, solver="every_block")
+    assert [r.modules for r in p.regions] == [("layers.0",), ("layers.1",)]
+    assert p.recompute_s == 20 * TICK * scale + charged * (2 * DEFAULT_REGION_S + 6 * DEFAULT_OP_S)
+    assert plan_hides(prof, p, 20 * TICK * scale) == (
+        not charged, 24 * HOST_OP_S + 6 * DEFAULT_OP_S + 2 * DEFAULT_REGION_S, 89 * TICK * scale)
+
+
 def test_a_plan_whose_own_host_work_does_not_hide_keeps_the_charges():
     """At ops 256x shorter the fastest plan by device seconds does not hide (its host work
     exceeds 69 + its ticks / 256): the charged solve's plan, layers.0 whole (10 ticks, one

@@ -162,7 +162,7 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
     ctx = PlanningContext(profile, offload=spec)
     host = ctx.arrays.host
     cal = profile.calibration
-    if (host.host_bound_s > 0 and not host.hidden and spec is None and solver not in BASELINES
+    if (host.host_bound_s > 0 and not host.hidden and spec is None
             and cal is not None and (cal.region_s or cal.op_s or cal.selective_op_s)):
         found = _hiding_plan(profile, budget, solver, time_limit_s, target)
         if found is not None:
