@@ -14,7 +14,13 @@ import pytest
 from profile_builders import TICK, chain_profile, residual_block
 
 from memfit.planning.effects import ProfileArrays
-from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
+from memfit.planning.hosttime import (
+    HOST_OP_S,
+    OFFLOAD_TENSOR_S,
+    device_only,
+    max_disjoint,
+    plan_hides,
+)
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
@@ -79,6 +85,55 @@ def test_host_bound_counts_every_plan_host_work():
     assert host.host_bound_s == want
     assert host.device_s == sum(op.time_s for op in prof.ops) == 69 * TICK
     assert host.calibration == dataclasses.replace(DEFAULT, region_s=0.0, op_s=0.0, selective_op_s=0.0)
+
+
+def test_a_plan_whose_own_host_work_hides_costs_its_device_seconds():
+    """Rule 4: at ops 32x shorter the bound fails (H 2.98 ms > D 69 ticks / 32 = 2.11 ms), but
+    the fastest plan by device seconds (layers.0 saving its gelu: mm + add, 9 ticks) needs
+    18 plain ops + 3 replayed ops of host launches, its 3 ops' charges and one region's:
+    0.66 ms <= 69 + 9 ticks / 32 = 2.38 ms of device work, so it costs its 9 ticks alone
+    (the charges of rule 3 would add 0.34 ms, +16% of the step)."""
+    scale = 2.0**-5
+    prof = _toy("h100", "roofline:h100", DEFAULT, scale)
+    host = ProfileArrays(prof).host
+    assert (host.hidden, host.device_s) == (False, 69 * TICK * scale) and host.host_bound_s > host.device_s
+    p = plan(prof, budget=0.9, solver="milp")
+    assert p.regions == (Region(("layers.0",), (("aten.gelu.default#0", OpPolicy.SAVE),),
+                                9 * TICK * scale, 128, False),)
+    assert p.recompute_s == 9 * TICK * scale == simulate(device_only(prof), p).recompute_s
+    assert simulate(prof, p).recompute_s == 9 * TICK * scale + DEFAULT_REGION_S + 3 * (
+        DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
+    assert plan_hides(prof, p, p.recompute_s) == (
+        True, 18 * HOST_OP_S + 3 * (HOST_OP_S + DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S) + DEFAULT_REGION_S,
+        78 * TICK * scale)
+    assert "hidden for this plan" in p.notes[0]
+
+
+@pytest.mark.parametrize(("scale", "charged"), [(2.0**-5, False), (2.0**-8, True)], ids=["hides", "host-bound"])
+def test_a_baseline_plan_is_costed_by_rule_4_too(scale, charged):
+    """every_block's fixed plan (layers.0 and layers.1 whole, 10 ticks each): at ops 32x
+    shorter its host work (18 + 6 launches, 6 checked ops, 2 regions) hides behind its 69 + 20
+    ticks; at 256x it does not, and its 2 regions and 6 ops are charged."""
+    prof = _toy("h100", "roofline:h100", DEFAULT, scale)
+    p = plan(prof, budget=0.9, solver="every_block")
+    assert [r.modules for r in p.regions] == [("layers.0",), ("layers.1",)]
+    assert p.recompute_s == 20 * TICK * scale + charged * (2 * DEFAULT_REGION_S + 6 * DEFAULT_OP_S)
+    assert plan_hides(prof, p, 20 * TICK * scale) == (
+        not charged, 24 * HOST_OP_S + 6 * DEFAULT_OP_S + 2 * DEFAULT_REGION_S, 89 * TICK * scale)
+
+
+def test_a_plan_whose_own_host_work_does_not_hide_keeps_the_charges():
+    """At ops 256x shorter the fastest plan by device seconds does not hide (its host work
+    exceeds 69 + its ticks / 256): the charged solve's plan, layers.0 whole (10 ticks, one
+    region, 3 ops checked), as without rule 4."""
+    scale = 2.0**-8
+    prof = _toy("h100", "roofline:h100", DEFAULT, scale)
+    p = plan(prof, budget=0.9, solver="milp")
+    assert p.regions == (Region(("layers.0",), (), 10 * TICK * scale + DEFAULT_REGION_S + 3 * DEFAULT_OP_S,
+                                64, False),)
+    assert p.recompute_s == simulate(prof, p).recompute_s == 10 * TICK * scale + DEFAULT_REGION_S + 3 * DEFAULT_OP_S
+    assert not any("hidden for this plan" in n for n in p.notes)
+    assert any("host overhead on an async device not hidden" in n for n in p.notes)
 
 
 @pytest.mark.parametrize(("spans", "want"), [

@@ -33,6 +33,20 @@ NOTE [host overhead on an async device]
     cheap ops catches up only if it was ahead before. ``HOST_OP_S`` covers that with margin
     (about 5x the host cost per op measured here, below); the plan notes say the rule applied.
 
+    4. *One plan's own host work*: where the bound of 1 fails (``H > D``), a plan ``P`` may
+       still hide its charges. Its host work is at most ``HOST_OP_S`` per op of the plain
+       step, plus ``HOST_OP_S`` and the fixed charges per forward op of its regions (an
+       inner region's counted twice, as it replays twice), plus ``region_s`` per region;
+       its device work is at least ``D`` plus the device seconds of its reruns. When the
+       first is at most the second, ``P`` costs its device seconds alone. The planner
+       therefore first solves with the fixed charges at 0 s (each plan's device seconds, a
+       lower bound on its cost) and keeps that plan if it hides by this rule: no plan costs
+       less than its own lower bound, so that plan is also the fastest under the charged
+       model. Otherwise it solves again with the charges counted in full (rule 3). Not with
+       offload (the per-storage charges of the copies are host work the check would have to
+       place). ``plan_hides`` checks a plan; the plan's ``recompute_s`` is then its device
+       seconds, where ``simulate`` (which applies rules 1-3 only) still adds the charges.
+
     ``HOST_OP_S`` = 2**-16 s (15.3 us) per op: a forward + backward of 50 tiny Linear + Tanh
     blocks on this project's CPU (torch 2.13, 1 thread, 2026-12-01) costs 3.0 us of host
     time per aten op (801 ops, the device work negligible); a CUDA launch adds ~3-5 us. A
@@ -45,11 +59,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from memfit.planning.plan import Plan
 from memfit.profiling.costmodel import profile_preset
 from memfit.profiling.profile import Profile
 from memfit.timemodel import Calibration, CalibrationSource
 
-__all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint"]
+__all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint",
+           "device_only", "plan_hides"]
 
 HOST_OP_S = 2.0**-16
 
@@ -124,3 +140,26 @@ def host_overhead(profile: Profile, calibration: Calibration, op_time: np.ndarra
             f"{'<=' if hidden else '>'} the plain step's device work {device * 1e3:.1f} ms; NOTE "
             "[host overhead on an async device])")
     return HostOverhead(cal, hidden, host, device, note)
+
+
+def device_only(profile: Profile) -> Profile:
+    """``profile`` with its calibration's fixed charges at 0 s: each plan costs its device
+    seconds (NOTE [host overhead on an async device], rule 4)."""
+    cal = profile.calibration if profile.calibration is not None else Calibration()
+    return replace(profile, calibration=replace(cal, region_s=0.0, op_s=0.0, selective_op_s=0.0))
+
+
+def plan_hides(profile: Profile, plan: Plan, device_s: float) -> tuple[bool, float, float]:
+    """NOTE [host overhead on an async device], rule 4, for a plan without offload whose
+    recompute is ``device_s`` device seconds: (whether its host work hides behind its device
+    work, the host seconds, the device seconds)."""
+    from memfit.planning.simulate import simulate  # simulate imports this module
+
+    cal = profile.calibration if profile.calibration is not None else Calibration()
+    # a fitted source: taken as given, whatever rules 1-3 find (device + launches + charges)
+    launches = replace(profile, calibration=replace(cal, op_s=cal.op_s + HOST_OP_S,
+                                                    source=CalibrationSource.FIT))
+    charged = simulate(launches, plan).recompute_s
+    host = HOST_OP_S * len(profile.ops) + (charged - device_s)
+    device = sum(op.time_s for op in profile.ops) + device_s
+    return host <= device, host, device
