@@ -42,7 +42,8 @@ import torch
 import memfit
 from benchmarks.published import CHEN_RATIO, CHEN_STAGES, GB, MONET, Bottleneck, resnet50
 from memfit.errors import InfeasibleBudget
-from memfit.planning.hosttime import HOST_OP_S, device_only, host_overhead, plan_hides
+from memfit.planning.hidden_host import device_only, plan_hides
+from memfit.planning.hosttime import HOST_OP_S, host_overhead
 from memfit.planning.rules import is_matmul
 from memfit.profiling.profile import OpRecord, Profile
 from memfit.timemodel import Calibration, CalibrationSource

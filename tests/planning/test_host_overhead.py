@@ -14,13 +14,8 @@ import pytest
 from profile_builders import TICK, chain_profile, residual_block
 
 from memfit.planning.effects import ProfileArrays
-from memfit.planning.hosttime import (
-    HOST_OP_S,
-    OFFLOAD_TENSOR_S,
-    device_only,
-    max_disjoint,
-    plan_hides,
-)
+from memfit.planning.hidden_host import device_only, plan_hides
+from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate

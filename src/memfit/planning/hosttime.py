@@ -44,7 +44,7 @@ NOTE [host overhead on an async device]
        less than its own lower bound, so that plan is also the fastest under the charged
        model. Otherwise it solves again with the charges counted in full (rule 3). Not with
        offload (the per-storage charges of the copies are host work the check would have to
-       place). ``plan_hides`` checks a plan; the plan's ``recompute_s`` is then its device
+       place). ``memfit.planning.hidden_host.plan_hides`` checks a plan; the plan's ``recompute_s`` is then its device
        seconds, where ``simulate`` (which applies rules 1-3 only) still adds the charges.
 
     ``HOST_OP_S`` = 2**-16 s (15.3 us) per op: a forward + backward of 50 tiny Linear + Tanh
@@ -59,13 +59,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memfit.planning.plan import Plan
 from memfit.profiling.costmodel import profile_preset
 from memfit.profiling.profile import Profile
 from memfit.timemodel import Calibration, CalibrationSource
 
-__all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint",
-           "device_only", "plan_hides"]
+__all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint"]
 
 HOST_OP_S = 2.0**-16
 
@@ -141,25 +139,3 @@ def host_overhead(profile: Profile, calibration: Calibration, op_time: np.ndarra
             "[host overhead on an async device])")
     return HostOverhead(cal, hidden, host, device, note)
 
-
-def device_only(profile: Profile) -> Profile:
-    """``profile`` with its calibration's fixed charges at 0 s: each plan costs its device
-    seconds (NOTE [host overhead on an async device], rule 4)."""
-    cal = profile.calibration if profile.calibration is not None else Calibration()
-    return replace(profile, calibration=replace(cal, region_s=0.0, op_s=0.0, selective_op_s=0.0))
-
-
-def plan_hides(profile: Profile, plan: Plan, device_s: float) -> tuple[bool, float, float]:
-    """NOTE [host overhead on an async device], rule 4, for a plan without offload whose
-    recompute is ``device_s`` device seconds: (whether its host work hides behind its device
-    work, the host seconds, the device seconds)."""
-    from memfit.planning.simulate import simulate  # simulate imports this module
-
-    cal = profile.calibration if profile.calibration is not None else Calibration()
-    # a fitted source: taken as given, whatever rules 1-3 find (device + launches + charges)
-    launches = replace(profile, calibration=replace(cal, op_s=cal.op_s + HOST_OP_S,
-                                                    source=CalibrationSource.FIT))
-    charged = simulate(launches, plan).recompute_s
-    host = HOST_OP_S * len(profile.ops) + (charged - device_s)
-    device = sum(op.time_s for op in profile.ops) + device_s
-    return host <= device, host, device

@@ -8,7 +8,7 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
-from memfit.planning.hosttime import device_only, plan_hides
+from memfit.planning.hidden_host import device_only, plan_hides
 from memfit.planning.job import (
     JobMemory,
     JobSpec,
