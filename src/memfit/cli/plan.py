@@ -10,6 +10,7 @@ from memfit.cli.job import add_job_arguments, job_options, plan_for_job, run_max
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
+from memfit.planning.compression import LOSSY_CODECS
 
 __all__ = ["add_parser", "run", "SOLVERS"]
 
@@ -20,7 +21,6 @@ def _solver_names() -> tuple[str, ...]:
 
 
 SOLVERS = _solver_names()
-LOSSY_CODECS = ("bf16", "fp8_e4m3", "int8_blockwise")  # memfit.planning.compression.LOSSY_CODECS
 
 
 def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
