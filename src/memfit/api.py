@@ -64,6 +64,7 @@ def fit(
     in_flight: int | None = None,
     kept_bytes: int = 0,
     compress: str | None = None,
+    lossy_codec: str = "bf16",
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -141,6 +142,8 @@ def fit(
             recompute] in ``memfit.planning.compress_pass``): ``"lossless"`` (exact codecs
             only; the step stays bitwise plain), ``"lossy"`` (also bf16: gradients change;
             NOTE [what lossy means]); default None: no compression.
+        lossy_codec: with ``compress="lossy"``, the codec of the other fp32 activations:
+            ``"bf16"`` (default, 2 bytes), ``"fp8_e4m3"`` or ``"int8_blockwise"`` (about 1 byte).
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -178,7 +181,7 @@ def fit(
     the_step = _the_step(model, example_inputs, loss_fn, step)
     refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
                          in_flight=in_flight, target=target, compress=compress, budget=budget,
-                         device_memory=device_memory, on_meta=_on_meta(model))
+                         lossy_codec=lossy_codec, device_memory=device_memory, on_meta=_on_meta(model))
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
                                      distributed=is_distributed() or in_flight is not None)
     refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
@@ -222,7 +225,8 @@ def fit(
                         return solve(budget)
                     from memfit.measuring.codec_cost import codec_costs_for
                     from memfit.planning.compress_pass import choose
-                    return choose(prof, solve, budget, mode=compress, costs=codec_costs_for(compress))
+                    return choose(prof, solve, budget, mode=compress, lossy_codec=lossy_codec,
+                                  costs=codec_costs_for(compress, lossy_codec))
 
                 try:
                     if in_flight is not None:  # a stage's own plan: no one plan per job

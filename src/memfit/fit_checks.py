@@ -15,7 +15,8 @@ __all__ = ["refuse_fit_arguments"]
 
 def refuse_fit_arguments(model: nn.Module, *, monitor_every: int | None, shapes: Sequence[Any] | None,
                          tune: bool, step: Any, in_flight: int | None, target: str | None,
-                         compress: str | None, budget: Any, device_memory: Any, on_meta: bool) -> None:
+                         compress: str | None, budget: Any, device_memory: Any, on_meta: bool,
+                         lossy_codec: str = "bf16") -> None:
     """Raise ValueError / TypeError for a combination of ``fit``'s arguments it does not support."""
     if monitor_every is not None and (not isinstance(monitor_every, int)
                                       or isinstance(monitor_every, bool) or monitor_every < 1):
@@ -37,6 +38,13 @@ def refuse_fit_arguments(model: nn.Module, *, monitor_every: int | None, shapes:
                                  or in_flight is not None):
         raise ValueError("fit(compress=...) plans against budget= for one input shape; not "
                          "with tune, device_memory, shapes or in_flight yet")
+    if lossy_codec != "bf16" and compress != "lossy":
+        raise ValueError(f"fit(lossy_codec={lossy_codec!r}) chooses the codec of compress='lossy'; "
+                         f"got compress={compress!r}: pass compress='lossy' too, or drop lossy_codec")
+    if compress == "lossy":
+        from memfit.planning.compression import check_lossy_codec
+
+        check_lossy_codec(lossy_codec)
     if tune and budget is None:
         raise TypeError("fit(tune=True) measures plans against budget=: give budget")
     if tune and device_memory is not None:

@@ -10,6 +10,7 @@ from memfit.cli.job import add_job_arguments, job_options, plan_for_job, run_max
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
+from memfit.planning.compression import LOSSY_CODECS
 
 __all__ = ["add_parser", "run", "SOLVERS"]
 
@@ -38,10 +39,29 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-limit", type=float, default=None, metavar="SECONDS",
                    help="seconds of stepping --tune may spend (default: 10 plain steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar for --tune")
+    p.add_argument("--compress", choices=("lossless", "lossy"),
+                   help="also keep saved tensors outside the regions packed where that is faster "
+                        "than recomputing: lossless (exact codecs; the step stays bitwise) or lossy "
+                        "(also --lossy-codec on fp32 activations; gradients change)")
+    p.add_argument("--lossy-codec", choices=LOSSY_CODECS, default=None,
+                   help="with --compress lossy: the codec of the fp32 activations (default bf16)")
     add_cost_arguments(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE "
                    "(for memfit verify --plan, or memfit.Plan.load)")
     p.set_defaults(run=run)
+
+
+def _check_compress(args: argparse.Namespace) -> None:
+    """--compress and --lossy-codec against the other options: exit 2 before any profiling."""
+    if args.lossy_codec is not None and args.compress != "lossy":
+        raise UsageError(f"--lossy-codec {args.lossy_codec} chooses the codec of --compress lossy; "
+                         "add --compress lossy, or drop --lossy-codec")
+    if args.compress is not None:
+        clash = [flag for flag, on in (("--tune", args.tune), ("--device-memory", args.device_memory),
+                                       ("--max-batch", args.max_batch)) if on]
+        if clash or args.budget is None:
+            raise UsageError(f"--compress {args.compress} plans against --budget alone; "
+                             + (f"not with {', '.join(clash)}" if clash else "give --budget"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          "device the whole job must fit, e.g. 80GiB)")
     job_options(args)  # job arguments without --device-memory: exit 2 before any profiling
     check_cost_arguments(args)
+    _check_compress(args)
     if args.max_batch:
         return run_max_batch(args)
     lm = load_from_args(args)
@@ -59,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tune and (lm.on_meta or args.target != "cpu"):
         raise UsageError("--tune times real steps on this machine: give a model with weights and "
                          "no --target, or plan without --tune")
+    if args.compress is not None and (lm.on_meta or args.target != "cpu"):
+        raise UsageError("--compress weighs codec times measured on this machine: give a model "
+                         "with weights and no --target, or plan without --compress")
     if args.tune_limit is not None and args.tune_limit <= 0:
         raise UsageError(f"--tune-limit must be positive seconds, got {args.tune_limit}")
     prof = profile_model(lm, args.target)
@@ -73,6 +97,14 @@ def run(args: argparse.Namespace) -> int:
                  progress=not args.no_progress and not args.json)
     elif args.device_memory is not None:
         p = plan_for_job(args, prof, lm)
+        refuse_over_budget(p)
+    elif args.compress is not None:
+        from memfit.measuring.codec_cost import codec_costs_for
+        from memfit.planning.compress_pass import choose
+
+        codec = args.lossy_codec or "bf16"
+        p = choose(prof, lambda b: plan(prof, budget=b, solver=args.solver), args.budget,
+                   mode=args.compress, lossy_codec=codec, costs=codec_costs_for(args.compress, codec))
         refuse_over_budget(p)
     else:
         p = plan(prof, budget=args.budget, solver=args.solver)

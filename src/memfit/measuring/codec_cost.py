@@ -110,8 +110,9 @@ def codec_costs(names: Iterable[str], *, device: torch.device | str = "cpu", rep
     return CodecCosts(per_byte, fixed if names else DEFAULT_CODEC_COSTS.per_tensor_s, mode)
 
 
-def codec_costs_for(mode: str) -> CodecCosts:
-    """``codec_costs`` of the codecs a ``compress=`` mode uses (``"lossy"``: bf16 too)."""
+def codec_costs_for(mode: str, lossy_codec: str = "bf16") -> CodecCosts:
+    """``codec_costs`` of the codecs a ``compress=`` mode uses (``"lossy"``: ``lossy_codec``
+    too, default bf16)."""
     from memfit.planning.compression import LOSSLESS_CODECS
 
-    return codec_costs(LOSSLESS_CODECS + (("bf16",) if mode == "lossy" else ()))
+    return codec_costs(LOSSLESS_CODECS + ((lossy_codec,) if mode == "lossy" else ()))

@@ -14,7 +14,7 @@ NOTE [compression candidates]
       int32 bound; the runtime packs them narrower where the values allow).
     - ``bool_bits`` (EXACT): any saved bool output.
     - with ``mode="lossy"`` also every other saved fp32 activation an op outside the regions
-      created (``lossy_codec``, default ``bf16``).
+      created (``lossy_codec``: one of ``LOSSY_CODECS``, default ``bf16``; one codec for all).
 
 NOTE [compressed peak]
     A compressed storage is held whole from its creation to its last use in the forward,
@@ -37,6 +37,7 @@ from memfit.planning.compression import (
     DEFAULT_CODEC_COSTS,
     CodecCosts,
     Compressed,
+    check_lossy_codec,
     codec_packed_bytes,
 )
 from memfit.planning.plan import Plan, Region
@@ -100,6 +101,7 @@ def candidates(profile: Profile, regions: Sequence[Region] = (), *, mode: Compre
     """
     if mode not in ("lossless", "lossy"):
         raise ValueError(f"compress mode must be 'lossless' or 'lossy', got {mode!r}")
+    check_lossy_codec(lossy_codec)
     root = next((m for m in profile.modules if m.path == ""), None)
     if root is None or root.first_op is None or root.last_op is None:
         return []
@@ -287,12 +289,14 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
 
     Raises:
         InfeasibleBudget: no option fits (the recompute-only plan's error).
-        ValueError: a mode other than ``"lossless"`` and ``"lossy"``.
+        ValueError: a mode other than ``"lossless"`` and ``"lossy"``; a ``lossy_codec`` not
+            in ``LOSSY_CODECS``.
     """
     from memfit.errors import InfeasibleBudget
 
     if mode not in ("lossless", "lossy"):
         raise ValueError(f"compress must be None, 'lossless' or 'lossy', got {mode!r}")
+    check_lossy_codec(lossy_codec)
     kind: CompressMode = "lossy" if mode == "lossy" else "lossless"
 
     def compress(p: Plan) -> Plan:

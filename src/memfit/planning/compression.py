@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Exactness", "CODEC_EXACTNESS", "codec_packed_bytes", "Compressed", "BLOCK", "CodecCosts",
-           "DEFAULT_CODEC_COSTS", "LOSSLESS_CODECS"]
+           "DEFAULT_CODEC_COSTS", "LOSSLESS_CODECS", "LOSSY_CODECS", "check_lossy_codec"]
 
 BLOCK = 256  # elements per int8_blockwise scale
 
@@ -40,6 +40,21 @@ CODEC_EXACTNESS: dict[str, Exactness] = {
 
 # the codecs a lossless plan may use (SIGN only for a sign-only reader: NOTE [what lossy means])
 LOSSLESS_CODECS = tuple(n for n, e in CODEC_EXACTNESS.items() if e is not Exactness.LOSSY)
+# the codecs ``compress="lossy"`` may put on the other fp32 activations (``lossy_codec=``)
+LOSSY_CODECS = tuple(n for n, e in CODEC_EXACTNESS.items() if e is Exactness.LOSSY)
+
+
+def check_lossy_codec(name: object) -> str:
+    """``name`` if it is one of ``LOSSY_CODECS``, else a ValueError naming them.
+
+    Example:
+        >>> check_lossy_codec("fp8_e4m3")
+        'fp8_e4m3'
+    """
+    if not isinstance(name, str) or name not in LOSSY_CODECS:
+        raise ValueError(f"lossy_codec must be one of {', '.join(LOSSY_CODECS)}, got {name!r} "
+                         "(the exact codecs are chosen by the planner in either compress mode)")
+    return name
 
 
 def codec_packed_bytes(name: str, numel: int, itemsize: int) -> int:
