@@ -121,6 +121,10 @@ def test_lossy_plan_reports_the_gradients_error(gpt_case) -> None:
     # gradients measured 1.3e-3 relative; stated bound 2^-7
     assert report.gradient_rel_error is not None and 0 < report.gradient_rel_error <= 2.0**-7
     assert "LOSSY" in str(plan)
+    # no bitwise claim anywhere in the report: its header names the lossy comparison
+    assert report.comparison == "lossy: relative error"
+    assert str(report).splitlines()[0].endswith(", lossy: relative error): PASSED")
+    assert "bitwise" not in str(report).splitlines()[0]
 
 
 # per lossy codec: its per-element bound (memfit.runtime.codecs) and the stated bound on the

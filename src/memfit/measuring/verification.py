@@ -106,7 +106,8 @@ class VerifyReport:
             FSDP or wrapped in DDP; NOTE [models without twins] in ``memfit.measuring.twins``).
         comparison: how tensors were compared: ``"bitwise"`` (CPU, or deterministic
             algorithms) or ``"within plain spread"`` (a ``Comparison`` value; NOTE [comparison
-            modes] in ``memfit.measuring.comparison``).
+            modes] in ``memfit.measuring.comparison``); ``"lossy: relative error"`` for a lossy
+            plan, whose gradients are not compared (``gradient_rel_error``).
         gradient_rel_error: for a lossy plan (``Plan.lossy``; NOTE [what lossy means] in
             ``memfit.planning.compression``), the largest ``|g - g_plain| / |g_plain|`` (2-norms)
             over parameters; ``bitwise`` is then False and no tensor check is made. None for
@@ -149,6 +150,10 @@ class VerifyReport:
         for c in self.checks:
             lines.append(f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
         return "\n".join(lines)
+
+
+# VerifyReport.comparison of a lossy plan: no bitwise claim is made (NOTE [what lossy means]).
+LOSSY_COMPARISON = "lossy: relative error"
 
 
 def rng_state_bytes() -> int:
@@ -294,8 +299,8 @@ def verify(
         peak_bytes=got.peak_bytes, plain_peak_bytes=ref.peak_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget, bn_stats_equal=bn_ok,
         checks=tuple(checks), device=str(device), solver=plan.solver,
-        tracked_peak_bytes=got.tracked_peak_bytes, compared=compared, comparison=mode.value,
-        gradient_rel_error=rel,
+        tracked_peak_bytes=got.tracked_peak_bytes, compared=compared,
+        comparison=mode.value if rel is None else LOSSY_COMPARISON, gradient_rel_error=rel,
     )
     log.info("%s", report)
     return report
