@@ -48,7 +48,7 @@ _LAZY = {
     "measure": "memfit.profiling.measure",
     "Measurement": "memfit.profiling.measure",
     "profile": "memfit.measuring.calibration",
-    "simulate": "memfit.planning.simulate",
+    "simulate": ("memfit.planning.hidden_host", "simulate_plan"),
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.api",
     "largest_batch": "memfit.capacity",
@@ -90,8 +90,10 @@ def __getattr__(name: str) -> Any:
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'memfit' has no attribute {name!r}")
-    module = importlib.import_module(target)
-    value = module if name in _SUBMODULES else getattr(module, name)
+    # a (module, attribute) pair: the public name is another name there
+    where, attr = target if isinstance(target, tuple) else (target, name)
+    module = importlib.import_module(where)
+    value = module if name in _SUBMODULES else getattr(module, attr)
     globals()[name] = value
     return value
 

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 from profile_builders import TICK, chain_profile, residual_block
 
+import memfit
 from memfit.planning.effects import ProfileArrays
 from memfit.planning.hidden_host import device_only, plan_hides
 from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
@@ -102,6 +103,9 @@ def test_a_plan_whose_own_host_work_hides_costs_its_device_seconds():
         True, 18 * HOST_OP_S + 3 * (HOST_OP_S + DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S) + DEFAULT_REGION_S,
         78 * TICK * scale)
     assert "hidden for this plan" in p.notes[0]
+    # memfit.simulate applies rule 4 too: the plan simulates to the seconds it was planned at
+    assert memfit.simulate(prof, p).recompute_s == p.recompute_s
+    assert memfit.simulate(prof, p).peak_bytes == simulate(prof, p).peak_bytes
 
 
 @pytest.mark.parametrize(("scale", "charged"), [(2.0**-5, False), (2.0**-8, True)], ids=["hides", "host-bound"])
@@ -128,6 +132,7 @@ def test_a_plan_whose_own_host_work_does_not_hide_keeps_the_charges():
                                 64, False),)
     assert p.recompute_s == simulate(prof, p).recompute_s == 10 * TICK * scale + DEFAULT_REGION_S + 3 * DEFAULT_OP_S
     assert not any("hidden for this plan" in n for n in p.notes)
+    assert memfit.simulate(prof, p).recompute_s == p.recompute_s
     assert any("host overhead on an async device not hidden" in n for n in p.notes)
 
 

@@ -44,8 +44,10 @@ NOTE [host overhead on an async device]
        less than its own lower bound, so that plan is also the fastest under the charged
        model. Otherwise it solves again with the charges counted in full (rule 3). Not with
        offload (the per-storage charges of the copies are host work the check would have to
-       place). ``memfit.planning.hidden_host.plan_hides`` checks a plan; the plan's ``recompute_s`` is then its device
-       seconds, where ``simulate`` (which applies rules 1-3 only) still adds the charges.
+       place). ``plan_hides`` (in ``memfit.planning.hidden_host``) checks a plan; the
+       plan's ``recompute_s`` is then its device seconds. ``memfit.simulate``
+       (``hidden_host.simulate_plan``) applies the rule too, so it gives the same seconds;
+       ``memfit.planning.simulate.simulate``, the solvers' own, applies rules 1-3 only.
 
     ``HOST_OP_S`` = 2**-16 s (15.3 us) per op: a forward + backward of 50 tiny Linear + Tanh
     blocks on this project's CPU (torch 2.13, 1 thread, 2026-12-01) costs 3.0 us of host

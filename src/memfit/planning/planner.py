@@ -8,7 +8,7 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
-from memfit.planning.hidden_host import device_only, plan_hides
+from memfit.planning.hidden_host import device_only, plan_hides, rule_4_applies
 from memfit.planning.job import (
     JobMemory,
     JobSpec,
@@ -160,10 +160,7 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
     if spec is not None and solver not in BASELINES:
         solve = offload_solver(solver)
     ctx = PlanningContext(profile, offload=spec)
-    host = ctx.arrays.host
-    cal = profile.calibration
-    if (host.host_bound_s > 0 and not host.hidden and spec is None
-            and cal is not None and (cal.region_s or cal.op_s or cal.selective_op_s)):
+    if spec is None and rule_4_applies(profile, ctx.arrays):
         found = _hiding_plan(profile, budget, solver, time_limit_s, target)
         if found is not None:
             return found
