@@ -40,14 +40,16 @@ log = logging.getLogger("benchmarks.gpu_check")
 FRACTIONS = (0.7, 0.5, 0.3)
 
 
-def _cases(quick: bool) -> list[Any]:
+def _cases(quick: bool, names: tuple[str, ...] = ("gpt", "llama")) -> list[Any]:
     from benchmarks.models import gpt_case, llama_case
 
     if quick:
-        return [gpt_case("gpt", n_layer=2, d_model=32, n_head=2, seq_len=32, batch=2),
-                llama_case(n_layer=2, hidden=32, heads=2, seq_len=32, batch=2)]
-    return [gpt_case("gpt", n_layer=8, d_model=768, n_head=12, seq_len=1024, batch=8),
-            llama_case(n_layer=8, hidden=1024, heads=16, seq_len=1024, batch=4)]
+        cases = {"gpt": lambda: gpt_case("gpt", n_layer=2, d_model=32, n_head=2, seq_len=32, batch=2),
+                 "llama": lambda: llama_case(n_layer=2, hidden=32, heads=2, seq_len=32, batch=2)}
+    else:
+        cases = {"gpt": lambda: gpt_case("gpt", n_layer=8, d_model=768, n_head=12, seq_len=1024, batch=8),
+                 "llama": lambda: llama_case(n_layer=8, hidden=1024, heads=16, seq_len=1024, batch=4)}
+    return [cases[n]() for n in names]
 
 
 def _sync(device: torch.device) -> None:
@@ -236,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny models (for CPU tests)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5, quick 2)")
+    parser.add_argument("--cases", default="gpt,llama", help="comma-separated: gpt, llama")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
+    names = tuple(n.strip() for n in args.cases.split(",") if n.strip())
+    if not names or any(n not in ("gpt", "llama") for n in names):
+        parser.error(f"--cases takes gpt and/or llama, got {args.cases!r}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -256,14 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                  "allocator meter). Times: median of interleaved steps."),
         "cases": [],
     }
-    for case in _cases(args.quick):
-        log.info("gpu_check: %s", case.description)
-        record["cases"].append(check_case(case, device, repeats))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "gpu_check.md").write_text(_markdown(record))
-    log.info("gpu_check: wrote %s and %s", out / "gpu_check.json", out / "gpu_check.md")
+    for case in _cases(args.quick, names):
+        log.info("gpu_check: %s", case.description)
+        record["cases"].append(check_case(case, device, repeats))
+        # written after each case: a run stopped at its time limit keeps the cases it finished
+        (out / "gpu_check.json").write_text(json.dumps(record, indent=2) + "\n")
+        (out / "gpu_check.md").write_text(_markdown(record))
+        log.info("gpu_check: wrote %s and %s", out / "gpu_check.json", out / "gpu_check.md")
     return 0
 
 
