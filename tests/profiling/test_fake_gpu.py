@@ -29,6 +29,7 @@ layer at sequence 2048 saves 7 GB) run in about a second each.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -359,3 +360,34 @@ def test_plans_on_a_gpu_profile_recompute_its_fused_ops(attention: str) -> None:
     again = Profile.from_dict(prof.to_dict())
     assert again.extra["cuda_kernels"] == prof.extra["cuda_kernels"]
     assert memfit.plan(again, budget="50%").regions == plan.regions
+
+
+def _no_plan(prof: Profile) -> memfit.Plan:
+    return memfit.Plan(regions=(), predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
+                       solver="none", profile_signature=prof.signature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_softmax_backward_holds_its_measured_cuda_temporary(dtype: torch.dtype) -> None:
+    # NOTE [CUDA kernels in fake mode] (5): on an H200 _softmax_backward_data held a temporary
+    # as large as its output while it ran; a GPU target's profile counts it, the CPU's does not
+    h, a, s, b = 64, 4, 32, 2
+    with torch.device("meta"):
+        model = nn.Sequential(MegatronLayer(h, a, s), MegatronLayer(h, a, s)).to(dtype)
+    x = torch.zeros(b, s, h, dtype=dtype, device="meta")
+    gpu = profile(model, x, mode="fake", target="h200")
+    cpu = profile(model, x, mode="fake", target="cpu")
+    name = "aten._softmax_backward_data.default"
+    ops = [o for o in gpu.ops if o.name == name]
+    assert len(ops) == 2
+    out_bytes = b * a * s * s * torch.empty((), dtype=dtype).element_size()
+    assert [o.workspace_bytes for o in ops] == [out_bytes, out_bytes]
+    assert all(o.workspace_bytes == 0 for o in cpu.ops if o.name == name)
+    assert all(o.workspace_bytes == 0 for o in gpu.ops if o.name != name)
+    # the live bytes at each of those ops carry it: without it they are lower by exactly that
+    bare = dataclasses.replace(gpu, ops=tuple(dataclasses.replace(o, workspace_bytes=0) for o in gpu.ops))
+    with_ws = memfit.simulate(gpu, _no_plan(gpu)).live_bytes
+    without = memfit.simulate(bare, _no_plan(bare)).live_bytes
+    assert with_ws == gpu.live_bytes
+    assert [w - n for w, n in zip(with_ws, without, strict=True)] == [
+        out_bytes if o.name == name else 0 for o in gpu.ops]

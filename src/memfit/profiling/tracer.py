@@ -248,7 +248,13 @@ def profile(
 
     ops = []
     n_forward = tr.n_forward if tr.n_forward is not None else len(tr.ops)
+    # NOTE [CUDA kernels in fake mode] (5): the kernel temporaries measured on a GPU
+    from memfit.profiling.cuda_kernels import cuda_kernels_for, cuda_workspace_bytes
+
+    gpu_fake = fake and cuda_kernels_for(target) is not None
     for i, op in enumerate(tr.ops):
+        if gpu_fake:
+            op.workspace_bytes = max(op.workspace_bytes, cuda_workspace_bytes(op.name, op.outputs))
         if cost is not None:
             dtype = op.outputs[0][2] if op.outputs else "float32"
             t = op_time_s(op.flops, op.bytes_moved, dtype, cost)
