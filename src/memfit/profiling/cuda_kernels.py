@@ -41,16 +41,19 @@ NOTE [CUDA kernels in fake mode]
        tensors they pass ``is_causal=True`` (their mask skip treats fake tensors as tracing):
        memory-efficient attention then, not flash (a 2 s^2-byte bias per layer more in bf16).
     5. Kernel temporaries (workspace, NOTE [kernel workspaces]) measured on an H200 (torch
-       2.11, ``benchmarks.gpu_probe trace``: the allocator's peak inside each op above what
-       the op leaves): ``_softmax_backward_data`` holds a temporary as large as its output
-       while it runs (536,870,912 B on (8, 16, 1024, 1024) fp32 and (4, 16, 2048, 2048)
-       bf16, every call), and it is where an eager-attention transformer's backward peaks:
+       2.11, ``benchmarks.gpu_probe trace`` and ``benchmarks.gpu_kernel_temps``: the
+       allocator's peak inside each op above what the op leaves): ``_softmax_backward_data``
+       holds a temporary exactly as large as its output while it runs, on every one of 27
+       shapes and dtypes measured (fp32, bf16, fp16; attention scores up to (4, 16, 2048,
+       2048), vocabulary rows up to 1024 x 128,256); ``_log_softmax_backward_data`` holds
+       none. The softmax's is where an eager-attention transformer's backward peaks:
        the zoo GPT's (8 layers, d 1024, 8 x 1024 tokens, fp32) measured peak was 318,768,128 B
        over its prediction before (2.2%; 13.1% under every-block checkpointing), and is
        16,776,200 B under it now (0.11% and 0.61%). A fake-mode trace for a CUDA target gives that op this workspace
        (``cuda_workspace_bytes``). Not modelled: the column sums of bias gradients
-       (``sum.dim_IntList``, a staging buffer of 64-132 MiB over 8192 rows, its size set by
-       the reduction's launch configuration) and cuDNN's convolution workspaces (up to
+       (``sum.dim_IntList``: none over 512 rows; over 2048 to 32768 rows 8 bytes per input
+       element up to 132-136 MiB, 256 MiB at 32768 x 16384, alike in fp32 and bf16: a size
+       set by the reduction's launch configuration and the device's 132 multiprocessors) and cuDNN's convolution workspaces (up to
        1,098,907,648 B in ResNet-50's backward at batch 184, by the algorithm cuDNN picks):
        a plan's measured peak may exceed its prediction by one of those where it sits at the
        peak; the whole-job reserve (NOTE [reserve] in ``memfit.planning.job``) covers them.
