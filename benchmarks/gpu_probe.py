@@ -91,7 +91,46 @@ def cases(quick: bool) -> list[Case]:
             with torch.device(dev):
                 return c.build()
         out.append(Case(c.name, c.description, build, c.inputs, c.loss_fn))
+    out.append(_llama_case(quick))
     return out
+
+
+class _LlamaStep(nn.Module):
+    """``LlamaForCausalLM`` called as ``model(input_ids=ids, labels=ids)``."""
+
+    def __init__(self, llama: nn.Module) -> None:
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        return self.llama(input_ids=ids, labels=ids)
+
+
+def _llama_case(quick: bool) -> Case:
+    """An HF Llama fine-tune: bf16, SDPA attention (HF's default), no dropout, GQA."""
+    h, layers, heads, kv, seq, batch, vocab = ((64, 2, 4, 2, 64, 2, 256) if quick else
+                                                (2048, 8, 16, 4, 2048, 4, 32000))
+
+    def build(dev: torch.device) -> nn.Module:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=int(2.75 * h),
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                          max_position_embeddings=seq, use_cache=False)
+        torch.manual_seed(0)
+        with torch.device(dev):
+            return _LlamaStep(LlamaForCausalLM(cfg).to(torch.bfloat16))
+
+    def inputs(dev: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(0)
+        return (torch.randint(0, vocab, (batch, seq), generator=g).to(dev),)
+
+    return Case("hf-llama", f"HF LlamaForCausalLM {layers}x{h}, {heads} heads ({kv} KV), bf16, SDPA, "
+                f"seq {seq}, batch {batch}, vocab {vocab}, labels = inputs", build, inputs,
+                lambda out: out.loss)
 
 
 # ---- here: the spec --------------------------------------------------------------------------
@@ -164,16 +203,16 @@ class _Checkpointed(nn.Module):
         super().__init__()
         self.inner = nn.ModuleList(modules)
 
-    def _run(self, *args: Any) -> Any:
-        x = self.inner[0](*args)
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        x = self.inner[0](*args, **kwargs)  # keyword arguments: a lone module's (HF layers')
         for m in self.inner[1:]:
             x = m(x)
         return x
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self._run, *args, use_reentrant=False)
+        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_regions(model: nn.Module, regions: list[list[str]]) -> nn.Module:
@@ -195,6 +234,14 @@ def checkpoint_regions(model: nn.Module, regions: list[list[str]]) -> nn.Module:
         for n, m in kept:
             parent.add_module(n, wrapped if n == first else m)
     return model
+
+
+def _step(case: Case, model: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """Forward, loss, backward, the output referenced through backward as in a usual training
+    loop (``out = model(x); loss_fn(out).backward()``) and as memfit's profile counts it."""
+    out = model(*inputs)
+    case.loss_fn(out).backward()
+    del out
 
 
 def _peak(step: Callable[[], None], model: nn.Module, device: torch.device) -> int | None:
@@ -221,7 +268,7 @@ def measure_case(case: Case, regions: list[list[str]], device: torch.device, rep
 
     def step_of(m: nn.Module) -> Callable[[], None]:
         def step() -> None:
-            case.loss_fn(m(*inputs)).backward()
+            _step(case, m, inputs)
         return step
 
     def clear(m: nn.Module) -> None:
@@ -324,12 +371,12 @@ def trace_case(case: Case, device: torch.device, settings: dict[str, bool]) -> d
     torch.manual_seed(1)
     inputs = case.inputs(device)
     for _ in range(2):
-        case.loss_fn(model(*inputs)).backward()
+        _step(case, model, inputs)
         for p in model.parameters():
             p.grad = None
     gc.collect()
     torch.cuda.synchronize(device)
-    peak = _peak(lambda: case.loss_fn(model(*inputs)).backward(), model, device)
+    peak = _peak(lambda: _step(case, model, inputs), model, device)
     for p in model.parameters():
         p.grad = None
     gc.collect()
@@ -345,7 +392,7 @@ def trace_case(case: Case, device: torch.device, settings: dict[str, bool]) -> d
             p.grad = None
         torch.cuda.synchronize(device)
         s = time.perf_counter()
-        case.loss_fn(model(*inputs)).backward()
+        _step(case, model, inputs)
         torch.cuda.synchronize(device)
         steps.append(time.perf_counter() - s)
     timer = _OpTimes(device)
@@ -385,7 +432,7 @@ def job_case(case: Case, regions: list[list[str]], device: torch.device, steps: 
         torch.manual_seed(1)
         inputs = case.inputs(device)
         for _ in range(steps):
-            case.loss_fn(model(*inputs)).backward()
+            _step(case, model, inputs)
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)

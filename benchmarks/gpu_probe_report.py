@@ -116,7 +116,7 @@ def _jobs(folder: Path, profs: dict[str, Any]) -> list[str]:
 
 
 def _temporaries(folder: Path) -> list[str]:
-    traces = (_load(folder / "traces.json") or []) + (_load(folder / "traces-eager.json") or [])
+    traces = [t for f in sorted(folder.glob("traces*.json")) for t in _load(f) or []]
     if not traces:
         return []
     lines = ["", "## Kernel temporaries: the most allocated inside one op above what it leaves (`gpu_probe trace`)",

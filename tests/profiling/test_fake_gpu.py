@@ -391,3 +391,32 @@ def test_softmax_backward_holds_its_measured_cuda_temporary(dtype: torch.dtype) 
     assert with_ws == gpu.live_bytes
     assert [w - n for w, n in zip(with_ws, without, strict=True)] == [
         out_bytes if o.name == name else 0 for o in gpu.ops]
+
+
+def test_hf_llama_without_position_ids_runs_flash_as_on_a_gpu() -> None:
+    """NOTE [HF causal mask in fake mode]: on real tensors HF passes SDPA is_causal=True (an
+    H200 ran flash/cuDNN); under fake tensors its packed-sequence check kept a (b, 1, s, s)
+    mask and the trace took memory-efficient attention with a bias (11.7% over the H200's
+    measured peak on an 8-layer Llama). Given position_ids the check is left to HF (a packed
+    batch keeps its mask)."""
+    transformers = pytest.importorskip("transformers")
+    import transformers.masking_utils as mu
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=256, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(BF16)
+    ids = torch.zeros(2, 256, dtype=torch.long, device="meta")
+    before = (mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa)
+    plain = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
+    given = profile(model, {"input_ids": ids, "labels": ids,
+                            "position_ids": torch.zeros(2, 256, dtype=torch.long, device="meta")},
+                    mode="fake", target="h100")
+    assert (mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa) == before  # put back
+    names = {o.name for o in plain.ops}
+    assert FLASH in names and EFFICIENT not in names
+    assert not names & {"aten.where.self", "aten.bitwise_and.Tensor"}  # no mask built
+    assert EFFICIENT in {o.name for o in given.ops} and FLASH not in {o.name for o in given.ops}
+    # the mask and the bias expanded per head cost the fake trace this much at s = 256:
+    assert plain.peak_bytes < given.peak_bytes

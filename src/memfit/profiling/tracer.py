@@ -21,6 +21,7 @@ import torch
 
 from memfit.errors import ProfileMismatch
 from memfit.profiling.costmodel import op_time_s, preset
+from memfit.profiling.hf_masks import hf_causal_mask_skip
 from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.model_state import buffer_bytes, describe_parameters
 from memfit.profiling.modules import ModuleRecorder, param_owners
@@ -113,7 +114,10 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
         def step() -> None:
             st.run(forward=su.forward, on_backward=tracker.begin_backward)
     try:
-        with su.outer, su.kernels or contextlib.nullcontext(), rec, \
+        # NOTE [HF causal mask in fake mode]: in fake mode (su.state), HF's mask checks as on real tensors
+        masks = (hf_causal_mask_skip(positions_given="position_ids" in (st.kwargs or {}))
+                 if su.state is not None else contextlib.nullcontext())
+        with su.outer, su.kernels or contextlib.nullcontext(), masks, rec, \
                 tracker.saved_tensors_hooks(), tracker:
             step()
     finally:
