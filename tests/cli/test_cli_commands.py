@@ -410,3 +410,17 @@ def _main_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:  # argparse errors
         return int(e.code or 0)
+
+
+@pytest.mark.processes
+def test_plan_compress_under_the_chain_solvers_least_peak_compresses_its_least_peak_plan(capsys):
+    # NOTE [compress or recompute]: one byte under the chain solver's least peak, none of the
+    # looser budgets' fastest plans compresses to fit (their regions hold the compressible
+    # tensors): the least-peak plan compressed outside its regions does (before: infeasible)
+    base = ["plan", SMALL, "--solver", "chain"]
+    assert _main_code([*base, "--budget", "min", "--json"]) == EXIT_OK
+    least = json.loads(capsys.readouterr().out)["predicted_peak_bytes"]
+    argv = [*base, "--budget", str(least - 1), "--compress", "lossy", "--json"]
+    assert _main_code(argv) == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert data["compressed"] and data["predicted_peak_bytes"] <= data["budget_bytes"] == least - 1

@@ -284,7 +284,8 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         plain step with every candidate compressed; and, for looser region budgets (the
         budget plus 100/75/50/25% of what compression frees on the plain step), the solver's
         plan there with the candidates outside its regions compressed, kept if its peak fits
-        the budget. The least predicted time wins (recompute + codec seconds; ties: the
+        the budget; where none fits and no recompute-only plan does, the least-peak plan
+        with its outside candidates compressed. The least predicted time wins (recompute + codec seconds; ties: the
         lower peak). ``solve`` is the solver (budget -> Plan); it raises ``InfeasibleBudget``.
 
     Raises:
@@ -331,6 +332,16 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         except InfeasibleBudget:
             continue
     fits = [p for p in options if p.predicted_peak_bytes <= cap]
+    if not fits and error is not None:
+        # under every recompute-only plan's peak: the least-peak plan, compressed outside its
+        # regions, is the last to try (the looser budgets' fastest plans may hold the
+        # compressible tensors inside their regions; the chain solver's did on a zoo GPT)
+        try:
+            least = compress(solve("min"))
+        except InfeasibleBudget:
+            least = None
+        if least is not None and least.predicted_peak_bytes <= cap:
+            fits = [least]
     if not fits:
         if error is not None:
             raise error

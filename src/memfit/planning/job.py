@@ -41,12 +41,12 @@ NOTE [reserve]
     torch's allocator, and the caching allocator's rounding and fragmentation inside it. The
     default is 1 GiB plus 2% of the device's memory (2.6 GiB on an 80 GiB card, 3.89 GB on
     a 141 GB H200). Measured on an H200 (torch 2.11, ``benchmarks.gpu_probe job``: three AdamW
-    steps of five models, plain and every-block checkpointed; results/gpu-probe-2026-12-04):
+    steps of six models, plain and every-block checkpointed; results/gpu-probe-2026-12-04):
     the CUDA context took 0.60 GiB after start and 0.75 GiB once the kernels had loaded; the
-    allocated peak (weights, gradients, states, activations) was 1.000-1.087 of memfit's
+    allocated peak (weights, gradients, states, activations) was 1.000-1.045 of memfit's
     prediction; the caching allocator's reserved peak plus the context exceeded the allocated
-    peak by 0.94-1.84 GB with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and by
-    1.12-1.82 GB for the transformers but 2.90-4.81 GB for the ResNets with the default
+    peak by 0.92-1.82 GB with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and by
+    1.09-2.47 GB for the transformers but 2.90-4.81 GB for the ResNets with the default
     allocator (cuDNN's transient convolution workspaces, up to 1.1 GB, leave cached blocks
     behind). Torch frees its cached blocks and retries before it reports out-of-memory, so
     the default allocator's excess is not all needed, but a convolutional job planned close

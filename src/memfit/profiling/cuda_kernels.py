@@ -37,9 +37,9 @@ NOTE [CUDA kernels in fake mode]
        fp16 CUDA tensor run one half-to-float kernel where meta casts first (a transient fp32
        copy of the input, the same output saved); ``torch.autocast("cuda")`` does nothing to
        meta tensors, so such a step is traced in float32 (NOTE [fake mode under autocast]).
-       Hugging Face models under fake tensors pass SDPA an explicit causal mask where on real
-       tensors they pass ``is_causal=True`` (their mask skip treats fake tensors as tracing):
-       memory-efficient attention then, not flash (a 2 s^2-byte bias per layer more in bf16).
+       (Hugging Face models under fake tensors passed SDPA an explicit causal mask where on
+       real tensors they pass ``is_causal=True``: now decided as on real tensors, NOTE [HF
+       causal mask in fake mode] in ``memfit.profiling.hf_masks``.)
     5. Kernel temporaries (workspace, NOTE [kernel workspaces]) measured on an H200 (torch
        2.11, ``benchmarks.gpu_probe trace`` and ``benchmarks.gpu_kernel_temps``: the
        allocator's peak inside each op above what the op leaves): ``_softmax_backward_data``
@@ -49,7 +49,7 @@ NOTE [CUDA kernels in fake mode]
        none. The softmax's is where an eager-attention transformer's backward peaks:
        the zoo GPT's (8 layers, d 1024, 8 x 1024 tokens, fp32) measured peak was 318,768,128 B
        over its prediction before (2.2%; 13.1% under every-block checkpointing), and is
-       16,776,200 B under it now (0.11% and 0.61%). A fake-mode trace for a CUDA target gives that op this workspace
+       1,016 B over it now (both). A fake-mode trace for a CUDA target gives that op this workspace
        (``cuda_workspace_bytes``). Not modelled: the column sums of bias gradients
        (``sum.dim_IntList``: none over 512 rows; over 2048 to 32768 rows 8 bytes per input
        element up to 132-136 MiB, 256 MiB at 32768 x 16384, alike in fp32 and bf16: a size
