@@ -108,10 +108,11 @@ class _LlamaStep(nn.Module):
         return self.llama(input_ids=ids, labels=ids)
 
 
-def _llama_case(quick: bool) -> Case:
+def _llama_case(quick: bool, batch: int | None = None) -> Case:
     """An HF Llama fine-tune: bf16, SDPA attention (HF's default), no dropout, GQA."""
-    h, layers, heads, kv, seq, batch, vocab = ((64, 2, 4, 2, 64, 2, 256) if quick else
-                                                (2048, 8, 16, 4, 2048, 4, 32000))
+    h, layers, heads, kv, seq, default_batch, vocab = ((64, 2, 4, 2, 64, 2, 256) if quick else
+                                                       (2048, 8, 16, 4, 2048, 4, 32000))
+    batch = batch or default_batch
 
     def build(dev: torch.device) -> nn.Module:
         import os

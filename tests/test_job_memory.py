@@ -180,7 +180,7 @@ def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
     assert mem.gradients_bytes == 2 * LLAMA_7B_PARAMETERS
     assert mem.optimizer_bytes == 4 * LLAMA_7B_PARAMETERS  # two bf16 moments; steps on the host
     assert mem.optimizer_step_bytes == 2 * LLAMA_7B_PARAMETERS  # foreach: sqrt of one moment
-    assert mem.reserve_bytes == 2**30 + 80 * 2**30 // 50
+    assert mem.reserve_bytes == 2**30 + 80 * 2**30 * 2 // 25  # the default allocator's (8%)
     with pytest.raises(InfeasibleBudget) as e:
         memfit.plan(prof, device_memory="80GiB", optimizer="adamw",
                     optimizer_state_dtype="float32", solver="chain")
@@ -208,8 +208,37 @@ def test_fit_plans_a_meta_model_for_its_target_device():
     x = torch.randint(0, 512, (2, 32))
     memfit.fit(model, x, device_memory="80GiB", optimizer="adamw", target="h100")
     mem = model.memfit_plan.memory
-    assert mem is not None and mem.reserve_bytes == 2**30 + 80 * 2**30 // 50  # a GPU's reserve
+    assert mem is not None and mem.reserve_bytes == 2**30 + 80 * 2**30 * 2 // 25  # a GPU's reserve
     memfit.unapply(model)
     with pytest.raises(ValueError, match="plans a model on the meta device"):
         memfit.fit(zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=16), torch.zeros(1, 16, dtype=torch.long),
                    budget="50%", target="h100")
+
+
+@pytest.mark.parametrize(("conf", "expandable", "share"), [
+    (None, False, 2 / 25),
+    ("expandable_segments:True", True, 1 / 50),
+    ("max_split_size_mb:512,expandable_segments:true", True, 1 / 50),
+    ("expandable_segments:False", False, 2 / 25),
+], ids=["unset", "expandable", "among others", "off"])
+def test_the_gpu_reserve_follows_the_allocator(monkeypatch, conf, expandable, share):
+    # NOTE [reserve]: on an H200 the largest batch planned with 1 GiB + 2% ran with expandable
+    # segments and ran out of memory without them (fragments); 1 GiB + 8% predicted the batch
+    # that ran there
+    from memfit.planning.job import default_reserve_bytes, expandable_segments
+
+    if conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    assert expandable_segments() is expandable
+    card = 150_109_880_320
+    assert default_reserve_bytes(card, "h200") == 2**30 + int(card * share)
+    assert default_reserve_bytes(card, "cuda:0", expandable=not expandable) == (
+        2**30 + int(card * (1 / 50 if not expandable else 2 / 25)))
+    assert default_reserve_bytes(card, "cpu") == 0
+    with torch.device("meta"):
+        model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
+    p = memfit.plan(memfit.profile(model, torch.randint(0, 512, (2, 32), device="meta"), mode="fake",
+                                   target="h200"), device_memory=card, optimizer="adamw")
+    assert p.memory is not None and p.memory.reserve_bytes == 2**30 + int(card * share)

@@ -48,22 +48,30 @@ NOTE [reserve]
     peak by 0.92-1.82 GB with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and by
     1.09-2.47 GB for the transformers but 2.90-4.81 GB for the ResNets with the default
     allocator (cuDNN's transient convolution workspaces, up to 1.1 GB, leave cached blocks
-    behind). Torch frees its cached blocks and retries before it reports out-of-memory, so
-    the default allocator's excess is not all needed, but a convolutional job planned close
-    to the card should run with expandable segments or pass a larger ``reserve=``.
+    behind). At the card's edge (``benchmarks.gpu_largest_batch``: an HF Llama, 8 x 2048,
+    bf16, 2048 tokens a row, AdamW, on the H200's 150,109,880,320 B): with expandable segments
+    the largest batch memfit predicted with a reserve of 1 GiB + 2% ran (59 plain, its
+    allocated peak 1.0005 of predicted) and so did 60 and 61 (63 did not); with the default
+    allocator 59 ran out of memory (a 14.4 GiB block did not fit the 5.1 GiB its fragments
+    left) and 55 ran, and under every-block checkpointing 140 ran out and 132 ran. So the
+    default reserve on a GPU is 1 GiB + 2% of the device with expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the planning process's
+    environment, as in the job's) and 1 GiB + 8% without them (predicting 55 and 131 there).
+    Pass ``reserve=`` to choose.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from memfit.units import format_bytes
 
 __all__ = ["OptimizerMemory", "JobSpec", "JobMemory", "SHARDINGS", "model_memory", "activation_budget",
-           "job_memory", "default_reserve_bytes", "smallest_world_size"]
+           "job_memory", "default_reserve_bytes", "expandable_segments", "smallest_world_size"]
 
 SHARDINGS = ("none", "optimizer", "gradients", "full")
 _GiB = 1 << 30
@@ -231,16 +239,44 @@ def job_memory(mm: ModelMemory, spec: JobSpec, activations_bytes: int) -> JobMem
                      spec.reserve_bytes, total, spec.optimizer.name, spec.world_size, spec.sharding)
 
 
-def default_reserve_bytes(device_memory_bytes: int, device: str) -> int:
-    """NOTE [reserve]: 0 on a CPU; 1 GiB + 2% of ``device_memory_bytes`` on a GPU.
+def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` turns on the caching allocator's expandable segments
+    (NOTE [reserve]).
 
     Example:
-        >>> round(default_reserve_bytes(80 << 30, "h100") / (1 << 30), 2)
+        >>> expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        True
+        >>> expandable_segments({})
+        False
+    """
+    conf = (os.environ if environ is None else environ).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() in ("true", "1")
+    return False
+
+
+def default_reserve_bytes(device_memory_bytes: int, device: str, *,
+                          expandable: bool | None = None) -> int:
+    """NOTE [reserve]: 0 on a CPU; on a GPU 1 GiB + 2% of ``device_memory_bytes`` with the
+    caching allocator's expandable segments, 1 GiB + 8% without them.
+
+    Args:
+        expandable: whether the job runs with expandable segments; default: as
+            ``PYTORCH_CUDA_ALLOC_CONF`` says in this process.
+
+    Example:
+        >>> round(default_reserve_bytes(80 << 30, "h100", expandable=True) / (1 << 30), 2)
         2.6
+        >>> round(default_reserve_bytes(80 << 30, "h100", expandable=False) / (1 << 30), 2)
+        7.4
     """
     if device.lower().startswith("cpu"):
         return 0
-    return _GiB + device_memory_bytes // 50
+    if expandable is None:
+        expandable = expandable_segments()
+    return _GiB + (device_memory_bytes // 50 if expandable else device_memory_bytes * 2 // 25)
 
 
 def smallest_world_size(parameters: Iterable[Any], buffer_bytes: int, spec: JobSpec,
