@@ -33,7 +33,6 @@ SOLVERS = ("none", "every_block")
 def predict() -> dict[str, Any]:
     import memfit
     from benchmarks.gpu_probe import _llama_case
-
     from memfit.planning.job import expandable_segments
 
     out: dict[str, Any] = {"device_memory_bytes": CARD_BYTES, "target": "h200",
