@@ -97,17 +97,6 @@ def cases(quick: bool) -> list[Case]:
     return out
 
 
-class _LlamaStep(nn.Module):
-    """``LlamaForCausalLM`` called as ``model(input_ids=ids, labels=ids)``."""
-
-    def __init__(self, llama: nn.Module) -> None:
-        super().__init__()
-        self.llama = llama
-
-    def forward(self, ids: torch.Tensor) -> Any:
-        return self.llama(input_ids=ids, labels=ids)
-
-
 def _llama_case(quick: bool, batch: int | None = None) -> Case:
     """An HF Llama fine-tune: bf16, SDPA attention (HF's default), no dropout, GQA."""
     h, layers, heads, kv, seq, default_batch, vocab = ((64, 2, 4, 2, 64, 2, 256) if quick else
@@ -119,6 +108,8 @@ def _llama_case(quick: bool, batch: int | None = None) -> Case:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import LlamaConfig, LlamaForCausalLM
+
+        from benchmarks.models import _LlamaStep
 
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=int(2.75 * h),
                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
