@@ -285,8 +285,9 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         budget plus 100/75/50/25% of what compression frees on the plain step), the solver's
         plan there with the candidates outside its regions compressed, kept if its peak fits
         the budget; where none fits and no recompute-only plan does, the least-peak plan
-        with its outside candidates compressed. The least predicted time wins (recompute + codec seconds; ties: the
-        lower peak). ``solve`` is the solver (budget -> Plan); it raises ``InfeasibleBudget``.
+        with its outside candidates compressed. The least predicted time wins (recompute +
+        codec seconds; ties: the lower peak). ``solve`` is the solver (budget -> Plan); it
+        raises ``InfeasibleBudget``.
 
     Raises:
         InfeasibleBudget: no option fits (the recompute-only plan's error).
