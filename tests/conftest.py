@@ -25,6 +25,24 @@ def _freeze_survivors() -> None:
     gc.freeze()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """NOTE [features by torch release] (memfit.torch_range): a test marked
+    ``torch_feature(name)`` tests a feature that some releases refuse; on those it must raise
+    ``UnsupportedTorch`` (a strict xfail: a pass or another error fails the suite)."""
+    marked = [(item, m.args[0]) for item in items for m in item.iter_markers("torch_feature")]
+    if not marked:
+        return
+    from memfit.errors import UnsupportedTorch
+    from memfit.torch_range import capabilities
+
+    caps = capabilities()
+    for item, feature in marked:
+        if caps.status(feature) == "refused":
+            item.add_marker(pytest.mark.xfail(
+                raises=UnsupportedTorch, strict=True,
+                reason=f"{feature} is refused on torch {caps.torch_version}"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     _freeze_survivors()  # the imported libraries and the collected tests
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import inspect
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +31,8 @@ aten = torch.ops.aten
 
 # ---- one exercise per public name of memfit._torch ---------------------------------------
 def _supported_torch() -> None:
-    assert T.SUPPORTED_TORCH == ">=2.13,<2.15"
-    assert (2, 13) <= T.torch_release(torch.__version__) < (2, 15)
+    assert T.SUPPORTED_TORCH == ">=2.9,<2.16"
+    assert (2, 9) <= T.torch_release(torch.__version__) < (2, 16)
     # the range pyproject.toml declares is this one
     pyproject = (SRC.parents[1] / "pyproject.toml").read_text()
     assert re.findall(r'"torch([<>=!~][^"]*)"', pyproject) == [T.SUPPORTED_TORCH]
@@ -167,6 +169,9 @@ def _sac_rearm() -> None:
     out = torch.utils.checkpoint.checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False,
                                             context_fn=lambda: (caching, cached))
     out.sum().backward(retain_graph=True)
+    if not T.SAC_INDEXED:  # the queued layout: memfit's QueuedEntries do it (tests/runtime)
+        assert T.sac_rearm(cached) == 0
+        return
     assert T.sac_rearm(cached) == 1  # the mm's entry, consumed by the replay
     out.sum().backward()  # recomputes the mm instead of "Trying to backward an extra time"
 
@@ -292,16 +297,23 @@ def _outer_saved_tensors_hooks() -> None:
 
 def _mm_then_written(forget: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A selective checkpoint saving mm, whose output the forward then writes in place."""
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op is aten.mm.default else \
-            CheckpointPolicy.PREFER_RECOMPUTE
+    from memfit.runtime.policies import save_ops
+    from memfit.runtime.region_policy import RegionPolicy
 
-    caching, cached = create_selective_checkpoint_contexts(policy)
+    # memfit's policy: on torch's queued layout it answers the replay from the forward's
+    # decisions and knows each entry's position (NOTE [selective-checkpoint layouts])
+    policy = RegionPolicy(save_ops("aten.mm"))
+    caching, cached = T.selective_checkpoint_contexts(policy)
+    policy.storage = caching.storage  # no caching_mode: the policy must not forget by itself
+
+    forward = [True]  # the replay runs fn again: forget in the forward only
 
     def fn(x, w):
         h = torch.mm(x, w)
-        if forget:
-            assert T.sac_forget(caching, aten.mm.default, 0)
+        if forget and forward:
+            forward.pop()
+            position = policy.positions.pop(("aten.mm.default", 0), None)
+            assert T.sac_forget(caching, aten.mm.default, 0, position)
         h.mul_(2)
         return h.sin()
 
@@ -313,20 +325,89 @@ def _mm_then_written(forget: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return x.grad, w.grad
 
 
+def _policy_calls() -> tuple[list[bool], list[Any]]:
+    """(is_recompute per policy call, op_output per forward call) of one selective region."""
+    recompute, outputs = [], []
+
+    def keep_mm(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        recompute.append(T.sac_is_recompute(ctx))
+        if not T.sac_is_recompute(ctx):
+            outputs.append(T.sac_op_output(ctx))
+        return op is aten.mm.default
+
+    x = torch.randn(3, 3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(
+        lambda t: (t @ t).sin(), x, use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, keep_mm)).sum().backward()
+    return recompute, outputs
+
+
+def _sac_indexed() -> None:
+    # NOTE [selective-checkpoint layouts]: the indexed layout asks the policy in the forward
+    # only; the queued one asks again in the recomputation
+    recompute, _ = _policy_calls()
+    assert recompute[:2] == [False, False]
+    assert any(recompute) is (not T.SAC_INDEXED)
+    assert T.SAC_INDEXED is (T.feature_problems()["offload"] is None)
+
+
 def _sac_op_output() -> None:
+    _, outputs = _policy_calls()
+    assert len(outputs) == 2 and all((o is not None) is T.SAC_OP_OUTPUT for o in outputs)
+
+
+def _queued_entries() -> None:
+    entries = T.QueuedEntries()
+    entries.extend(["a", "b", "c"])
+    entries.cursor = 1
+    assert entries.pop(0) == "b" and entries.cursor is None  # the policy's occurrence
+    assert len(entries) == 2 and list(entries) == ["a", None, "c"]  # a hole keeps positions
+    assert entries.pop(0) == "a" and entries.pop(0) == "c"  # torch's own order otherwise
+    assert len(entries) == 0 and not entries
+
+
+def _selective_checkpoint_contexts() -> None:
+    caching, cached = T.selective_checkpoint_contexts(lambda *a, **k: False)
+    assert caching.storage is cached.storage
+    assert all(isinstance(caching.storage[op], T.AnyOccurrenceRecomputed) for op in T.PROFILER_OPS) \
+        is T.SAC_INDEXED
+    if not T.SAC_INDEXED:
+        assert isinstance(caching.storage[aten.mm.default], T.QueuedEntries)
+
+
+def _any_occurrence_recomputed() -> None:
+    entries = T.AnyOccurrenceRecomputed()
+    if T.SAC_INDEXED:
+        assert entries.get(7) is torch.utils.checkpoint._RECOMPUTE
+    storage: dict[Any, Any] = {}
+    T.sac_ignore_profiler_ops(storage)
+    assert sorted(map(str, storage)) == (sorted(map(str, T.PROFILER_OPS)) if T.SAC_INDEXED else [])
+
+
+def _profiler_ops() -> None:
     seen = []
 
-    def policy(ctx, op, *args, **kwargs):
-        seen.append((op, T.sac_op_output(ctx)))
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    class Ops(T.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
 
-    x = torch.randn(3, 4, requires_grad=True)
-    torch.utils.checkpoint.checkpoint(
-        lambda x: torch.mm(x, x.t()).sin(), x, use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
-    assert [op for op, _ in seen] == [aten.t.default, aten.mm.default, aten.sin.default]
-    assert torch.equal(seen[1][1], torch.mm(x, x.t()))
-    assert torch.equal(seen[2][1], torch.mm(x, x.t()).sin())
+    with Ops(), torch.profiler.record_function("range"):
+        pass
+    assert seen and all(op in T.PROFILER_OPS for op in seen)
+
+
+def _checkpoint_options() -> None:
+    takes = T.RESPECT_HOOKS in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    assert T.RESPECT_HOOKS == "respect_saved_tensors_hooks"
+    assert T.checkpoint_options({"early_stop": True}) == (
+        {"early_stop": True, T.RESPECT_HOOKS: False} if takes else {"early_stop": True})
+    assert T.checkpoint_options({T.RESPECT_HOOKS: True}) == {T.RESPECT_HOOKS: True}
+    assert (T.feature_problems()[T.RESPECT_HOOKS] is None) is takes
+
+
+def _has_cuda_fake_ops() -> None:
+    assert T.has_cuda_fake_ops() is True  # every release of the range has them (cuda_fake_ops)
 
 
 def _sac_forget() -> None:
@@ -343,12 +424,20 @@ def _sac_forget() -> None:
 
 
 def _require_sac_storage() -> None:
-    assert T.require_sac_storage() is None
+    if T.SAC_INDEXED:
+        assert T.require_sac_storage() is None
+    else:  # rule 4: refused, naming the release that has it
+        with pytest.raises(UnsupportedTorch, match="offload needs the indexed .* torch 2.13"):
+            T.require_sac_storage()
 
 
 def _sac_storage_entries() -> None:
     """A dict of ours shared by both modes: the caching mode fills it with entries whose
     leaves hold the detached output, the cached mode serves them from it."""
+    if not T.SAC_INDEXED:  # refused (rule 4): no offload before torch 2.13
+        with pytest.raises(UnsupportedTorch, match="torch 2.13"):
+            T.sac_set_storage(None, None, {})
+        return
     caching, cached = create_selective_checkpoint_contexts(
         lambda ctx, op, *a, **k: op is aten.mm.default)
     class Storage(dict):
@@ -472,6 +561,9 @@ def _traced_source_fn() -> None:
     # under torch.compile] in memfit.runtime.checkpoint counts that clone as nothing).
     dropout = [("aten.clone.default", nn.Dropout)] if T.torch_release(torch.__version__) < \
         (2, 14) else []
+    # torch 2.9 names the module's functional as the source, later releases the module
+    modules = {torch.nn.functional.dropout: nn.Dropout, torch.nn.functional.linear: nn.Linear}
+    seen = [(op, modules.get(src, src)) for op, src in seen]
     assert list(dict.fromkeys(seen)) == [  # each traced op is asked about more than once
         ("aten.sin.default", "sin"), *dropout,
         ("aten.t.default", nn.Linear), ("aten.addmm.default", nn.Linear)]
@@ -531,6 +623,18 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "sac_op_output": _sac_op_output,
     "sac_rearm": _sac_rearm,
     "sac_forget": _sac_forget,
+    "SAC_INDEXED": _sac_indexed,
+    "SAC_OP_OUTPUT": _sac_op_output,
+    "QueuedEntries": _queued_entries,
+    "selective_checkpoint_contexts": _selective_checkpoint_contexts,
+    "sac_is_recompute": _sac_indexed,
+    "AnyOccurrenceRecomputed": _any_occurrence_recomputed,
+    "sac_ignore_profiler_ops": _any_occurrence_recomputed,
+    "PROFILER_OPS": _profiler_ops,
+    "checkpoint_options": _checkpoint_options,
+    "RESPECT_HOOKS": _checkpoint_options,
+    "feature_problems": _sac_indexed,
+    "has_cuda_fake_ops": _has_cuda_fake_ops,
     "require_sac_storage": _require_sac_storage,
     "sac_set_storage": _sac_storage_entries,
     "sac_saved_tensor": _sac_storage_entries,
@@ -653,17 +757,17 @@ def test_open_checkpoint_refuses_what_is_no_generator(monkeypatch):
         T.open_checkpoint(lambda *a: None, lambda: (None, None), [torch.ones(1)])
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.6.0+cpu", "1.13.1"])
+@pytest.mark.parametrize("version", ["2.8.1", "2.6.0+cpu", "1.13.1"])
 def test_an_older_torch_is_refused_naming_it_and_the_range(monkeypatch, version):
     monkeypatch.setattr(torch, "__version__", version)
     with pytest.raises(UnsupportedTorch) as info:
         T.require_supported_torch()
     assert str(info.value) == (
-        f"memfit needs torch >=2.13,<2.15, but torch {version} is installed (memfit is tested "
-        f"with {T._TESTED}): install a supported torch, e.g. pip install 'torch>=2.13,<2.15'")
+        f"memfit needs torch >=2.9,<2.16, but torch {version} is installed (memfit is tested "
+        f"with {T._TESTED}): install a supported torch, e.g. pip install 'torch>=2.9,<2.16'")
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.1"])
+@pytest.mark.parametrize("version", ["2.9.1", "2.11.0+cu130", "2.13.0+cpu", "2.15.0"])
 def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
     with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
@@ -671,14 +775,14 @@ def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20260101+cpu", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.0.dev20260101+cpu", "3.0.0"])
 def test_a_newer_torch_is_let_through_with_a_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
     with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
         T.require_supported_torch()
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {version} is newer than the releases memfit is tested with ({T._TESTED}, "
-        "supported >=2.13,<2.15); memfit checks the private APIs it needs, but was not tested "
+        "supported >=2.9,<2.16); memfit checks the private APIs it needs, but was not tested "
         "on this torch"]
 
 
@@ -699,7 +803,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_an_older_torch_fails_at_the_first_profiling_import():
     done = _run("""
         import torch
-        torch.__version__ = "2.10.0"             # as on an older torch
+        torch.__version__ = "2.8.0"              # as on an older torch
         import memfit                            # needs no torch internals
         try:
             memfit.profile(torch.nn.Linear(2, 2), torch.ones(1, 2))
@@ -709,7 +813,7 @@ def test_an_older_torch_fails_at_the_first_profiling_import():
     assert done.returncode == 0, done.stderr
     kind, message = done.stdout.strip().split(" | ", 1)
     assert kind == "UnsupportedTorch"
-    assert message.startswith("memfit needs torch >=2.13,<2.15, but torch 2.10.0 is installed")
+    assert message.startswith("memfit needs torch >=2.9,<2.16, but torch 2.8.0 is installed")
 
 
 @pytest.mark.processes

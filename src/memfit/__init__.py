@@ -9,7 +9,8 @@ Example:
     >>> import memfit, torch
     >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
     >>> x = torch.randint(0, 256, (2, 32))
-    >>> plan = memfit.fit(model, x, budget="60%")     # doctest: +SKIP
+    >>> model = memfit.fit(model, x, budget="60%")    # doctest: +SKIP
+    >>> print(model.memfit_plan)                      # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _LAZY = {
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.api",
     "largest_batch": "memfit.capacity",
+    "capabilities": "memfit.torch_range",
+    "Capabilities": "memfit.torch_range",
     "fit": "memfit.api",
     "verify": "memfit.measuring.verification",
     "VerifyReport": "memfit.measuring.verification",

@@ -32,6 +32,7 @@ NOTE [private torch APIs]
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
 from collections.abc import Callable, Generator
@@ -58,10 +59,13 @@ __all__ = [
     "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook", "set_display_name",
     "clear_display_name", "current_autograd_node", "node_sequence_nr", "peek_sequence_nr",
     "no_python_dispatch", "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
+    "SAC_OP_OUTPUT", "SAC_INDEXED", "QueuedEntries", "selective_checkpoint_contexts",
+    "sac_is_recompute", "checkpoint_options", "RESPECT_HOOKS", "PROFILER_OPS",
+    "AnyOccurrenceRecomputed", "sac_ignore_profiler_ops",
     "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
     "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
     "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
-    "sdp_priority_order", "cuda_fake_ops",
+    "sdp_priority_order", "cuda_fake_ops", "has_cuda_fake_ops", "feature_problems",
 ]
 
 require_supported_torch()  # rule 0
@@ -129,9 +133,104 @@ def _has_op_output() -> bool:
     return getattr(ctx, "op_output", None) is probe
 
 
-if not _has_op_output():  # every region's policy reads it (memfit.runtime.policies)
-    raise unsupported("torch.utils.checkpoint.SelectiveCheckpointContext.op_output (the "
-                      "output of the op a selective-checkpoint policy decides for)")
+# NOTE [selective-checkpoint layouts] (memfit.runtime.policies reads these two flags)
+#     torch's selective checkpoint keeps saved op outputs in a dict ``storage`` that its
+#     caching (forward) and cached (recompute) dispatch modes share, laid out in one of two ways:
+#
+#     - indexed (torch 2.13 on, ``SAC_INDEXED``): ``storage[op][k]`` per occurrence k, holding
+#       the entry, ``_RECOMPUTE`` or ``_CONSUMED``; the policy is asked in the forward only.
+#     - queued (torch 2.9-2.12): ``storage[op]`` a list of the saved entries in forward order,
+#       which the recomputation pops from the front; the policy is asked again during the
+#       recomputation (``ctx.is_recompute``), and an entry consumed by one recomputation is
+#       gone for the next (another backward, or a recomputation resumed after an early stop:
+#       the next pop takes the wrong entry, and torch's own selective checkpoint then gives
+#       wrong gradients silently).
+#
+#     memfit gives both the indexed semantics: on the queued layout the region policy answers
+#     the recomputation from the forward's decisions, by occurrence (never deciding again), and
+#     the lists are ``QueuedEntries``, whose pop takes the entry of the occurrence the policy
+#     named and leaves a hole; an occurrence whose entry was consumed (or forgotten: NOTE
+#     [forced recompute]) is recomputed, as ``_RECOMPUTE`` on the indexed layout.
+#     ``SAC_OP_OUTPUT`` (torch 2.12 on): the policy's context carries the op's output; before
+#     2.12 the policy is asked before the op runs, and memfit's ``OutputTap`` hands it the
+#     output afterwards (memfit.runtime.policies).
+SAC_OP_OUTPUT = _has_op_output()
+SAC_INDEXED = all(getattr(torch.utils.checkpoint, name, None) is not None
+                  for name in ("_RECOMPUTE", "_CONSUMED"))
+
+
+class QueuedEntries(list):
+    """One op's saved entries on the queued layout (NOTE [selective-checkpoint layouts]):
+    ``pop`` takes the entry at ``cursor`` (set by the region policy just before torch pops)
+    and leaves a hole (None), so positions stay those of the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cursor: int | None = None
+
+    def pop(self, index: Any = -1) -> Any:  # torch calls pop(0)
+        pos = self.cursor
+        self.cursor = None
+        if pos is None:  # not one of memfit's eager regions' pops: the first entry left
+            pos = next(i for i, e in enumerate(self) if e is not None)
+        entry = self[pos]
+        self[pos] = None
+        return entry
+
+    def __len__(self) -> int:  # torch reads an empty list as "backward an extra time"
+        return sum(e is not None for e in self)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+# NOTE [profiler ops in a replay]
+#     ``torch.profiler.record_function`` (FSDP2's hooks, ``nn.DataParallel``, users' own ranges)
+#     dispatches ``profiler._record_function_enter_new`` / ``_record_function_exit`` ops, and a
+#     replay runs them a different number of times than the forward when a range encloses
+#     the region's end. They compute nothing the gradients read: the divergence check skips
+#     them (memfit.runtime.divergence), and on the indexed layout every occurrence of them is
+#     "recompute" (``AnyOccurrenceRecomputed``), where torch's cached mode would raise "invocation
+#     index ... not found in storage" for an occurrence the forward did not have. On the
+#     queued layout the policy is asked and answers recompute.
+PROFILER_OPS: tuple[Any, ...] = tuple(
+    op for name in ("_record_function_enter", "_record_function_enter_new",
+                    "_record_function_exit")
+    for packet in [getattr(torch.ops.profiler, name, None)] if packet is not None
+    for op in (getattr(packet, o) for o in packet.overloads()))
+
+
+class AnyOccurrenceRecomputed(dict):
+    """A profiler op's entries on the indexed layout: every occurrence is "recompute"."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return torch.utils.checkpoint._RECOMPUTE
+
+
+def sac_ignore_profiler_ops(storage: Any) -> None:
+    """NOTE [profiler ops in a replay], on a selective-checkpoint storage dict."""
+    if SAC_INDEXED:
+        for op in PROFILER_OPS:
+            storage[op] = AnyOccurrenceRecomputed()
+
+
+def selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
+    """torch's ``create_selective_checkpoint_contexts(policy_fn)``, with ``QueuedEntries``
+    lists on the queued layout (NOTE [selective-checkpoint layouts]) and profiler ops
+    recomputed (NOTE [profiler ops in a replay])."""
+    caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(policy_fn)
+    if not SAC_INDEXED:
+        storage: Any = collections.defaultdict(QueuedEntries)
+        caching.storage = storage
+        cached.storage = storage
+    sac_ignore_profiler_ops(caching.storage)
+    return caching, cached
+
+
+def sac_is_recompute(ctx: Any) -> bool:
+    """Whether torch asks the policy during a recomputation (queued layout only)."""
+    return bool(getattr(ctx, "is_recompute", False))
+
 
 # Logger of the fake-tensor machinery (the CLI quiets its tracebacks of failing ops).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -255,15 +354,25 @@ def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
 # ---- torch.utils.checkpoint ----------------------------------------------------------------
 def sac_op_output(ctx: Any) -> Any:
     """The output of the op a selective-checkpoint policy is asked about: what the caching
-    mode stores if the policy says save (``ctx`` as torch passes it to the policy)."""
-    return ctx.op_output
+    mode stores if the policy says save (``ctx`` as torch passes it to the policy; None
+    before torch 2.12: NOTE [selective-checkpoint layouts])."""
+    return getattr(ctx, "op_output", None)
 
 
-def sac_forget(caching_mode: Any, op: Any, index: int) -> bool:
+def sac_forget(caching_mode: Any, op: Any, index: int, position: int | None = None) -> bool:
     """Turn a saved entry of torch's selective-checkpoint cache back into "recompute" (the
     forward writes in place into a tensor the cache holds: NOTE [forced recompute] in
-    ``memfit.runtime.policies``). False if this torch lays the cache out otherwise (rule 5)."""
+    ``memfit.runtime.policies``): occurrence ``index`` on the indexed layout, the entry at
+    ``position`` of ``QueuedEntries`` on the queued one (NOTE [selective-checkpoint
+    layouts]). False if this torch lays the cache out otherwise (rule 5)."""
     storage = getattr(caching_mode, "storage", None)
+    if not SAC_INDEXED:
+        entries = storage.get(op) if isinstance(storage, dict) else None
+        if not isinstance(entries, QueuedEntries) or position is None or \
+                position >= list.__len__(entries):
+            return False
+        entries[position] = None
+        return True
     marker = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
     if storage is None or marker is None or op not in storage or index not in storage[op]:
         return False
@@ -293,7 +402,8 @@ def _sac_storage_problem() -> str | None:
     """What offload needs from torch's selective checkpoint and this torch lacks (None: all)."""
     wrapper = getattr(torch.utils.checkpoint, "_VersionWrapper", None)
     if wrapper is None or getattr(torch.utils.checkpoint, "_CONSUMED", None) is None:
-        return "torch.utils.checkpoint._VersionWrapper and _CONSUMED"
+        return ("the indexed selective-checkpoint cache of torch 2.13 and newer "
+                "(torch.utils.checkpoint._VersionWrapper and _CONSUMED)")
     caching, cached = torch.utils.checkpoint.create_selective_checkpoint_contexts(lambda *a: False)
     if getattr(caching, "storage", None) is None or getattr(cached, "storage", None) is not \
             caching.storage:
@@ -318,6 +428,7 @@ def sac_set_storage(caching_mode: Any, cached_mode: Any, storage: Any) -> None:
     """Make the two modes of one ``create_selective_checkpoint_contexts`` call share
     ``storage`` (a dict ``op -> {index: entry}``) instead of the dict torch made for them."""
     require_sac_storage()
+    sac_ignore_profiler_ops(storage)
     caching_mode.storage = storage
     cached_mode.storage = storage
 
@@ -384,7 +495,36 @@ def generator_problem(generator: Any) -> str | None:
     return None
 
 
+def _takes_keyword(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# NOTE [saved-tensor hooks around selective regions]
+#     torch 2.14 added ``respect_saved_tensors_hooks`` to the non-reentrant checkpoint: whether
+#     the outputs a selective region saves pass through the user's ``saved_tensors_hooks``
+#     around it (memfit's compression and offload hooks are such hooks). Unset, torch keeps
+#     them out of the hooks and warns (FutureWarning) that a later release will route them
+#     through. memfit's plans count a region's saved outputs on the device, uncompressed
+#     (compression applies outside regions), so memfit passes False wherever torch takes it,
+#     unless the caller passed the argument.
+RESPECT_HOOKS = "respect_saved_tensors_hooks"
+_CHECKPOINT_TAKES_RESPECT = _takes_keyword(torch.utils.checkpoint.checkpoint, RESPECT_HOOKS)
+
+
+def checkpoint_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``torch.utils.checkpoint.checkpoint`` with ``respect_saved_tensors_hooks``
+    set to False where this torch takes it and the caller did not set it (NOTE [saved-tensor
+    hooks around selective regions])."""
+    if _CHECKPOINT_TAKES_RESPECT and RESPECT_HOOKS not in kwargs:
+        return {**kwargs, RESPECT_HOOKS: False}
+    return kwargs
+
+
 _generator = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+_GENERATOR_TAKES_RESPECT = _generator is not None and _takes_keyword(_generator, RESPECT_HOOKS)
 _CHAIN_SEGMENTS_PROBLEM = generator_problem(_generator)
 
 
@@ -406,7 +546,8 @@ def open_checkpoint(fn: Callable[..., Any], context_fn: Callable[[], tuple[Any, 
     [chain segments]). ``UnsupportedTorch`` if the generator differs (rule 4)."""
     require_chain_segments()
     assert _generator is not None
-    gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs)
+    options = {RESPECT_HOOKS: False} if _GENERATOR_TAKES_RESPECT else {}
+    gen: Any = _generator(fn, True, context_fn, "default", False, True, *inputs, **options)
     if not inspect.isgenerator(gen):
         raise _chain_segments_unsupported(
             f"{_GENERATOR_NAME} to return a generator (this torch's returned "
@@ -487,6 +628,19 @@ def sdp_priority_order() -> tuple[int, ...]:
     """SDPA backends (``SDPBackend`` values) in the order CUDA tries them (rule 5)."""
     get = getattr(torch._C, "_get_sdp_priority_order", None)
     return tuple(int(b) for b in get()) if get is not None else (1, 2, 0, 3)
+
+
+def has_cuda_fake_ops() -> bool:
+    """Whether this torch has every CUDA attention op fake mode calls (``cuda_fake_ops``)."""
+    return all(getattr(getattr(torch.ops.aten, n, None), "default", None) is not None
+               for n in _CUDA_FAKE_OPS)
+
+
+def feature_problems() -> dict[str, str | None]:
+    """What this torch lacks for each feature that rule 4 gates (None: nothing), and whether
+    it takes ``respect_saved_tensors_hooks``, for ``memfit.capabilities``."""
+    return {"offload": _SAC_STORAGE_PROBLEM, "chain segments": _CHAIN_SEGMENTS_PROBLEM,
+            RESPECT_HOOKS: None if _CHECKPOINT_TAKES_RESPECT else "not taken"}
 
 
 def cuda_fake_ops() -> dict[str, OpOverload]:

@@ -17,7 +17,8 @@ from memfit.profiling.storages import LiveStorages, StorageKind
 from memfit.runtime.apply import apply, host_pool
 from memfit.runtime.checkpoint import checkpoint
 from memfit.runtime.offload import HostCopy, HostPool
-from memfit.runtime.policies import RegionPolicy, by_key
+from memfit.runtime.policies import by_key
+from memfit.runtime.region_policy import RegionPolicy
 
 # Offload runs on the CPU here, which it cannot help (NOTE [offload on a CPU model]); the
 # warning that says so has a test of its own.

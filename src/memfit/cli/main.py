@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from memfit.cli import demo, plan, profile, sweep, verify
+from memfit.cli import demo, doctor, plan, profile, sweep, verify
 from memfit.cli.exits import (
     EXIT_BAD_INPUT,
     EXIT_CODES,
@@ -58,6 +58,7 @@ Hugging Face config.json (planned on the meta device in fake mode, no weights ne
 
 examples:
   memfit demo
+  memfit doctor                      (what memfit can do on this torch and device)
   memfit plan gpt:n_layer=4 --budget 60% -o plan.json
   memfit verify gpt:n_layer=4 --plan plan.json
   memfit plan llama-config.json --budget 40GiB --target h100
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     subs = root.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     subs.required = True
-    for mod in (demo, profile, plan, sweep, verify):
+    for mod in (demo, profile, plan, sweep, verify, doctor):
         mod.add_parser(subs, common)
     return root
 

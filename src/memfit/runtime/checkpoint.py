@@ -29,9 +29,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit._torch import sac_rearm
+from memfit._torch import (
+    SAC_OP_OUTPUT,
+    checkpoint_options,
+    sac_rearm,
+    selective_checkpoint_contexts,
+)
 from memfit.errors import MemfitError
 from memfit.runtime import policies as _policies
 from memfit.runtime.bindings import ForwardTensors, watch_inputs
@@ -42,6 +46,7 @@ from memfit.runtime.draws import DrawKeeper
 from memfit.runtime.generators import GeneratorReplay
 from memfit.runtime.offload import pool_of, selective_contexts
 from memfit.runtime.policies import PolicyArg
+from memfit.runtime.region_policy import OutputTap, RegionPolicy
 
 __all__ = ["checkpoint", "RegionContexts", "run_region", "debug_mode_error"]
 
@@ -170,17 +175,20 @@ class RegionContexts:
             recompute.append(keeper.recompute_mode())
         if self.policy is not None:
             # The policy feeds the recorder: one dispatch mode less per forward op.
-            region_policy = _policies.RegionPolicy(
+            region_policy = RegionPolicy(
                 self.policy, self.recorder,
                 generators=None if self.watch_generators else self.generators)
             pool = pool_of(self.policy)
             if pool is None:
-                caching, cached = create_selective_checkpoint_contexts(region_policy)
+                caching, cached = selective_checkpoint_contexts(region_policy)
             else:  # NOTE [offload through the selective-checkpoint cache]
                 caching, cached, storage = selective_contexts(region_policy, pool)
                 recompute.append(_Hooks(storage.prefetch, storage.release_unread))
             region_policy.caching_mode = caching
             forward.append(caching)
+            if not SAC_OP_OUTPUT:  # NOTE [selective-checkpoint layouts]
+                forward.append(OutputTap(region_policy))
+            recompute.append(_Hooks(region_policy.replay_enter, _nothing))
             # Entered before the cached mode, left after it: another backward through the
             # region recomputes what this replay took from the cache (sac_rearm).
             recompute.append(_Hooks(_nothing, functools.partial(sac_rearm, cached)))
@@ -332,7 +340,7 @@ def run_region(
                               watch_buffers=watch_buffers, user_contexts=user_contexts)
     try:
         out = torch.utils.checkpoint.checkpoint(
-            fn, *args, use_reentrant=False, context_fn=contexts, **kwargs
+            fn, *args, use_reentrant=False, context_fn=contexts, **checkpoint_options(kwargs)
         )
     except ValueError as e:
         if "incompatible with non-default context_fn" not in str(e):

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from memfit._torch import traced_source_fn
+from memfit._torch import sac_is_recompute, traced_source_fn
+from memfit.ops import must_recompute, op_name
 from memfit.planning.plan import OpPolicy
 from memfit.runtime import policies as _policies
 
@@ -101,13 +102,15 @@ class CompiledRegionPolicy:
         self.keys: list[tuple[str, str]] = []  # (eager key, traced op), for tests and logs
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        name = _policies.op_name(op)
+        if sac_is_recompute(ctx):  # torch before 2.13 asks again; the traced forward decided
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        name = op_name(op)
         k = -1
         for eager in _eager_names(op, name, args):
             k = self.counts.get(eager, 0)
             self.counts[eager] = k + 1
             self.keys.append((f"{eager}#{k}", name))
-        if _policies.must_recompute(op, args, kwargs):
+        if must_recompute(op, args, kwargs):
             return CheckpointPolicy.MUST_RECOMPUTE
         if k < 0 or self.policy.decide(op, name, k, args, kwargs) is not OpPolicy.SAVE:
             return CheckpointPolicy.PREFER_RECOMPUTE

@@ -41,7 +41,6 @@ NOTE [op keys]
 from __future__ import annotations
 
 import re
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -53,19 +52,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 from memfit._torch import (
     OpOverload,
     OpOverloadPacket,
-    sac_forget,
-    sac_op_output,
-    written_tensors,
+    require_sac_storage,
 )
 from memfit.ops import (
     KEPT_DRAW_OPS,
     MATMUL_PACKETS,
-    is_view,
-    must_recompute,
     op_name,
     op_packet_name,
     resolve_op_name,
-    writes_input,
 )
 from memfit.planning.plan import OpPolicy
 
@@ -291,6 +285,7 @@ def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]], *
 
     Raises:
         ValueError: a key that is not ``"<overload>#<k>"`` or names an unknown overload.
+        UnsupportedTorch: OFFLOAD decisions on a torch before 2.13 (``memfit.capabilities()``).
 
     Example:
         >>> policy = by_key({"aten.mm.default#0": OpPolicy.SAVE,
@@ -318,6 +313,7 @@ def by_key(decisions: Mapping[str, OpPolicy] | Iterable[tuple[str, OpPolicy]], *
         if policy is not _RECOMPUTE:
             checked.append((key, policy))
     if any(p is _OFFLOAD for _, p in checked):
+        require_sac_storage()  # offload needs torch 2.13's indexed cache (rule 4)
         if host is None:
             from memfit.runtime.offload import HostPool
 
@@ -366,81 +362,7 @@ def resolve(policy: PolicyArg) -> Policy | None:
     )
 
 
-class RegionPolicy:
-    """The per-call policy function handed to ``create_selective_checkpoint_contexts``: counts
-    op occurrences (NOTE [op keys], from 0 in each call), enforces NOTE [forced recompute]."""
-
-    def __init__(self, policy: Policy, recorder: Any = None, *, generators: Any = None) -> None:
-        self.policy = policy
-        self.generators = generators  # an unwatched call's (NOTE [explicit generators] rule 3)
-        self.recorder = recorder  # the forward's OpRecorder, fed here (no mode of its own)
-        self.counts: dict[str, int] = {}
-        self._caching_mode: Any = None  # set by the caller (the caching_mode property)
-        self.offloads: set[tuple[Any, int]] = set()  # (op, k) whose outputs go to the host
-        # Saved entries by storage: data_ptr -> (weak reference to it, [(op, index)]); the
-        # reference tells it from a later storage at its address (an offloaded output's dies
-        # at its last use in the forward; a write into the next one must not count).
-        self._saved: dict[int, tuple[weakref.ref, list[tuple[Any, int]]]] = {}
-
-    @property
-    def caching_mode(self) -> Any:
-        """Held weakly: it holds this policy, and a cycle would outlive a graph dropped unused."""
-        return None if self._caching_mode is None else self._caching_mode()
-
-    @caching_mode.setter
-    def caching_mode(self, mode: Any) -> None:
-        self._caching_mode = None if mode is None else weakref.ref(mode)
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if self.recorder is not None:
-            self.recorder.note(op, sac_op_output(ctx), args, kwargs)
-        name = op_name(op)
-        k = self.counts.get(name, 0)
-        self.counts[name] = k + 1
-        if must_recompute(op, args, kwargs):
-            if self.generators is not None and kwargs.get("generator") is not None:
-                self.generators.saw_unwatched(op)
-            if self._saved and writes_input(op):
-                self._forget_written(op, args, kwargs)
-            return CheckpointPolicy.MUST_RECOMPUTE
-        decision = self.policy.decide(op, name, k, args, kwargs)
-        if decision is _SAVE or decision is _OFFLOAD:
-            if decision is _OFFLOAD and not is_view(op):  # in-place ops returned above
-                self.offloads.add((op, k))
-            if self._caching_mode is not None:
-                for t in _tensors(sac_op_output(ctx)):
-                    self._note_saved(t.untyped_storage(), op, k)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    def _note_saved(self, storage: torch.UntypedStorage, op: Any, k: int) -> None:
-        ptr = storage.data_ptr()
-        held = self._saved.get(ptr)
-        if ptr and (held is None or held[0]() is not storage):  # none, or one freed since
-            held = self._saved[ptr] = (weakref.ref(storage), [])
-        if held is not None:
-            held[1].append((op, k))
-
-    def _forget_written(self, op: Any, args: tuple, kwargs: dict) -> None:
-        """A saved tensor written in place later in the forward must be recomputed instead:
-        the cache would hand the recomputation the written value (torch raises)."""
-        for t in written_tensors(op, args, kwargs):
-            storage = t.untyped_storage()  # NOTE [storage identity and frees] (profiling)
-            held = self._saved.get(storage.data_ptr())
-            if held is not None and held[0]() is storage:
-                del self._saved[storage.data_ptr()]
-                mode = self.caching_mode
-                for saved_op, index in held[1] if mode is not None else ():
-                    sac_forget(mode, saved_op, index)
-
-
 def _returning(policy: Policy) -> Callable[[], Policy]:
     def itself() -> Policy:
         return policy
     return itself
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else []

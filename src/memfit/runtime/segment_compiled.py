@@ -164,7 +164,7 @@ class SegmentForward:
         if self.instance_forward is not None:
             return self.instance_forward  # type: ignore[no-any-return]
         block: nn.Module = self.handle.blocks[self.pos]
-        return type(block).forward.__get__(block, type(block))  # type: ignore[no-any-return]
+        return functools.partial(type(block).forward, block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         handle, pos = self.handle, self.pos

@@ -25,6 +25,7 @@ NOTE [when a region checkpoints]
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ class _CheckpointedForward:
         module = self.module
         state: _WrapState = module.__dict__[WRAP_ATTR]
         if state.instance_forward is None:
-            inner = type(module).forward.__get__(module, type(module))
+            inner = functools.partial(type(module).forward, module)
         else:
             inner = state.instance_forward
         # NOTE [when a region checkpoints]: whenever autograd records, train() or eval(),
