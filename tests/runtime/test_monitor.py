@@ -3,6 +3,10 @@ byte on CPU; over the budget, or away from the prediction, it warns."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -118,3 +122,38 @@ def test_a_meter_started_after_a_monitored_step_ends_the_monitor_s_first():
     measured = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     (record,) = model.memfit_monitor
     assert record.step == 0 and record.peak_bytes == measured > 0
+
+
+# A fitted model monitored on every call, stepped 3 times, its records never read: the last
+# step's CPU profiler still records when the interpreter exits. The first atexit handler
+# registered runs last: it counts the records without reading them (list.__len__ ends no meter).
+_UNREAD_AT_EXIT = textwrap.dedent("""
+    import atexit
+    records = []
+    atexit.register(lambda: print("records at exit:", list.__len__(records[0])))
+    import torch
+    import memfit
+    from memfit import zoo
+    model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=64)
+    x = zoo.example_inputs(model, batch=4, size=64)
+    memfit.fit(model, x, budget=0.7, monitor_every=1)
+    records.append(model.__dict__["memfit_monitor"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print("records before exit:", list.__len__(records[0]))
+""")
+
+
+@pytest.mark.processes
+def test_an_unread_monitor_ends_its_profiler_at_exit():
+    """NOTE [deferred meter ends]: a torch profiler left recording at interpreter exit crashed
+    it (exit status 139, issue #39); the exit handler ends it and records the last step."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", _UNREAD_AT_EXIT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
+    assert run.stdout.split("\n")[-3:] == ["records before exit: 2", "records at exit: 3", ""]
