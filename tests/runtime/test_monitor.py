@@ -3,6 +3,8 @@ byte on CPU; over the budget, or away from the prediction, it warns."""
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import subprocess
 import sys
@@ -122,6 +124,31 @@ def test_a_meter_started_after_a_monitored_step_ends_the_monitor_s_first():
     measured = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     (record,) = model.memfit_monitor
     assert record.step == 0 and record.peak_bytes == measured > 0
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_model_copied_mid_monitored_step_starts_with_no_meter_open(how):
+    """NOTE [a fitted model pickles]: the open meter (a profiler, its hooks) is ended and
+    recorded first; the copy monitors its own calls (issue #39)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    install_monitor(model, 1)
+    Step.of(model, x).run()  # monitored; its profiler still records
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    else:
+        copied = copy.deepcopy(model)
+    (first,) = list.__iter__(model.memfit_monitor)  # recorded by the copy, not by this read
+    assert list(copied.memfit_monitor) == [first] and first.peak_bytes > 0
+    copied.zero_grad(set_to_none=True)
+    Step.of(copied, x).run()
+    again = copied.memfit_monitor[1]
+    assert (again.step, again.peak_bytes) == (1, first.peak_bytes)
+    assert len(model.memfit_monitor) == 1
 
 
 # A fitted model monitored on every call, stepped 3 times, its records never read: the last

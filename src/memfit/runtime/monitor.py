@@ -156,6 +156,13 @@ class Monitor:
         self._open: dict[str, Any] | None = None
         self.planned = None if planned is None else self.signature(*planned)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy) of a model mid-step starts with no meter open: the open
+        one is ended and recorded first, as reading the records does (NOTE [a fitted model
+        pickles] in ``memfit.shape_plans``)."""
+        self.flush()
+        return dict(self.__dict__)
+
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                   ) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         """A call's signature, as plain data (``MonitorRecord.shape``)."""
