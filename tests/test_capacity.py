@@ -75,3 +75,34 @@ def test_bad_arguments_are_refused():
         memfit.largest_batch(lambda n: (model, None), device_memory="1GiB", max_overhead=-1)
     with pytest.raises(TypeError, match=r"make\(1\) must return \(model, example_inputs\)"):
         memfit.largest_batch(lambda n: model, device_memory="1GiB")
+
+
+class _Positions(torch.nn.Module):
+    """A user's model with learned positions: it refuses sequences longer than 24 itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(64, 16)
+        self.pos = torch.nn.Parameter(torch.zeros(24, 16))
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.pos.shape[0]:
+            raise ValueError(f"{ids.shape[1]} tokens, at most {self.pos.shape[0]} positions")
+        return self.out(self.tok(ids) + self.pos[: ids.shape[1]])     # (batch, time, vocab)
+
+
+@pytest.mark.parametrize("model, limit, message", [
+    (zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=64), 64,
+     "ValueError: sequence of 65 tokens is longer than the model's seq_len 64"),
+    (_Positions(), 24, "_Positions's forward raised ValueError: 25 tokens, at most 24 positions"),
+], ids=["zoo-gpt", "user-model"])
+def test_a_sequence_search_stops_at_the_model_s_own_limit(model, limit, message):
+    """The model's ValueError at its maximum length escaped the search before (issue #39)."""
+    found = memfit.largest_batch(lambda n: (model, torch.randint(0, 64, (2, n))),
+                                 device_memory="1GiB")
+    assert found.batch == limit
+    assert found.model_limit is not None and found.model_limit.startswith(message)
+    assert f"the model's own limit bounded the search: at {limit + 1} it raised {message}" in str(found)
+    refused = [p.n for p in found.probes if p.error is not None]
+    assert min(refused) == limit + 1 and all(not p.fits for p in found.probes if p.error)

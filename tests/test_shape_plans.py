@@ -5,6 +5,8 @@ shape, and the guard's warn and raise, on the zoo GPT (NOTE [shape ranges], NOTE
 from __future__ import annotations
 
 import copy
+import io
+import logging
 import warnings
 
 import pytest
@@ -12,8 +14,10 @@ import torch
 
 import memfit
 from memfit import zoo
+from memfit.errors import MemfitError
 from memfit.profiling.measure import measure
 from memfit.runtime.apply import input_guard
+from memfit.runtime.marks import applied_plan
 from memfit.runtime.shapes import OnNewShape
 from memfit.shape_plans import inputs_of_shape, resolve_on_new_shape
 from memfit.step import Step
@@ -265,3 +269,77 @@ def test_a_shape_no_plan_fits_is_named():
                        r"\(0=4x128:int64\).*budget too small") as err:
         plan_range([_fake_profile(64, 150), _fake_profile(128, 200)], infeasible, 100)
     assert err.value.min_feasible_bytes == 120
+
+
+def _saved_and_loaded(model: torch.nn.Module) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _mean_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().mean()
+
+
+COPIES = {"torch.save": _saved_and_loaded, "deepcopy": copy.deepcopy, "copy": copy.copy}
+
+
+@pytest.fixture(scope="module")
+def pickled():
+    """Issue #39's fitted GPT (on_new_shape="replan", the default) and its plain twin."""
+    torch.manual_seed(0)
+    model = zoo.gpt(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256)
+    plain = copy.deepcopy(model)
+    x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    memfit.fit(model, x, budget=0.7, loss_fn=_mean_loss)
+    return model, plain, x
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    _mean_loss(model(x)).backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_fitted_model_pickles_and_copies_and_trains_like_plain(pickled, how):
+    """NOTE [a fitted model pickles]: torch.save raised "Can't pickle local object
+    'replanner.<locals>.replan'" before (issue #39). The copy runs its plan (its measured peak
+    is the original's, to the byte) with gradients bitwise the plain twin's, and re-plans a
+    new shape itself, bitwise too."""
+    model, plain, x = pickled
+    copied = COPIES[how](model)
+    plan = model.memfit_plan
+    assert applied_plan(copied) == plan and plan.regions
+    assert _peak(copied, x) == _peak(model, x) <= plan.budget_bytes
+    got, want = _step(copied, x), _step(plain, x)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    guard = input_guard(copied)
+    assert guard is not None
+    replans = guard.replans
+    short = x[:, :32].contiguous()
+    got, want = _step(copied, short), _step(plain, short)
+    assert guard.replans == replans + 1
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    if how != "copy":  # a shallow copy shares the guard; the others re-plan on their own
+        assert input_guard(model).replans == 0
+
+
+def test_a_loss_fn_pickle_cannot_save_is_left_out_and_named_at_the_re_plan(caplog):
+    torch.manual_seed(0)
+    model = zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=64, vocab_size=64)
+    plain = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    memfit.fit(model, x, budget="min", loss_fn=lambda out: out.float().mean())
+    with caplog.at_level(logging.WARNING, logger="memfit.shape_plans"):
+        loaded = _saved_and_loaded(model)
+    assert "cannot be pickled" in caplog.text
+    got, want = _step(loaded, x), _step(plain, x)  # the loss_fn is the test's own here
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(MemfitError, match=r"loaded from a pickle without its loss_fn \(<function"):
+        loaded(x[:, :32]).sum().backward()
+    copied = copy.deepcopy(model)  # a deep copy keeps the lambda, and re-plans
+    _mean_loss(copied(x[:, :32])).backward()
+    assert input_guard(copied).replans == 1

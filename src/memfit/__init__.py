@@ -7,8 +7,8 @@ plans and applies in one call; ``applied_plan(model)`` is the plan a model carri
 
 Example:
     >>> import memfit, torch
-    >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
-    >>> x = torch.randint(0, 256, (2, 32))
+    >>> model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=128)
+    >>> x = torch.randint(0, 512, (8, 128))
     >>> model = memfit.fit(model, x, budget="60%")    # doctest: +SKIP
     >>> print(model.memfit_plan)                      # doctest: +SKIP
 """

@@ -162,8 +162,8 @@ def fit(
             with ``loss_fn``, or a ``Step`` of another model.
 
     Example:
-        >>> model = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
-        >>> x = torch.randint(0, 512, (2, 32))
+        >>> model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=128)
+        >>> x = torch.randint(0, 512, (8, 128))
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
@@ -174,11 +174,15 @@ def fit(
     from memfit.planning.stages import plan_stage
     from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
-    from memfit.shape_plans import resolve_on_new_shape
+    from memfit.shape_plans import PlanForShape, resolve_on_new_shape
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     the_step = _the_step(model, example_inputs, loss_fn, step)
+    job_options: dict[str, Any] = {
+        "device_memory": device_memory, "optimizer": optimizer,
+        "optimizer_state_dtype": optimizer_state_dtype, "master_weights": master_weights,
+        "world_size": world_size, "sharding": sharding, "reserve": reserve}
     refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
                          in_flight=in_flight, target=target, compress=compress, budget=budget,
                          lossy_codec=lossy_codec, device_memory=device_memory, on_meta=_on_meta(model))
@@ -208,10 +212,7 @@ def fit(
             else:
                 from memfit.device_memory import job_spec
 
-                job = job_spec(prof, device_memory=device_memory, optimizer=optimizer,
-                               optimizer_state_dtype=optimizer_state_dtype,
-                               master_weights=master_weights, world_size=world_size,
-                               sharding=sharding, reserve=reserve)
+                job = job_spec(prof, **job_options)
                 if in_flight is not None and (job is not None or budget is None):
                     raise TypeError("fit(in_flight=...) needs budget=, without device_memory=")
                 if job is None and budget is None:
@@ -246,20 +247,10 @@ def fit(
                         master_weights=master_weights, world_size=world_size,
                         sharding=sharding, reserve=reserve) from None
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
-        budget_bytes = new_plan.budget_bytes
-
-        def plan_profile(p: Profile) -> Plan:
-            """A plan of another shape's profile for the same budget in bytes (or device)."""
-            from memfit.device_memory import job_spec
-
-            job = job_spec(p, device_memory=device_memory, optimizer=optimizer,
-                           optimizer_state_dtype=optimizer_state_dtype,
-                           master_weights=master_weights, world_size=world_size,
-                           sharding=sharding, reserve=reserve)
-            made = make_plan(p, budget=None if budget is None else "min" if budget == "min" else budget_bytes,
-                             solver=solver, job=job)
-            refuse_over_budget(made)
-            return made
+        # another shape's plan: the same budget in bytes (or device), NOTE [a fitted model pickles]
+        plan_profile = PlanForShape(
+            None if budget is None else "min" if budget == "min" else new_plan.budget_bytes,
+            solver, job_options)
 
         shaped: dict[str, Any] = {}
         if shapes is not None:
@@ -272,9 +263,9 @@ def fit(
         raise
     replan = None
     if new_shape.value == "replan":
-        from memfit.shape_plans import replanner
+        from memfit.shape_plans import Replanner
 
-        replan = replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
+        replan = Replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
                            around=cache_off_for_training)
     # in a distributed job, checks that every rank holds new_plan
     apply(model, new_plan, on_new_shape=new_shape.value, replan=replan, check_ranks=in_flight is None,
@@ -394,7 +385,17 @@ def _hf_hooks(model: nn.Module, kwargs: dict[str, Any]) -> tuple[Callable[..., N
         from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
 
         return refuse_carried_state, cache_off_for_training
-    return (lambda _model, _kwargs: None), (lambda _model: contextlib.nullcontext())
+    return _no_carried_state, _as_it_is
+
+
+def _no_carried_state(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """``refuse_carried_state`` of a model that is not Hugging Face's: nothing to refuse."""
+
+
+def _as_it_is(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``cache_off_for_training`` of a model that is not Hugging Face's (module-level: a fitted
+    model's re-planner holds it, NOTE [a fitted model pickles] in ``memfit.shape_plans``)."""
+    return contextlib.nullcontext()
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -14,6 +14,12 @@ NOTE [largest batch search]
     two are adjacent, so the answer ``n`` fits and ``n + 1`` was planned and does not fit
     with any plan (or ``n`` is ``limit``). Fitting is assumed monotone in ``n``.
 
+    A size whose step the model refuses (``make(n)`` or the forward raises ``ValueError``,
+    or a ``ModelError``: a sequence longer than its positions) does not fit either: its
+    probe keeps the model's message (``Probe.error``), the search narrows below it, and the
+    answer says that the model's own limit bounded it (``BatchFit.model_limit``). At
+    ``n = 1`` the error is raised: the step does not run at all.
+
     Probes are traced with one run (``repeats=1``), which times ops slowly but counts every
     byte; with ``max_overhead`` they are calibrated profiles (``memfit.profile``), as the
     overhead is a time ratio. The answer's plan is made from a calibrated profile of it.
@@ -28,7 +34,7 @@ from typing import Any
 
 import torch
 
-from memfit.errors import InfeasibleBudget
+from memfit.errors import InfeasibleBudget, ModelError
 from memfit.planning.plan import Plan
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes
@@ -42,8 +48,9 @@ class Probe:
 
     n: int
     fits: bool
-    smallest_total_bytes: int   # the whole job with the smallest plan
+    smallest_total_bytes: int   # the whole job with the smallest plan (0: the model refused n)
     overhead: float | None      # the fastest fitting plan's predicted overhead (None: none fits)
+    error: str | None = None    # what the model raised at n (NOTE [largest batch search])
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,18 @@ class BatchFit:
         """The plan's predicted recompute, a fraction of the plain step."""
         return self.plan.overhead
 
+    @property
+    def model_limit(self) -> str | None:
+        """What the model raised at ``batch + 1`` when its own limit (a maximum sequence
+        length), not the device, bounded the search; None otherwise."""
+        over = next((p for p in self.probes if p.n == self.batch + 1), None)
+        return over.error if over is not None else None
+
     def __str__(self) -> str:
         over = next((p for p in self.probes if p.n == self.batch + 1), None)
-        tail = (f"; {self.batch + 1} needs {format_bytes(over.smallest_total_bytes)} with its "
+        tail = (f"; the model's own limit bounded the search: at {self.batch + 1} it raised "
+                f"{over.error}" if over is not None and over.error is not None
+                else f"; {self.batch + 1} needs {format_bytes(over.smallest_total_bytes)} with its "
                 "smallest plan" if over is not None and not over.fits and over.overhead is None
                 else f"; {self.batch + 1} fits no plan within the overhead cap" if over is not None
                 else "")
@@ -98,7 +114,9 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
         loss_fn: output -> loss, as in ``memfit.fit``.
 
     Returns:
-        A :class:`BatchFit`: ``.batch``, ``.plan``, ``.overhead``, ``.probes``.
+        A :class:`BatchFit`: ``.batch``, ``.plan``, ``.overhead``, ``.probes``, and
+        ``.model_limit``: what the model raised at ``batch + 1`` when its own limit (a maximum
+        sequence length) bounded the search, not the device.
 
     Raises:
         InfeasibleBudget: not even ``n = 1`` fits (its breakdown on ``.memory``).
@@ -115,8 +133,14 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
 
     def probe(n: int) -> Probe:
         if n not in probes:
-            probes[n] = _probe(n, make, loss_fn, target, solver, max_overhead, device_memory,
-                               optimizer, job, calibrated=max_overhead is not None)
+            try:
+                probes[n] = _probe(n, make, loss_fn, target, solver, max_overhead,
+                                   device_memory, optimizer, job,
+                                   calibrated=max_overhead is not None)
+            except (ModelError, ValueError) as e:  # NOTE [largest batch search]: the model's limit
+                if n == 1:
+                    raise
+                probes[n] = Probe(n, False, 0, None, error=_first_line(e))
         return probes[n]
 
     first = probe(1)
@@ -154,6 +178,13 @@ def _next_size(lo: int, hi: int | None, probes: dict[int, Probe], *, device_memo
     if hi is None:
         return min(2 * lo, limit)
     return (lo + hi) // 2
+
+
+def _first_line(e: Exception) -> str:
+    """``e`` for a one-line report: a ``ModelError`` says itself; another error its type too."""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if isinstance(e, ModelError) else f"{type(e).__name__}: {text}"
 
 
 def _device_bytes(device_memory: int | str) -> int:

@@ -49,22 +49,25 @@ NOTE [shape ranges]
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
+import pickle
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from memfit.errors import InfeasibleBudget
+from memfit.errors import InfeasibleBudget, MemfitError
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import normalize_inputs
+from memfit.profiling.inputs import call_signature, first_floating_parameter, normalize_inputs
 from memfit.profiling.profile import Profile
 from memfit.runtime.shapes import OnNewShape, ShapeRange, Signature, describe, signature_of
 from memfit.step import Step
 
-__all__ = ["resolve_on_new_shape", "replanner", "inputs_of_shape", "plan_range"]
+__all__ = ["resolve_on_new_shape", "PlanForShape", "Replanner", "inputs_of_shape",
+           "plan_range"]
 
 log = logging.getLogger(__name__)
 
@@ -100,32 +103,125 @@ def resolve_on_new_shape(on_new_shape: str | None, *, callable_step: bool,
     return mode
 
 
-def replanner(step: Step, first: Profile, plan_profile: PlanProfile, *, mode: str, target: str,
-              around: Callable[[torch.nn.Module], Any] | None = None,
-              ) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Plan]:
-    """The guard's ``replan``: profile ``step`` on a call's inputs and plan it
+class PlanForShape:
+    """``fit``'s plan for another shape's profile, for the same budget in bytes (or the same
+    device): a picklable callable (a fitted model pickles with it, NOTE [a fitted model
+    pickles]).
+
+    Args:
+        budget: bytes, ``"min"``, or None (the device alone bounds the plan).
+        solver: the fit's solver.
+        job: ``memfit.device_memory.job_spec``'s keywords (``device_memory``, ``optimizer``...).
+    """
+
+    def __init__(self, budget: int | str | None, solver: str, job: dict[str, Any]) -> None:
+        self.budget = budget
+        self.solver = solver
+        self.job = job
+
+    def __call__(self, p: Profile) -> Plan:
+        from memfit.device_memory import job_spec
+        from memfit.planning.planner import plan as make_plan
+        from memfit.planning.planner import refuse_over_budget
+
+        made = make_plan(p, budget=self.budget, solver=self.solver,
+                         job=job_spec(p, **self.job))
+        refuse_over_budget(made)
+        return made
+
+
+class Replanner:
+    """The input guard's ``replan``: profile ``step`` on a call's inputs and plan it
     (NOTE [re-planning inside a training call]); ``around(model)``: the context ``fit``
-    profiles in (NOTE [Hugging Face models in fit] in ``memfit.api``)."""
+    profiles in (NOTE [Hugging Face models in fit] in ``memfit.api``).
 
-    def replan(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        with around(model) if around is not None else contextlib.nullcontext():
-            return _replan(model, args, kwargs)
+    NOTE [a fitted model pickles]
+        ``torch.save(model)``, ``copy.deepcopy`` and ``copy.copy`` of a fitted model carry
+        what ``fit`` put on it: the plan, the wrapped regions, the input guard and this
+        re-planner, the monitor. So each is an object of a module-level class (no closure,
+        no lambda), and holds only what it needs: the step without its example inputs (a
+        re-plan runs the call's), the first profile's calibration and input signature (not
+        the profile). The step's ``loss_fn`` is the user's: one pickle cannot save (a
+        lambda) is left out of the pickle with a warning, and the loaded model raises
+        ``MemfitError`` at the call that would re-plan, saying so (its other calls run as
+        planned); a deep copy keeps it.
+    """
 
-    def _replan(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    def __init__(self, step: Step, first: Profile, plan_profile: PlanProfile, *, mode: str,
+                 target: str, around: Callable[[torch.nn.Module], Any] | None = None) -> None:
+        self.step = step.with_inputs((), {})
+        self.calibration = first.calibration
+        self.planned_for = first.input_signature
+        self.plan_profile = plan_profile
+        self.mode = mode
+        self.target = target
+        self.around = around
+        self.lost_loss: str | None = None  # the loss_fn pickle could not save, for the error
+
+    def __call__(self, model: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Plan:
+        with self.around(model) if self.around is not None else contextlib.nullcontext():
+            return self._replan(model, args, kwargs)
+
+    def _replan(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         from memfit.measuring.calibration import profile
 
-        s = (step if model is step.model else step.for_model(model))
+        if self.lost_loss is not None:
+            raise MemfitError(
+                f"memfit: {type(model).__name__} was loaded from a pickle without its loss_fn "
+                f"({self.lost_loss}, which pickle cannot save), so it cannot re-plan inputs "
+                f"{describe(tuple(call_signature(args, kwargs, first_floating_parameter(model))))} "
+                "(on_new_shape='replan'); fit the loaded model again (memfit.fit) with its "
+                "loss_fn, or give fit a module-level loss function before saving")
+        s = (self.step if model is self.step.model else self.step.for_model(model))
         s = s.with_inputs(args, kwargs).with_input_copies()
-        prof = profile(s, mode=mode, target=target, calibrate_time=False)
-        if first.calibration is not None:
-            prof = dataclasses.replace(prof, calibration=first.calibration)
-        return _planned(prof, plan_profile, (
+        prof = profile(s, mode=self.mode, target=self.target, calibrate_time=False)
+        if self.calibration is not None:
+            prof = dataclasses.replace(prof, calibration=self.calibration)
+        return _planned(prof, self.plan_profile, (
             f"memfit: {prof.model} was called on inputs "
             f"{describe(signature_of(prof.input_signature))}, planned for "
-            f"{describe(signature_of(first.input_signature))}; re-planning for the same budget "
+            f"{describe(signature_of(self.planned_for))}; re-planning for the same budget "
             "(on_new_shape='replan') found no plan"))
 
-    return replan
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_checking", None)
+        loss_fn = self.step.loss_fn
+        if loss_fn is None or self.__dict__.get("_checking"):  # a loss_fn that holds the model
+            return state
+        self._checking = True
+        try:
+            picklable = _picklable(loss_fn)
+        finally:
+            del self._checking
+        if not picklable:
+            log.warning("memfit: the fitted model's loss_fn %r cannot be pickled; the loaded "
+                        "model cannot re-plan a new input shape (it raises there): fit it again "
+                        "after loading, or give fit a module-level loss function", loss_fn)
+            state["step"] = dataclasses.replace(self.step, loss_fn=None)
+            state["lost_loss"] = repr(loss_fn)
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Replanner:
+        new = Replanner.__new__(Replanner)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))  # functions are kept as they are
+        return new
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _picklable(obj: Any) -> bool:
+    """Whether pickle can save ``obj`` (written nowhere: a bound method's model is large)."""
+    try:
+        pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:  # pickle raises what the object's own reduction raises
+        return False
+    return True
 
 
 def _planned(prof: Profile, plan_profile: PlanProfile, context: str) -> Plan:

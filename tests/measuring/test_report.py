@@ -92,6 +92,21 @@ def test_print_sweep_prints_summary_and_table(capsys):
     assert "| every_block" in out
 
 
+def test_str_of_a_sweep_is_its_summary_and_an_aligned_table():
+    """print(sweep) printed the dataclass repr (issue #39)."""
+    s = _hand_sweep()
+    lines = str(s).splitlines()
+    assert lines[:2] == ["GPT on cpu: plain step 100.0 ms, peak 10.00 MiB (median of 3)",
+                         "smallest memfit peak: 6.00 MiB (60% of plain) at +10.0% step time "
+                         "(budget 60%)"]
+    assert lines[2].split() == ["config", "solver", "budget", "predicted", "peak", "measured",
+                                "peak", "vs", "plain", "step", "time", "overhead", "extra",
+                                "FLOPs", "regions"]
+    assert lines[4].split()[:4] == ["plain", "none", "-", "10.00"]
+    assert "infeasible: smallest feasible 5.00 MiB" in lines[6] and len(lines) == 4 + len(s.rows)
+    assert str(s) == f"{s.summary()}\n{s.table('plain')}"
+
+
 @pytest.mark.slow
 def test_sweep_measures_budgets_and_baselines(tmp_path):
     # activations dominate at this size: 70% of the plain peak is feasible

@@ -87,6 +87,21 @@ def test_hand_computed_save_the_transient(chain3):
     assert sim.recompute_s == 2 * TICK + DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
 
 
+def test_str_of_a_simulation_is_a_table_like_the_plan_s(chain3):
+    """print(memfit.simulate(...)) printed the dataclass repr (issue #39)."""
+    from memfit.units import format_seconds
+
+    sim = simulate(chain3, _plan(Region(("layers.0",)), Region(("layers.1", "layers.2"))))
+    first, second = (format_seconds(s) for s in sim.region_recompute_s)
+    assert str(sim).splitlines() == [
+        f"memfit simulation: peak 576 B at op 15, recompute +{format_seconds(sim.recompute_s)}",
+        f"  region              saved  {'recompute':>{len(first)}}  FLOPs  replayed at",
+        f"  layers.0             64 B  {first:>9}      -        op 21",
+        f"  layers.1..layers.2   64 B  {second:>9}      -        op 15",
+    ]
+    assert str(simulate(chain3, _plan())).splitlines()[1] == "  no checkpointing: every activation is kept"
+
+
 def test_segment_replays_all_blocks(chain3):
     sim = simulate(chain3, _plan(Region(("layers.0", "layers.1", "layers.2"))))
     assert sim.recompute_s == 9 * TICK + DEFAULT_REGION_S + 9 * DEFAULT_OP_S  # one segment: one region

@@ -47,6 +47,11 @@ class Block(nn.Module):
             h = h - self.ema
         elif self.kind == "reads_stats":
             h = h * self.bn.running_var                              # read after its update
+        elif self.kind == "unread_ema":
+            self.calls += 1                                          # a counter, read below
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * x.mean(0))             # updated twice, never read
+            h = h * (1 + 0 * self.calls)
         elif self.kind == "noise":
             with torch.no_grad():
                 self.noise.uniform_()                                # drawn, never read
@@ -70,9 +75,10 @@ class Net(nn.Module):
 
 
 # "cumulative": BatchNorm with momentum=None reads num_batches_tracked after its increment;
-# "noise": a random write to a buffer nothing reads must still draw in the replay
+# "noise": a random write to a buffer nothing reads must still draw in the replay;
+# "unread_ema": two updates of a buffer nothing reads, which the replay skips (issue #39)
 KINDS = ["spectral_norm", "spectral_norm_legacy", "counter", "ema", "reads_stats", "cumulative",
-         "noise"]
+         "noise", "unread_ema"]
 
 PLANS = {
     "wrap": (Region(("blocks.0",)), Region(("blocks.1",))),
@@ -108,7 +114,7 @@ def test_written_buffers_bitwise_and_batchnorm_once(kind, how):
     model, twin = _pair(kind, how)
     assert_bitwise_twin(model, twin, (_x().requires_grad_(),), steps=2)
     assert [int(b.bn.num_batches_tracked) for b in model.blocks] == [2, 2]
-    if kind == "counter":
+    if kind in ("counter", "unread_ema"):
         assert [int(b.calls) for b in model.blocks] == [2, 2]
 
 
@@ -135,6 +141,60 @@ def test_three_adamw_steps_equal_plain(kind, how):
         assert torch.equal(p, q), name
     for (name, p), (_, q) in zip(model.named_buffers(), twin.named_buffers(), strict=True):
         assert torch.equal(p, q), name
+
+
+class EmaBlock(nn.Module):
+    """Issue #39's block: a call counter read in the output, an EMA buffer updated twice in
+    place (``mul_`` then ``add_``) and never read."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("m", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.tanh(self.lin(x))                                  # (batch, d)
+        self.m.mul_(0.9).add_(y.detach().mean(0), alpha=0.1)
+        return y * (1 + 0 * self.calls)
+
+
+class EmaNet(nn.Module):
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(EmaBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)                                         # a residual loop
+        return self.head(x)
+
+
+def test_fit_min_over_unread_buffer_updates_trains_like_plain():
+    """The replay skips the EMA's two updates (rule 2) and the value check does not compare
+    them: a false RecomputeMismatch at blocks.2's ``mul_`` before (issue #39)."""
+    torch.manual_seed(0)
+    twin = EmaNet()
+    model = copy.deepcopy(twin)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    memfit.fit(model, x, budget="min")
+    assert any("blocks.2" in r.modules for r in model.memfit_plan.regions)  # replayed there
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    for s in range(3):
+        outs = [m(x) for m in (model, twin)]
+        for out in outs:
+            out.square().mean().backward()
+        assert torch.equal(outs[0], outs[1]), f"step {s}: outputs differ"
+        for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {s}: grad of {name} differs"
+        for (name, b), (_, c) in zip(model.named_buffers(), twin.named_buffers(), strict=True):
+            assert torch.equal(b, c), f"step {s}: buffer {name} differs"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert [int(b.calls) for b in model.blocks] == [3, 3, 3, 3]
 
 
 def test_torch_checkpoint_gets_spectral_norm_wrong():

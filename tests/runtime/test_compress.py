@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from runtime_helpers import assert_bitwise_twin, pair
@@ -49,6 +52,27 @@ def test_cnn_step_is_bitwise_plain_and_packs_exact_bytes() -> None:
     assert comp.kept_whole == 0
     unapply(model)
     assert compressor(model) is None
+
+
+def _saved_and_loaded(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copier", [_saved_and_loaded, copy.deepcopy], ids=["torch.save", "deepcopy"])
+def test_a_compressing_model_pickles_and_copies(copier) -> None:
+    """The hooks are objects, not closures (NOTE [a fitted model pickles]): torch.save raised
+    "Can't pickle local object 'Compressor.install.<locals>.end'" (issue #39). The copy packs
+    its own saves, the same bytes, bitwise plain."""
+    model, twin = pair(_cnn)
+    apply(model, _plan(CNN_PLAN))
+    copied = copier(model)
+    assert_bitwise_twin(copied, twin, (torch.randn(2, 2, 8, 8),), steps=2)
+    comp = compressor(copied)
+    assert comp is not compressor(model) and compressor(model).raw_bytes == 0
+    assert (comp.raw_bytes, comp.packed_bytes) == (2 * (576 + 288 + 64 + 64), 2 * (72 + 13 + 2 + 6))
 
 
 def test_relu_bits_go_only_to_relus_own_save() -> None:

@@ -3,6 +3,12 @@ byte on CPU; over the budget, or away from the prediction, it warns."""
 
 from __future__ import annotations
 
+import copy
+import io
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -118,3 +124,63 @@ def test_a_meter_started_after_a_monitored_step_ends_the_monitor_s_first():
     measured = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     (record,) = model.memfit_monitor
     assert record.step == 0 and record.peak_bytes == measured > 0
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_model_copied_mid_monitored_step_starts_with_no_meter_open(how):
+    """NOTE [a fitted model pickles]: the open meter (a profiler, its hooks) is ended and
+    recorded first; the copy monitors its own calls (issue #39)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    install_monitor(model, 1)
+    Step.of(model, x).run()  # monitored; its profiler still records
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    else:
+        copied = copy.deepcopy(model)
+    (first,) = list.__iter__(model.memfit_monitor)  # recorded by the copy, not by this read
+    assert list(copied.memfit_monitor) == [first] and first.peak_bytes > 0
+    copied.zero_grad(set_to_none=True)
+    Step.of(copied, x).run()
+    again = copied.memfit_monitor[1]
+    assert (again.step, again.peak_bytes) == (1, first.peak_bytes)
+    assert len(model.memfit_monitor) == 1
+
+
+# A fitted model monitored on every call, stepped 3 times, its records never read: the last
+# step's CPU profiler still records when the interpreter exits. The first atexit handler
+# registered runs last: it counts the records without reading them (list.__len__ ends no meter).
+_UNREAD_AT_EXIT = textwrap.dedent("""
+    import atexit
+    records = []
+    atexit.register(lambda: print("records at exit:", list.__len__(records[0])))
+    import torch
+    import memfit
+    from memfit import zoo
+    model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=64)
+    x = zoo.example_inputs(model, batch=4, size=64)
+    memfit.fit(model, x, budget=0.7, monitor_every=1)
+    records.append(model.__dict__["memfit_monitor"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print("records before exit:", list.__len__(records[0]))
+""")
+
+
+@pytest.mark.processes
+def test_an_unread_monitor_ends_its_profiler_at_exit():
+    """NOTE [deferred meter ends]: a torch profiler left recording at interpreter exit crashed
+    it (exit status 139, issue #39); the exit handler ends it and records the last step."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", _UNREAD_AT_EXIT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
+    assert run.stdout.split("\n")[-3:] == ["records before exit: 2", "records at exit: 3", ""]

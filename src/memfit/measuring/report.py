@@ -84,7 +84,7 @@ class Sweep:
 
     Example:
         >>> s = memfit.sweep(model, x)            # doctest: +SKIP
-        >>> print(s.table()); s.plot("sweep.png")  # doctest: +SKIP
+        >>> print(s); s.plot("sweep.png")         # doctest: +SKIP
     """
 
     rows: tuple[SweepRow, ...]
@@ -155,6 +155,10 @@ class Sweep:
         if spread < abs(r.overhead):
             return f"{r.overhead:+.1%}"
         return f"~{r.overhead:+.0%} (noisy: repeats spread {spread:.0%})"
+
+    def __str__(self) -> str:
+        """``print(sweep)``: the summary, then the rows as an aligned table."""
+        return f"{self.summary()}\n{self.table('plain')}"
 
     def summary(self) -> str:
         """Two lines: the plain step, and the smallest peak a memfit plan reached at what cost."""

@@ -63,6 +63,9 @@ class Simulation:
             for ops without a FLOP formula; torch's ``flop_counter`` formulas count matmuls,
             convolutions and attention).
         region_recompute_flops: per region of the plan, its recompute FLOPs.
+        region_names: per region of the plan, its name (``Region.name``).
+
+    ``print(sim)`` shows them as a table, as ``print(plan)`` does.
     """
 
     peak_bytes: int
@@ -77,6 +80,34 @@ class Simulation:
     host_peak_bytes: int = 0
     recompute_flops: int = 0
     region_recompute_flops: tuple[int, ...] = ()
+    region_names: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        from memfit.units import format_bytes, format_flops, format_seconds
+
+        lines = [
+            f"memfit simulation: peak {format_bytes(self.peak_bytes)} at op {self.peak_at}, "
+            f"recompute +{format_seconds(self.recompute_s)}"
+            + (f" ({format_flops(self.recompute_flops)})" if self.recompute_flops else "")
+            + (f", offload {format_seconds(self.offload_s)} of it" if self.offload_s else "")
+            + (f", host {format_bytes(self.host_peak_bytes)}" if self.host_peak_bytes else "")]
+        n = len(self.region_recompute_s)
+        if not n:
+            lines.append("  no checkpointing: every activation is kept")
+            return "\n".join(lines)
+        names = self.region_names or tuple(f"region {q}" for q in range(n))
+        flops = self.region_recompute_flops or (0,) * n
+        rows = [(name, format_bytes(saved), format_seconds(s), format_flops(f) if f else "-",
+                 "-" if point is None else f"op {point}")
+                for name, saved, s, f, point in zip(names, self.region_saved_bytes,
+                                                    self.region_recompute_s, flops,
+                                                    self.recompute_points, strict=True)]
+        head = ("region", "saved", "recompute", "FLOPs", "replayed at")
+        widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+        for row in (head, *rows):
+            lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                          for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        return "\n".join(lines)
 
 
 def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, ...]
@@ -188,6 +219,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         host_peak_bytes=host_peak,
         recompute_flops=int(sum(acc.rec_flops)),
         region_recompute_flops=tuple(acc.rec_flops),
+        region_names=tuple(r.name for r in plan.regions),
     )
 
 

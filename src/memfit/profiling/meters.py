@@ -21,7 +21,9 @@ On CUDA, :class:`CudaMeter` reads the caching allocator's ``max_memory_allocated
 
 from __future__ import annotations
 
+import atexit
 import enum
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,8 @@ from memfit._native_output import silenced_fd
 from memfit._torch import cpu_marked_spans, cpu_memory_events
 from memfit.profiling.storages import LiveStorages
 
+log = logging.getLogger(__name__)
+
 __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter", "meters_for",
            "allocator_peak", "defer_end", "end_deferred"]
 
@@ -39,7 +43,10 @@ __all__ = ["Meter", "PeakMeter", "AllocatorMeter", "DispatchMeter", "CudaMeter",
 # monitor's, started in a forward pre-hook and ended at the model's next call: NOTE [monitoring
 # a training run] in memfit.runtime.monitor) registers its end here, and every CPU profiler
 # memfit starts (AllocatorMeter, the workspace meter) ends those first: two torch profilers
-# cannot record at once, and the monitored step is over by then.
+# cannot record at once, and the monitored step is over by then. Those still waiting when the
+# interpreter exits are ended by an atexit handler: a torch profiler left recording crashes
+# the interpreter's shutdown (SIGSEGV, exit status 139: torch 2.13 CPU, profile_memory=True;
+# a fitted model with monitor_every=1 whose records were never read did that).
 _DEFERRED: list[Callable[[], None]] = []
 
 
@@ -52,6 +59,18 @@ def end_deferred() -> None:
     """Run the ends ``defer_end`` registered (NOTE [deferred meter ends])."""
     while _DEFERRED:
         _DEFERRED.pop()()
+
+
+@atexit.register
+def _end_deferred_at_exit() -> None:
+    """End the meters still waiting before the interpreter shuts down, each on its own (one
+    that fails leaves no other profiler recording): NOTE [deferred meter ends]."""
+    while _DEFERRED:
+        end = _DEFERRED.pop()
+        try:
+            end()
+        except Exception:
+            log.warning("memfit: ending a deferred meter at exit failed", exc_info=True)
 
 
 class Meter(str, enum.Enum):

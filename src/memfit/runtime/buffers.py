@@ -28,7 +28,8 @@ NOTE [buffers written in forward]
        recomputation does not update it again: a dispatch mode (``_SkipUpdates``) passes
        batch norm no statistics (its outputs are bitwise the same: checked on CPU for
        float32, bfloat16 and channels-last inputs) and returns an update's written tensors
-       without running it. The forward's update is the only one, at no memory cost from
+       without running it (values the divergence check does not compare: NOTE [value
+       check], rule 6). The forward's update is the only one, at no memory cost from
        forward to backward. BatchNorm's three buffers are unread.
     3. Buffers are matched by storage: those of the modules the region is known to run (all
        their submodules included, parametrizations too) and of every module called inside
@@ -156,23 +157,35 @@ class _SkipUpdates(TorchDispatchMode):
         super().__init__()
         self.unread = unread
 
-    def _is_unread(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and _storage_key(t) in self.unread
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in STATISTICS_UPDATES:
             if updates_statistics(func, args, kwargs) and any(
-                    self._is_unread(args[i]) for i in STATISTICS_UPDATES[func] if i < len(args)):
+                    _is_in(args[i], self.unread) for i in STATISTICS_UPDATES[func] if i < len(args)):
                 args = without_statistics(func, args, kwargs)
-        elif writes_input(func):
+        elif skipped_update(func, args, kwargs, self.unread):
             picks = update_results(func)
-            written = written_tensors(func, args, kwargs) if picks is not None else []
-            if picks is not None and written and all(self._is_unread(t) for t in written):
-                names = [a.name for a in op_schema(func).arguments]
-                results = [args[i] if i < len(args) else kwargs[names[i]] for i in picks]
-                return None if not results else results[0] if len(results) == 1 else tuple(results)
+            assert picks is not None  # skipped_update checked it
+            names = [a.name for a in op_schema(func).arguments]
+            results = [args[i] if i < len(args) else kwargs[names[i]] for i in picks]
+            return None if not results else results[0] if len(results) == 1 else tuple(results)
         return func(*args, **kwargs)
+
+
+def _is_in(t: Any, storages: set[tuple[torch.device, int]]) -> bool:
+    return isinstance(t, torch.Tensor) and _storage_key(t) in storages
+
+
+def skipped_update(func: Any, args: tuple, kwargs: dict,
+                   unread: set[tuple[torch.device, int]]) -> bool:
+    """Whether the replay skips this op: an update (``memfit.ops.update_results``) of unread
+    buffers only (rule 2), whose written tensors ``_SkipUpdates`` returns without running it."""
+    if not unread or func in STATISTICS_UPDATES or not writes_input(func):
+        return False
+    if update_results(func) is None:
+        return False
+    written = written_tensors(func, args, kwargs)
+    return bool(written) and all(_is_in(t, unread) for t in written)
 
 
 def _copy_into(buf: torch.Tensor, value: torch.Tensor) -> None:
@@ -291,6 +304,12 @@ class BufferGuard:
         self._read, self._together = set(), []
 
     # ---- recompute side --------------------------------------------------------------
+    def replay_skips(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether the replay skips this op, an update of unread buffers (rule 2): its result
+        is the buffer as the forward left it, no value the replay computed (NOTE [value
+        check], rule 6, in ``memfit.runtime.divergence``)."""
+        return skipped_update(func, args, kwargs, self._unread)
+
     def recompute_enter(self) -> None:
         written = [buf for buf, _ in self._pre.values()]
         replaced = [module_buffers(m)[n] for m, n, _ in self._replaced]

@@ -200,7 +200,7 @@ class RegionContexts:
         if self.policy is None and self.recorder is not None:
             forward.append(self.recorder)
         if self.recorder is not None and self.check is not None:
-            recompute.append(OpChecker(self.recorder, self.name))
+            recompute.append(OpChecker(self.recorder, self.name, skipped=self.guard.replay_skips))
         return _Composite(forward), _Composite(recompute)
 
 

@@ -57,6 +57,45 @@ SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "Relu
 Entry = tuple[str, str, str, int]  # (module path, "<overload>#<k>", codec name, output index)
 
 
+class _Begin:
+    """The model's forward pre-hook: the saved-tensor hooks on (returns None: the inputs stay)."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+
+    def __call__(self, m: nn.Module, a: Any) -> None:
+        self.compressor.__enter__()
+
+
+class _End:
+    """The model's forward hook: the saved-tensor hooks off."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+
+    def __call__(self, m: nn.Module, a: Any, o: Any) -> None:
+        self.compressor.__exit__(None, None, None)
+
+
+class _TaggingHooks:
+    """A compressed module's hooks: the tagging mode over its forward (one per call, nested
+    calls stacked)."""
+
+    def __init__(self, compressor: Compressor, ops: Any) -> None:
+        self.compressor = compressor
+        self.ops = ops
+        self.modes: list[_Tagging] = []
+
+    def enter(self, m: nn.Module, a: Any) -> None:
+        mode = _Tagging(self.compressor, self.ops)
+        self.modes.append(mode)
+        mode.__enter__()
+
+    def leave(self, m: nn.Module, a: Any, o: Any) -> None:
+        if self.modes:
+            self.modes.pop().__exit__(None, None, None)
+
+
 class Compressor:
     """Saved-tensor compression for one model (NOTE [compression through saved-tensor hooks]);
     ``install`` puts it on the model, as ``apply`` does.
@@ -103,34 +142,20 @@ class Compressor:
         Raises:
             ValueError: a module path ``model`` does not have.
         """
-        def begin(m: nn.Module, a: Any) -> None:  # None: the inputs stay as they are
-            self.__enter__()
-
-        def end(m: nn.Module, a: Any, o: Any) -> None:
-            self.__exit__(None, None, None)
-
-        handles = [model.register_forward_pre_hook(begin),
-                   model.register_forward_hook(end, always_call=True)]
+        # hooks are objects, not closures: a fitted model pickles (NOTE [a fitted model
+        # pickles] in memfit.shape_plans)
+        handles = [model.register_forward_pre_hook(_Begin(self)),
+                   model.register_forward_hook(_End(self), always_call=True)]
         for path, ops in self.by_module.items():
             try:
                 module = model.get_submodule(path)
             except AttributeError:
                 raise ValueError(f"the plan compresses an op of module {path!r}, which "
                                  f"{type(model).__name__} does not have") from None
-            modes: list[_Tagging] = []
-
-            def enter(m: nn.Module, a: Any, ops: Any = ops, modes: list[_Tagging] = modes) -> None:
-                mode = _Tagging(self, ops)
-                modes.append(mode)
-                mode.__enter__()
-
-            def leave(m: nn.Module, a: Any, o: Any, modes: list[_Tagging] = modes) -> None:
-                if modes:
-                    modes.pop().__exit__(None, None, None)
-
+            tagging = _TaggingHooks(self, ops)
             # prepended/appended around the root's hooks: the tagging mode sits inside them
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_pre_hook(tagging.enter))
+            handles.append(module.register_forward_hook(tagging.leave, always_call=True))
         return handles
 
     def __enter__(self) -> Compressor:

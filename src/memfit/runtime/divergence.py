@@ -57,9 +57,13 @@ NOTE [value check]
        (``x * torch.tensor(random.uniform(...))`` saves the re-drawn scalar, and torch's early
        stop ends the replay right after making it, before the ``mul`` whose output would
        differ), so every tensor the replay hands to backward is an output it compared.
-       Buffer updates compare equal: an update the replay skips returns the forward's
-       written tensor (NOTE [buffers written in forward] in ``memfit.runtime.buffers``),
-       and one the replay runs again starts from the restored pre-forward value.
+       One exception: an update the replay skips (NOTE [buffers written in forward], rule
+       2, in ``memfit.runtime.buffers``: a buffer no op of the region reads) computes nothing
+       there; it returns the buffer as the whole forward left it, which after two updates
+       (``m.mul_(0.9).add_(y)``) is not the first update's output, and nothing the region
+       computes depends on it (``OpChecker(skipped=...)``; a false ``RecomputeMismatch``
+       before). An update the replay runs again starts from the restored pre-forward value
+       and is compared.
 
 NOTE [check sampling]
     A divergence is nearly always there from the first step (a hook counter, Python's RNG,
@@ -76,6 +80,7 @@ NOTE [check sampling]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -286,10 +291,14 @@ class OpChecker(TorchDispatchMode):
     difference (NOTE [divergence check]); compares output fingerprints when the
     recomputation ends (NOTE [value check])."""
 
-    def __init__(self, recorder: OpRecorder, region: str) -> None:
+    def __init__(self, recorder: OpRecorder, region: str, *,
+                 skipped: Callable[[Any, tuple, dict], bool] | None = None) -> None:
         super().__init__()
         self.recorder = recorder
         self.region = region
+        # ``(func, args, kwargs) -> bool``: an op the replay skips, not compared by value
+        # (NOTE [value check], rule 6)
+        self.skipped = skipped
         self.position = 0
         self.prints: list[int | torch.Tensor] = []
         self._where: list[tuple[int, int]] = []
@@ -325,7 +334,8 @@ class OpChecker(TorchDispatchMode):
         got = _meta(out)
         if got != expected[1]:
             self._fail(i, expected, (func, got))
-        if self.recorder.values:
+        if self.recorder.values and not (self.skipped is not None
+                                         and self.skipped(func, args, kwargs or {})):
             _take_prints(func, out, i, self.prints, self._where, self.blank)
         return out
 

@@ -20,7 +20,8 @@ NOTE [monitoring a training run]
        backward began, profiler included, when backward ends (measured: the next start
        failed, "Profiler is already enabled on this thread"). So each mark is a span in the
        profile (``profiler_marker``), and the profiler is stopped at the model's next call
-       (any call), or when the records are read (``model.memfit_monitor``); events after the
+       (any call), when the records are read (``model.memfit_monitor``), or at interpreter
+       exit (NOTE [deferred meter ends] in ``memfit.profiling.meters``); events after the
        last mark do not count. What runs before then (the optimizer step) is recorded by the
        profiler and dropped. ``step_s`` is wall time from the start to the last mark. A CPU
        profiler memfit starts meanwhile (``memfit.measure``, the profile of a re-plan, which
@@ -154,6 +155,13 @@ class Monitor:
         self.warned: set[tuple[str, Any]] = set()
         self._open: dict[str, Any] | None = None
         self.planned = None if planned is None else self.signature(*planned)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy) of a model mid-step starts with no meter open: the open
+        one is ended and recorded first, as reading the records does (NOTE [a fitted model
+        pickles] in ``memfit.shape_plans``)."""
+        self.flush()
+        return dict(self.__dict__)
 
     def signature(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                   ) -> tuple[tuple[str, tuple[int, ...], str], ...]:
