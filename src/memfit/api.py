@@ -29,7 +29,7 @@ from memfit.step import Step
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.planning.job import JobSpec
+    from memfit.planning.job import JobSpec, OptimizerMemory
 
 __all__ = ["fit", "plan", "apply"]
 
@@ -51,7 +51,7 @@ def fit(
     src: int = 0,
     group: Any = None,
     device_memory: int | str | None = None,
-    optimizer: torch.optim.Optimizer | str | None = None,
+    optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
     optimizer_state_dtype: torch.dtype | str | None = None,
     master_weights: bool = False,
     world_size: int | None = None,
@@ -100,7 +100,8 @@ def fit(
             ``memfit.planning.job``). The breakdown is ``model.memfit_plan.memory``.
         optimizer: with ``device_memory``: the optimizer instance (its class and param
             groups are measured on fake tensors, NOTE [optimizer memory on fake tensors]), a
-            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``) or None (none).
+            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``), your own count
+            (``memfit.planning.job.OptimizerMemory``) or None (none).
         optimizer_state_dtype: the optimizer states' dtype (default the parameters').
         master_weights: mixed precision's fp32 copy of every trainable parameter.
         world_size, sharding: the model states sharded over ``world_size`` devices
@@ -405,7 +406,7 @@ def _on_meta(model: nn.Module) -> bool:
 
 def plan(profile: Profile, *, budget: int | float | str | None = None, solver: SolverName = "auto",
          device_memory: int | str | None = None,
-         optimizer: torch.optim.Optimizer | str | None = None,
+         optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
          optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
          world_size: int | None = None, sharding: str = "none", reserve: int | str | None = None,
          **options: Any) -> Plan:
@@ -436,7 +437,8 @@ def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec |
                            optimizer: Any, state_dtype: Any, budget: Any, solver: str,
                            options: dict[str, Any]) -> InfeasibleBudget:
     """``e`` with bf16 optimizer states named when they would make the job fit (computed)."""
-    if job is None or optimizer is None or str(state_dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
+    if (job is None or not isinstance(optimizer, str | torch.optim.Optimizer)  # None or your count
+            or str(state_dtype).removeprefix("torch.") in ("bfloat16", "bf16")):
         return e
     from memfit.planning.planner import plan as make_plan
     from memfit.profiling.optimizer import optimizer_memory

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from memfit.planning.job import JobSpec
+from memfit.planning.job import JobSpec, OptimizerMemory
 from memfit.profiling.profile import Profile
 
 __all__ = ["job_spec", "parse_size"]
 
 
 def job_spec(profile: Profile, *, device_memory: int | str | None,
-             optimizer: torch.optim.Optimizer | str | None = None,
+             optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
              optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
              world_size: int | None = None, sharding: str = "none",
              reserve: int | str | None = None) -> JobSpec | None:
