@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
+from memfit.errors import InfeasibleBudget
 from memfit.planning.job import JobSpec, OptimizerMemory
 from memfit.profiling.profile import Profile
+from memfit.units import format_bytes
 
-__all__ = ["job_spec", "parse_size"]
+__all__ = ["job_spec", "parse_size", "with_state_dtype_hint"]
 
 
 def job_spec(profile: Profile, *, device_memory: int | str | None,
              optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
              optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
              world_size: int | None = None, sharding: str = "none",
-             reserve: int | str | None = None) -> JobSpec | None:
+             reserve: int | str | None = None, grad_accumulation: bool = False) -> JobSpec | None:
     """The ``JobSpec`` of a device (None when ``device_memory`` is None and nothing else is
     given); the optimizer is measured on fake tensors over the profile's parameters."""
     from memfit.planning.job import default_reserve_bytes
@@ -26,6 +31,7 @@ def job_spec(profile: Profile, *, device_memory: int | str | None,
                  "world_size": world_size, "reserve": reserve}
         extra = [k for k, v in given.items() if v is not None]
         extra += ["master_weights"] if master_weights else []
+        extra += ["grad_accumulation"] if grad_accumulation else []
         extra += ["sharding"] if sharding != "none" else []
         if extra:
             raise TypeError(f"{', '.join(extra)} describe the job on a device, and count only "
@@ -41,7 +47,35 @@ def job_spec(profile: Profile, *, device_memory: int | str | None,
         world_size = torch.distributed.get_world_size() if is_distributed() else 1
     reserve_bytes = (default_reserve_bytes(memory, profile.device) if reserve is None
                      else parse_size("reserve", reserve, zero=True))
-    return JobSpec(memory, opt, reserve_bytes, world_size, sharding)
+    return JobSpec(memory, opt, reserve_bytes, world_size, sharding, grad_accumulation)
+
+
+def with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec | None,
+                          optimizer: Any, state_dtype: Any, budget: Any, solver: str,
+                          options: dict[str, Any]) -> InfeasibleBudget:
+    """``e`` with bf16 optimizer states named when they would make the job fit (computed)."""
+    if (job is None or not isinstance(optimizer, str | torch.optim.Optimizer)  # None or your count
+            or str(state_dtype).removeprefix("torch.") in ("bfloat16", "bf16")):
+        return e
+    from memfit.planning.planner import plan as make_plan
+    from memfit.profiling.optimizer import optimizer_memory
+
+    cuda = not profile.device.lower().startswith("cpu")
+    bf16 = optimizer_memory(optimizer, profile.parameters, state_dtype="bfloat16", cuda=cuda)
+    if bf16.state_bytes + bf16.step_bytes >= job.optimizer.state_bytes + job.optimizer.step_bytes:
+        return e
+    trial = dataclasses.replace(job, optimizer=bf16)
+    try:
+        p = make_plan(profile, budget=budget, solver=solver, job=trial, **options)
+    except InfeasibleBudget:
+        return e
+    assert p.memory is not None
+    hint = (f"optimizer_state_dtype='bfloat16' ({bf16.name}: {format_bytes(bf16.state_bytes)} "
+            f"of states; the job then needs {format_bytes(p.memory.total_bytes)})")
+    message = f"{e}{'; ' if e.fits_with else chr(10) + 'Would fit: '}{hint}"
+    return InfeasibleBudget(message, budget_bytes=e.budget_bytes,
+                            min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
+                            fits_with=(*e.fits_with, hint))
 
 
 def parse_size(name: str, value: int | str, zero: bool = False) -> int:

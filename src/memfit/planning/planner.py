@@ -16,6 +16,7 @@ from memfit.planning.job import (
     job_memory,
     model_memory,
     smallest_world_size,
+    step_phase_bytes,
 )
 from memfit.planning.offload import OffloadSpec, link_of
 from memfit.planning.plan import Plan, Region
@@ -112,7 +113,7 @@ def plan_for_device(profile: Profile, job: JobSpec, budget: int | float | str | 
     mm = model_memory(profile.parameters, profile.buffer_bytes, job)
     cap = activation_budget(mm, job)
     result: Plan | None = None
-    if cap > 0 and mm.gradients_bytes + mm.optimizer_step_bytes <= cap:
+    if cap > 0 and step_phase_bytes(mm, job) <= cap:
         wanted = cap if budget is None or _is_min(budget) else min(cap, resolve_budget(budget, profile.peak_bytes))
         try:
             result = _plan_activations(profile, "min" if _is_min(budget) else wanted, *args)
@@ -135,10 +136,11 @@ def _job_infeasible(profile: Profile, job: JobSpec, mm: Any, memory: JobMemory) 
     n = smallest_world_size(profile.parameters, profile.buffer_bytes, job, memory.activations_bytes)
     if n is not None and job.world_size < n and not any(p.sharded for p in profile.parameters):
         fits_with.append(f"full sharding (FSDP / ZeRO-3) over {n} devices")
-    step = mm.gradients_bytes + mm.optimizer_step_bytes
-    why = (f"its optimizer step alone (gradients + step transients, {format_bytes(step)}) needs "
-           f"more than the {format_bytes(max(memory.activation_budget_bytes, 0))} the weights and "
-           "states leave" if step > memory.activation_budget_bytes
+    step = step_phase_bytes(mm, job)
+    what = "step transients" if job.grad_accumulation else "gradients + step transients"
+    why = (f"its optimizer step alone ({what}, {format_bytes(step)}) needs more than the "
+           f"{format_bytes(max(memory.activation_budget_bytes, 0))} the weights and states leave"
+           if step > memory.activation_budget_bytes
            else f"its smallest plan peaks at {format_bytes(memory.activations_bytes)} of activations")
     return InfeasibleBudget(
         f"the job does not fit {format_bytes(job.device_memory_bytes)}: {why}; with that plan it "
