@@ -124,22 +124,40 @@ def plan_for_device(profile: Profile, job: JobSpec, budget: int | float | str | 
         if memory.fits:
             return dataclasses.replace(result, memory=memory)
     smallest = _plan_activations(profile, "min", *args)
-    raise _job_infeasible(profile, job, mm, job_memory(mm, job, smallest.predicted_peak_bytes))
+    memory = job_memory(mm, job, smallest.predicted_peak_bytes)
+    if memory.fits and budget is not None and not _is_min(budget):  # budget= is the cap that binds
+        raise _budget_binds(resolve_budget(budget, profile.peak_bytes), memory, args[0])
+    raise _job_infeasible(profile, job, mm, memory)
+
+
+def _budget_binds(budget_bytes: int, memory: JobMemory, solver: str) -> InfeasibleBudget:
+    """The error for ``budget=`` below the smallest peak under a ``device_memory`` that holds
+    the job with the smallest plan: the budget is named, not the device; the breakdown is
+    that plan's."""
+    least = memory.activations_bytes
+    return InfeasibleBudget(
+        f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak "
+        f"any plan of solver {solver!r} reaches: {format_bytes(least)} ({least} bytes); the "
+        f"device ({format_bytes(memory.device_memory_bytes)}) would hold the job with that plan "
+        f"({format_bytes(memory.total_bytes)}, {format_bytes(memory.free_bytes)} free). Give a "
+        f"budget of at least {least} bytes, or drop budget= to plan for the device alone.\n"
+        + "\n".join(memory.lines()),
+        budget_bytes=budget_bytes, min_feasible_bytes=least, memory=memory,
+        fits_with=(f"a budget of at least {least} bytes",))
 
 
 def _job_infeasible(profile: Profile, job: JobSpec, mm: Any, memory: JobMemory) -> InfeasibleBudget:
     """The error for a job that does not fit with its smallest plan: the breakdown, the
     shortfall, and the sharding that would fit (computed)."""
     fits_with: list[str] = []
-    if memory.fits:  # the smallest plan fits the device, but not a budget= also given
-        fits_with.append(f"a budget of at least {memory.activations_bytes} bytes")
     n = smallest_world_size(profile.parameters, profile.buffer_bytes, job, memory.activations_bytes)
     if n is not None and job.world_size < n and not any(p.sharded for p in profile.parameters):
         fits_with.append(f"full sharding (FSDP / ZeRO-3) over {n} devices")
     step = step_phase_bytes(mm, job)
     what = "step transients" if job.grad_accumulation else "gradients + step transients"
+    left = "weights, states and held gradients" if job.grad_accumulation else "weights and states"
     why = (f"its optimizer step alone ({what}, {format_bytes(step)}) needs more than the "
-           f"{format_bytes(max(memory.activation_budget_bytes, 0))} the weights and states leave"
+           f"{format_bytes(max(memory.activation_budget_bytes, 0))} the {left} leave"
            if step > memory.activation_budget_bytes
            else f"its smallest plan peaks at {format_bytes(memory.activations_bytes)} of activations")
     return InfeasibleBudget(
