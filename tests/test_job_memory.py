@@ -3,6 +3,9 @@ against the CPU allocator, a plan for ``device_memory`` against three real AdamW
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -341,3 +344,24 @@ def test_a_budget_too_small_is_named_and_its_suggestion_is_accepted_on_a_fresh_m
     with pytest.raises(InfeasibleBudget, match=f"Give a budget of at least {least} bytes"):
         memfit.fit(_qat_gpt(), x, budget=1000)
     assert memfit.fit(_qat_gpt(), x, budget=least).memfit_plan.predicted_peak_bytes <= least
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"world_size": 2.5}, "world_size must be a whole number of devices >= 1, got float 2.5"),
+    ({"world_size": 0}, "world_size must be a whole number of devices >= 1, got int 0"),
+    ({"sharding": "full"}, "sharding='full' divides the model states over world_size devices, but "
+                           "no world_size was given"),
+    ({"master_weights": True}, "master_weights=True counts an fp32 copy of low-precision parameters, "
+                               "but every trainable parameter of this model is already float32"),
+], ids=["fractional-world", "no-world", "sharding-alone", "master-fp32"])
+def test_job_options_that_would_mean_nothing_are_refused(options, message):
+    prof = memfit.profile(_model(), torch.randn(4, 64))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        memfit.plan(prof, device_memory="64MiB", optimizer="adamw", **options)
+    bf16 = dataclasses.replace(prof, parameters=tuple(
+        dataclasses.replace(p, dtype="bfloat16", nbytes=p.nbytes // 2) for p in prof.parameters))
+    if "master_weights" in options:  # a bf16 model keeps the copy: counted
+        p = memfit.plan(bf16, device_memory="64MiB", optimizer="adamw", master_weights=True)
+        fp32 = sum(x.nbytes for x in prof.parameters)  # 99,456 B
+        # exp_avg, exp_avg_sq and the master copy in fp32, and 4 step counters of 4 B
+        assert p.memory is not None and p.memory.optimizer_bytes == 3 * fp32 + 4 * 4 == 298_384

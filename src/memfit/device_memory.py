@@ -38,6 +38,7 @@ def job_spec(profile: Profile, *, device_memory: int | str | None,
                             "against device_memory=; give device_memory (e.g. '80GiB') too")
         return None
     memory = parse_size("device_memory", device_memory)
+    _refuse_nonsense(profile, world_size, sharding, master_weights)
     cuda = not profile.device.lower().startswith("cpu")
     opt = optimizer_memory(optimizer, profile.parameters, state_dtype=optimizer_state_dtype,
                            master_weights=master_weights, cuda=cuda)
@@ -76,6 +77,28 @@ def with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec | 
     return InfeasibleBudget(message, budget_bytes=e.budget_bytes,
                             min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
                             fits_with=(*e.fits_with, hint))
+
+
+def _refuse_nonsense(profile: Profile, world_size: Any, sharding: str, master_weights: bool) -> None:
+    """Raise for job options that would be accepted and silently mean nothing."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise ValueError(f"world_size must be a whole number of devices >= 1, got "
+                         f"{type(world_size).__name__} {world_size!r}")
+    if sharding != "none" and world_size is None:
+        from memfit.distributed import is_distributed
+
+        if not is_distributed():
+            raise ValueError(
+                f"sharding={sharding!r} divides the model states over world_size devices, but no "
+                "world_size was given and no process group is initialised (1 device: nothing "
+                "would be divided); give world_size=N, or sharding='none'")
+    trainable = {p.dtype for p in profile.parameters if p.trainable}
+    if master_weights and trainable <= {"float32"}:
+        raise ValueError(
+            "master_weights=True counts an fp32 copy of low-precision parameters, but every "
+            "trainable parameter of this model is already float32 (no copy is kept); drop "
+            "master_weights, or give the model its training dtype (e.g. .to(torch.bfloat16))")
 
 
 def parse_size(name: str, value: int | str, zero: bool = False) -> int:

@@ -330,6 +330,10 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}
+    paths = {p for r in regions for p in r.modules}
+    # the shapes of the parameters under its regions: apply refuses a model of another width
+    shapes = {p.name: list(p.shape) for p in profile.parameters
+              if any(path == "" or p.name.startswith(path + ".") for path in paths)}
     return Plan(
         regions=regions,
         predicted_peak_bytes=sim.peak_bytes,
@@ -343,6 +347,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         notes=tuple(notes),
         # the device an offloading plan is for (NOTE [offload on a CPU model] in memfit.runtime.apply)
         extra={"module_types": {p: types[p] for r in regions for p in r.modules},
+               "parameter_shapes": shapes,
                **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
         input_signature=profile.input_signature,
