@@ -26,10 +26,9 @@ from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
 from memfit.runtime.divergence import CheckArg
 from memfit.step import Step
-from memfit.units import format_bytes
 
 if TYPE_CHECKING:
-    from memfit.planning.job import JobSpec
+    from memfit.planning.job import OptimizerMemory
 
 __all__ = ["fit", "plan", "apply"]
 
@@ -51,12 +50,13 @@ def fit(
     src: int = 0,
     group: Any = None,
     device_memory: int | str | None = None,
-    optimizer: torch.optim.Optimizer | str | None = None,
+    optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
     optimizer_state_dtype: torch.dtype | str | None = None,
     master_weights: bool = False,
     world_size: int | None = None,
     sharding: str = "none",
     reserve: int | str | None = None,
+    grad_accumulation: bool = False,
     target: str | None = None,
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
@@ -100,7 +100,8 @@ def fit(
             ``memfit.planning.job``). The breakdown is ``model.memfit_plan.memory``.
         optimizer: with ``device_memory``: the optimizer instance (its class and param
             groups are measured on fake tensors, NOTE [optimizer memory on fake tensors]), a
-            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``) or None (none).
+            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``), your own count
+            (``memfit.planning.job.OptimizerMemory``) or None (none).
         optimizer_state_dtype: the optimizer states' dtype (default the parameters').
         master_weights: mixed precision's fp32 copy of every trainable parameter.
         world_size, sharding: the model states sharded over ``world_size`` devices
@@ -108,6 +109,10 @@ def fit(
             states]); ``world_size`` defaults to the process group's size, else 1.
         reserve: memory for the CUDA context and the allocator (NOTE [reserve]): bytes or a
             size; default 0 on a CPU, 1 GiB + 2% of ``device_memory`` on a GPU.
+        grad_accumulation: with ``device_memory``: training adds several micro-batches'
+            gradients before each optimizer step, so the gradients are held through forward
+            and backward and the activations get that much less (NOTE [gradient
+            accumulation]). Default False.
         target: for a model on the meta device (profiled in fake mode), the device preset it
             is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
             kernels in fake mode]) and cost model; default ``"cpu"``. Refused for a model
@@ -182,7 +187,8 @@ def fit(
     job_options: dict[str, Any] = {
         "device_memory": device_memory, "optimizer": optimizer,
         "optimizer_state_dtype": optimizer_state_dtype, "master_weights": master_weights,
-        "world_size": world_size, "sharding": sharding, "reserve": reserve}
+        "world_size": world_size, "sharding": sharding, "reserve": reserve,
+        "grad_accumulation": grad_accumulation}
     refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
                          in_flight=in_flight, target=target, compress=compress, budget=budget,
                          lossy_codec=lossy_codec, device_memory=device_memory, on_meta=_on_meta(model))
@@ -242,10 +248,7 @@ def fit(
 
                     raise with_largest_batch(
                         e, sliced_maker(model, example_inputs), batch_of(example_inputs),
-                        loss_fn=loss_fn, solver=solver, target=target, device_memory=device_memory,
-                        optimizer=optimizer, optimizer_state_dtype=optimizer_state_dtype,
-                        master_weights=master_weights, world_size=world_size,
-                        sharding=sharding, reserve=reserve) from None
+                        loss_fn=loss_fn, solver=solver, target=target, **job_options) from None
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
         # another shape's plan: the same budget in bytes (or device), NOTE [a fitted model pickles]
         plan_profile = PlanForShape(
@@ -406,10 +409,10 @@ def _on_meta(model: nn.Module) -> bool:
 
 def plan(profile: Profile, *, budget: int | float | str | None = None, solver: SolverName = "auto",
          device_memory: int | str | None = None,
-         optimizer: torch.optim.Optimizer | str | None = None,
+         optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
          optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
          world_size: int | None = None, sharding: str = "none", reserve: int | str | None = None,
-         **options: Any) -> Plan:
+         grad_accumulation: bool = False, **options: Any) -> Plan:
     """The fastest plan for ``budget`` (``memfit.planning.planner.plan``), or for a device the
     whole job must fit: ``device_memory`` with ``optimizer`` and the rest as in ``fit``.
 
@@ -420,44 +423,19 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: S
         InfeasibleBudget: nothing fits; with ``device_memory``, its ``memory`` is the
             breakdown with the smallest plan and ``fits_with`` what would fit.
     """
-    from memfit.device_memory import job_spec
+    from memfit.device_memory import job_spec, with_state_dtype_hint
     from memfit.planning.planner import plan as make_plan
 
     job = job_spec(profile, device_memory=device_memory, optimizer=optimizer,
                    optimizer_state_dtype=optimizer_state_dtype, master_weights=master_weights,
-                   world_size=world_size, sharding=sharding, reserve=reserve)
+                   world_size=world_size, sharding=sharding, reserve=reserve,
+                   grad_accumulation=grad_accumulation)
     try:
         return make_plan(profile, budget=budget, solver=solver, job=job, **options)
     except InfeasibleBudget as e:
-        raise _with_state_dtype_hint(e, profile, job, optimizer, optimizer_state_dtype,
-                                     budget, solver, options) from None
+        raise with_state_dtype_hint(e, profile, job, optimizer, optimizer_state_dtype,
+                                    budget, solver, options) from None
 
-
-def _with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: JobSpec | None,
-                           optimizer: Any, state_dtype: Any, budget: Any, solver: str,
-                           options: dict[str, Any]) -> InfeasibleBudget:
-    """``e`` with bf16 optimizer states named when they would make the job fit (computed)."""
-    if job is None or optimizer is None or str(state_dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
-        return e
-    from memfit.planning.planner import plan as make_plan
-    from memfit.profiling.optimizer import optimizer_memory
-
-    cuda = not profile.device.lower().startswith("cpu")
-    bf16 = optimizer_memory(optimizer, profile.parameters, state_dtype="bfloat16", cuda=cuda)
-    if bf16.state_bytes + bf16.step_bytes >= job.optimizer.state_bytes + job.optimizer.step_bytes:
-        return e
-    trial = dataclasses.replace(job, optimizer=bf16)
-    try:
-        p = make_plan(profile, budget=budget, solver=solver, job=trial, **options)
-    except InfeasibleBudget:
-        return e
-    assert p.memory is not None
-    hint = (f"optimizer_state_dtype='bfloat16' ({bf16.name}: {format_bytes(bf16.state_bytes)} "
-            f"of states; the job then needs {format_bytes(p.memory.total_bytes)})")
-    message = f"{e}{'; ' if e.fits_with else chr(10) + 'Would fit: '}{hint}"
-    return InfeasibleBudget(message, budget_bytes=e.budget_bytes,
-                            min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
-                            fits_with=(*e.fits_with, hint))
 
 def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | str | None = None,
           check_ranks: bool = True, on_new_shape: str = "warn",

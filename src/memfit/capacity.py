@@ -273,8 +273,9 @@ def _raise_for_one(make: Any, loss_fn: Any, target: str | None, solver: str,
 def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[Any, ...]],
                        batch: int | None, **search: Any) -> InfeasibleBudget:
     """``e`` (a job that does not fit at ``batch``) with the largest smaller batch that fits
-    with its smallest plan named, found by ``largest_batch``; ``e`` itself when none does."""
-    if e.memory is None or batch is None or batch <= 1:
+    with its smallest plan named, found by ``largest_batch``; ``e`` itself when none does, or
+    when the device holds the job and ``budget=`` is the cap that binds (``e.memory.fits``)."""
+    if e.memory is None or e.memory.fits or batch is None or batch <= 1:
         return e
     try:
         found = largest_batch(make, limit=batch - 1, **search)

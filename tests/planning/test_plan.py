@@ -115,3 +115,24 @@ def test_region_ops_take_decisions_not_bare_keys():
         Region(("b",), ("aten.mm.default#0",))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="not a memfit.OpPolicy"):
         Region(("b",), {"aten.mm.default#0": "save"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "name"), [
+    ({"predicted_peak_bytes": -5}, "predicted_peak_bytes is -5"),
+    ({"budget_bytes": -1}, "budget_bytes is -1"),
+    ({"recompute_s": -0.5}, "recompute_s is -0.5"),
+], ids=["peak", "budget", "seconds"])
+def test_plan_load_refuses_negative_quantities(tmp_path, field, name):
+    data = {**_plan().to_dict(), **field}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=f"corrupt memfit plan: {name}, and bytes, seconds and "
+                                          "FLOPs are never negative"):
+        Plan.load(path)
+
+
+def test_plan_load_refuses_a_negative_region():
+    data = _plan().to_dict()
+    data["regions"][1]["saved_bytes"] = -1024
+    with pytest.raises(SchemaError, match="region blocks.1..blocks.2's saved_bytes is -1024"):
+        Plan.from_dict(data)

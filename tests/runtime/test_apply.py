@@ -112,3 +112,19 @@ def test_nested_regions_update_batchnorm_once():
     apply(model, plan)
     assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12),), steps=2)
     assert int(model[0].bn.num_batches_tracked) == 2
+
+
+def test_a_plan_for_another_width_is_refused():
+    import memfit
+
+    torch.manual_seed(0)
+    narrow = memfit.zoo.gpt(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256)
+    memfit.fit(narrow, torch.randint(0, 256, (4, 64)), budget=0.6)
+    planned = Plan.from_dict(narrow.memfit_plan.to_dict())  # as loaded from its file
+    assert planned.extra["parameter_shapes"]["blocks.0.attn.qkv.weight"] == [192, 64]
+    wide = memfit.zoo.gpt(n_layer=2, d_model=96, n_head=4, seq_len=64, vocab_size=256)
+    with pytest.raises(PlanMismatch, match=r"parameter 'blocks\.0\.attn\.qkv\.weight' has shape "
+                                           r"\(192, 64\), but this GPT's has \(288, 96\)"):
+        memfit.apply(wide, planned)
+    assert memfit.runtime.marks.applied_plan(wide) is None  # nothing applied
+    memfit.apply(copy.deepcopy(narrow), planned)  # the same width takes it

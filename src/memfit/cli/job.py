@@ -34,6 +34,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--world-size", type=int, metavar="N", help="devices the states are sharded over")
     g.add_argument("--sharding", choices=SHARDINGS, default="none",
                    help="what is sharded over --world-size (ZeRO-1/2/3: optimizer, gradients, full)")
+    g.add_argument("--grad-accumulation", action="store_true",
+                   help="training accumulates gradients over micro-batches: they are held "
+                        "through forward and backward, besides the activations")
     g.add_argument("--reserve", metavar="SIZE",
                    help="memory kept for the CUDA context and allocator (default 0 on cpu, "
                         "1GiB + 2%% of the device on a GPU)")
@@ -50,6 +53,7 @@ def job_options(args: argparse.Namespace) -> dict[str, Any]:
                                                       "world_size", "reserve", "max_overhead")
                  if getattr(args, k) is not None]
         given += ["--master-weights"] if args.master_weights else []
+        given += ["--grad-accumulation"] if args.grad_accumulation else []
         given += ["--sharding"] if args.sharding != "none" else []
         given += ["--max-batch"] if args.max_batch else []
         if given:
@@ -59,7 +63,8 @@ def job_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device_memory": args.device_memory, "optimizer": args.optimizer,
             "optimizer_state_dtype": args.optimizer_state_dtype,
             "master_weights": args.master_weights, "world_size": args.world_size,
-            "sharding": args.sharding, "reserve": args.reserve}
+            "sharding": args.sharding, "reserve": args.reserve,
+            "grad_accumulation": args.grad_accumulation}
 
 
 def plan_for_job(args: argparse.Namespace, prof: Any, lm: Any) -> Any:

@@ -23,6 +23,19 @@ NOTE [the job's memory]
     budget no plan can help. ``budget=`` keeps its meaning (a cap on the activation peak
     alone); given with ``device_memory`` the smaller of the two caps holds.
 
+NOTE [gradient accumulation]
+    With ``grad_accumulation`` (several micro-batches' backwards add into ``.grad`` before one
+    ``optimizer.step()``), every micro-batch after the first runs its forward and backward
+    with the gradients already held, so both phases hold them:
+
+        forward + backward:  weights + optimizer states + gradients + activation peak
+        optimizer step:      weights + optimizer states + gradients + the step's transients
+
+    and the activation budget is ``device_memory - reserve - weights - states - gradients``.
+    An upper bound: the profile's activation peak (one step from ``.grad`` None) holds the
+    gradients backward has made by then, which under accumulation are added into the held
+    ones and freed, so they are counted twice; the breakdown says which assumption holds.
+
 NOTE [sharded model states]
     With ``world_size = N`` and ``sharding`` (ZeRO's stages, FSDP's strategies):
     ``"optimizer"`` divides optimizer states and the step's transients by N (ZeRO-1),
@@ -62,6 +75,7 @@ NOTE [reserve]
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -71,7 +85,7 @@ from typing import Any
 from memfit.units import format_bytes
 
 __all__ = ["OptimizerMemory", "JobSpec", "JobMemory", "SHARDINGS", "model_memory", "activation_budget",
-           "job_memory", "default_reserve_bytes", "expandable_segments", "smallest_world_size"]
+           "job_memory", "step_phase_bytes", "default_reserve_bytes", "expandable_segments", "smallest_world_size"]
 
 SHARDINGS = ("none", "optimizer", "gradients", "full")
 _GiB = 1 << 30
@@ -105,6 +119,7 @@ class JobSpec:
     reserve_bytes: int
     world_size: int = 1
     sharding: str = "none"
+    grad_accumulation: bool = False  # NOTE [gradient accumulation]
 
     def __post_init__(self) -> None:
         if self.device_memory_bytes <= 0:
@@ -115,6 +130,8 @@ class JobSpec:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+        if not isinstance(self.grad_accumulation, bool):
+            raise TypeError(f"grad_accumulation must be True or False, got {self.grad_accumulation!r}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +140,9 @@ class JobMemory:
 
     ``total_bytes = weights + optimizer + max(activations, gradients + optimizer_step) +
     reserve``: ``activations_bytes`` is the plan's predicted activation peak, which holds
-    the gradients allocated by then.
+    the gradients allocated by then. With ``grad_accumulation`` the gradients are held in
+    both phases: ``weights + optimizer + gradients + max(activations, optimizer_step) +
+    reserve`` (NOTE [gradient accumulation]).
     """
 
     device_memory_bytes: int
@@ -137,6 +156,7 @@ class JobMemory:
     optimizer: str = "no optimizer"
     world_size: int = 1
     sharding: str = "none"
+    grad_accumulation: bool = False
 
     @property
     def fits(self) -> bool:
@@ -150,7 +170,8 @@ class JobMemory:
     @property
     def activation_budget_bytes(self) -> int:
         """The most the activation peak may reach on this device."""
-        return self.device_memory_bytes - self.reserve_bytes - self.weights_bytes - self.optimizer_bytes
+        held = self.gradients_bytes if self.grad_accumulation else 0
+        return self.device_memory_bytes - self.reserve_bytes - self.weights_bytes - self.optimizer_bytes - held
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,15 +179,18 @@ class JobMemory:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobMemory:
         kinds = {f.name: f.type for f in fields(cls)}
-        return cls(**{k: (str(v) if kinds[k] == "str" else int(v)) for k, v in data.items()})  # type: ignore[arg-type]
+        cast = {"str": str, "bool": bool}
+        return cls(**{k: cast.get(str(kinds[k]), int)(v) for k, v in data.items()})  # type: ignore[arg-type]
 
     def lines(self) -> list[str]:
         """The breakdown as a table."""
         shard = (f", {self.sharding} sharding over {self.world_size} devices"
                  if self.sharding != "none" else "")
+        grads = ("one per trainable parameter, held through forward and backward (gradient "
+                 "accumulation): on top of the activation peak" if self.grad_accumulation else
+                 "one per trainable parameter; inside the activation peak, so counted once")
         rows = [("weights", self.weights_bytes, "parameters and buffers"),
-                ("gradients", self.gradients_bytes, "one per trainable parameter; inside the "
-                 "activation peak, so counted once"),
+                ("gradients", self.gradients_bytes, grads),
                 ("optimizer states", self.optimizer_bytes, self.optimizer),
                 ("optimizer step", self.optimizer_step_bytes, "transient, while step() runs"),
                 ("activations", self.activations_bytes, "the plan's predicted peak"),
@@ -175,8 +199,10 @@ class JobMemory:
         out += [f"    {name:<17}{format_bytes(n):>12}  {why}" for name, n, why in rows]
         verdict = (f"fits, {format_bytes(self.free_bytes)} free" if self.fits
                    else f"does NOT fit: {format_bytes(-self.free_bytes)} short")
+        formula = ("gradients + max(activations, step)" if self.grad_accumulation
+                   else "max(activations, gradients + step)")
         out.append(f"    {'total':<17}{format_bytes(self.total_bytes):>12}  {verdict} "
-                   "(weights + states + max(activations, gradients + step) + reserve)")
+                   f"(weights + states + {formula} + reserve)")
         return out
 
     def __str__(self) -> str:
@@ -226,17 +252,27 @@ def model_memory(parameters: Iterable[Any], buffer_bytes: int, spec: JobSpec) ->
 
 
 def activation_budget(mm: ModelMemory, spec: JobSpec) -> int:
-    """The largest activation peak the device leaves room for (NOTE [the job's memory])."""
-    return spec.device_memory_bytes - spec.reserve_bytes - mm.weights_bytes - mm.optimizer_bytes
+    """The largest activation peak the device leaves room for (NOTE [the job's memory], NOTE
+    [gradient accumulation])."""
+    held = mm.gradients_bytes if spec.grad_accumulation else 0
+    return spec.device_memory_bytes - spec.reserve_bytes - mm.weights_bytes - mm.optimizer_bytes - held
+
+
+def step_phase_bytes(mm: ModelMemory, spec: JobSpec) -> int:
+    """What the optimizer step needs within the activation budget: the gradients (unless
+    gradient accumulation holds them already, outside it) and the step's transients."""
+    return mm.optimizer_step_bytes + (0 if spec.grad_accumulation else mm.gradients_bytes)
 
 
 def job_memory(mm: ModelMemory, spec: JobSpec, activations_bytes: int) -> JobMemory:
     """The breakdown for a plan whose activation peak is ``activations_bytes``."""
-    total = (mm.weights_bytes + mm.optimizer_bytes + spec.reserve_bytes
-             + max(activations_bytes, mm.gradients_bytes + mm.optimizer_step_bytes))
+    held = mm.gradients_bytes if spec.grad_accumulation else 0  # NOTE [gradient accumulation]
+    total = (mm.weights_bytes + mm.optimizer_bytes + spec.reserve_bytes + held
+             + max(activations_bytes, step_phase_bytes(mm, spec)))
     return JobMemory(spec.device_memory_bytes, mm.weights_bytes, mm.gradients_bytes,
                      mm.optimizer_bytes, mm.optimizer_step_bytes, activations_bytes,
-                     spec.reserve_bytes, total, spec.optimizer.name, spec.world_size, spec.sharding)
+                     spec.reserve_bytes, total, spec.optimizer.name, spec.world_size, spec.sharding,
+                     spec.grad_accumulation)
 
 
 def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
@@ -286,7 +322,7 @@ def smallest_world_size(parameters: Iterable[Any], buffer_bytes: int, spec: JobS
     params = list(parameters)
     n = 2
     while n <= limit:
-        trial = JobSpec(spec.device_memory_bytes, spec.optimizer, spec.reserve_bytes, n, "full")
+        trial = dataclasses.replace(spec, world_size=n, sharding="full")
         if job_memory(model_memory(params, buffer_bytes, trial), trial, activations_bytes).fits:
             return n
         n *= 2

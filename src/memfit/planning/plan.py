@@ -270,7 +270,7 @@ class Plan:
                 f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); make the plan again"
             )
         try:
-            return cls(
+            plan = cls(
                 regions=tuple(
                     Region(tuple(r["modules"]), _read_ops(r, version), float(r["recompute_s"]),
                            int(r["saved_bytes"]), _optional_bool(r.get("writes_buffers")))
@@ -297,6 +297,17 @@ class Plan:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SchemaError(f"corrupt memfit plan: {type(e).__name__}: {e}") from None
+        quantities = {"predicted_peak_bytes": plan.predicted_peak_bytes, "recompute_s": plan.recompute_s,
+                      "budget_bytes": plan.budget_bytes, "plain_peak_bytes": plan.plain_peak_bytes,
+                      "plain_step_s": plan.plain_step_s, "host_peak_bytes": plan.host_peak_bytes,
+                      "extra_flops": plan.extra_flops}
+        quantities |= {f"region {r.name}'s {k}": v for r in plan.regions
+                       for k, v in (("saved_bytes", r.saved_bytes), ("recompute_s", r.recompute_s))}
+        for name, value in quantities.items():
+            if value is not None and value < 0:
+                raise SchemaError(f"corrupt memfit plan: {name} is {value}, and bytes, seconds and "
+                                  "FLOPs are never negative; make the plan again (memfit plan)")
+        return plan
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

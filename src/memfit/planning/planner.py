@@ -16,6 +16,7 @@ from memfit.planning.job import (
     job_memory,
     model_memory,
     smallest_world_size,
+    step_phase_bytes,
 )
 from memfit.planning.offload import OffloadSpec, link_of
 from memfit.planning.plan import Plan, Region
@@ -112,7 +113,7 @@ def plan_for_device(profile: Profile, job: JobSpec, budget: int | float | str | 
     mm = model_memory(profile.parameters, profile.buffer_bytes, job)
     cap = activation_budget(mm, job)
     result: Plan | None = None
-    if cap > 0 and mm.gradients_bytes + mm.optimizer_step_bytes <= cap:
+    if cap > 0 and step_phase_bytes(mm, job) <= cap:
         wanted = cap if budget is None or _is_min(budget) else min(cap, resolve_budget(budget, profile.peak_bytes))
         try:
             result = _plan_activations(profile, "min" if _is_min(budget) else wanted, *args)
@@ -123,22 +124,41 @@ def plan_for_device(profile: Profile, job: JobSpec, budget: int | float | str | 
         if memory.fits:
             return dataclasses.replace(result, memory=memory)
     smallest = _plan_activations(profile, "min", *args)
-    raise _job_infeasible(profile, job, mm, job_memory(mm, job, smallest.predicted_peak_bytes))
+    memory = job_memory(mm, job, smallest.predicted_peak_bytes)
+    if memory.fits and budget is not None and not _is_min(budget):  # budget= is the cap that binds
+        raise _budget_binds(resolve_budget(budget, profile.peak_bytes), memory, args[0])
+    raise _job_infeasible(profile, job, mm, memory)
+
+
+def _budget_binds(budget_bytes: int, memory: JobMemory, solver: str) -> InfeasibleBudget:
+    """The error for ``budget=`` below the smallest peak under a ``device_memory`` that holds
+    the job with the smallest plan: the budget is named, not the device; the breakdown is
+    that plan's."""
+    least = memory.activations_bytes
+    return InfeasibleBudget(
+        f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the smallest peak "
+        f"any plan of solver {solver!r} reaches: {format_bytes(least)} ({least} bytes); the "
+        f"device ({format_bytes(memory.device_memory_bytes)}) would hold the job with that plan "
+        f"({format_bytes(memory.total_bytes)}, {format_bytes(memory.free_bytes)} free). Give a "
+        f"budget of at least {least} bytes, or drop budget= to plan for the device alone.\n"
+        + "\n".join(memory.lines()),
+        budget_bytes=budget_bytes, min_feasible_bytes=least, memory=memory,
+        fits_with=(f"a budget of at least {least} bytes",))
 
 
 def _job_infeasible(profile: Profile, job: JobSpec, mm: Any, memory: JobMemory) -> InfeasibleBudget:
     """The error for a job that does not fit with its smallest plan: the breakdown, the
     shortfall, and the sharding that would fit (computed)."""
     fits_with: list[str] = []
-    if memory.fits:  # the smallest plan fits the device, but not a budget= also given
-        fits_with.append(f"a budget of at least {memory.activations_bytes} bytes")
     n = smallest_world_size(profile.parameters, profile.buffer_bytes, job, memory.activations_bytes)
     if n is not None and job.world_size < n and not any(p.sharded for p in profile.parameters):
         fits_with.append(f"full sharding (FSDP / ZeRO-3) over {n} devices")
-    step = mm.gradients_bytes + mm.optimizer_step_bytes
-    why = (f"its optimizer step alone (gradients + step transients, {format_bytes(step)}) needs "
-           f"more than the {format_bytes(max(memory.activation_budget_bytes, 0))} the weights and "
-           "states leave" if step > memory.activation_budget_bytes
+    step = step_phase_bytes(mm, job)
+    what = "step transients" if job.grad_accumulation else "gradients + step transients"
+    left = "weights, states and held gradients" if job.grad_accumulation else "weights and states"
+    why = (f"its optimizer step alone ({what}, {format_bytes(step)}) needs more than the "
+           f"{format_bytes(max(memory.activation_budget_bytes, 0))} the {left} leave"
+           if step > memory.activation_budget_bytes
            else f"its smallest plan peaks at {format_bytes(memory.activations_bytes)} of activations")
     return InfeasibleBudget(
         f"the job does not fit {format_bytes(job.device_memory_bytes)}: {why}; with that plan it "
@@ -310,6 +330,10 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}
+    paths = {p for r in regions for p in r.modules}
+    # the shapes of the parameters under its regions: apply refuses a model of another width
+    shapes = {p.name: list(p.shape) for p in profile.parameters
+              if any(path == "" or p.name.startswith(path + ".") for path in paths)}
     return Plan(
         regions=regions,
         predicted_peak_bytes=sim.peak_bytes,
@@ -323,6 +347,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         notes=tuple(notes),
         # the device an offloading plan is for (NOTE [offload on a CPU model] in memfit.runtime.apply)
         extra={"module_types": {p: types[p] for r in regions for p in r.modules},
+               "parameter_shapes": shapes,
                **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
         input_signature=profile.input_signature,

@@ -84,6 +84,23 @@ def _class_names(cls: type) -> set[str]:
     return names
 
 
+def _check_shapes(model: nn.Module, plan: Plan) -> None:
+    """Raise ``PlanMismatch`` if a parameter under the plan's regions has another shape than
+    the profiled one (a model of another width: the plan's peak and decisions are not its)."""
+    from memfit.profiling.model_state import local_part
+
+    recorded = plan.extra.get("parameter_shapes", {}) if isinstance(plan.extra, dict) else {}
+    if not recorded:
+        return
+    actual = {n: list(local_part(p).shape) for n, p in model.named_parameters()}
+    for name, shape in recorded.items():
+        if name in actual and actual[name] != list(shape):
+            raise PlanMismatch(
+                f"the plan was made for a model whose parameter {name!r} has shape "
+                f"{tuple(shape)}, but this {type(model).__name__}'s has {tuple(actual[name])}: its "
+                "predicted peak and decisions are another model's; profile and plan this one again")
+
+
 def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
     """Validate the plan against the model; return, per region, its target."""
     types = plan.extra.get("module_types", {}) if isinstance(plan.extra, dict) else {}
@@ -94,6 +111,7 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                 f"the plan expects module {path!r} to be a {expected}, but this model's is a "
                 f"{type(module).__name__}; the plan was made for another model"
             )
+    _check_shapes(model, plan)
     targets: list[tuple[Region, Any]] = []
     seen: set[str] = set()
     for region in plan.regions:
