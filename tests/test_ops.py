@@ -38,7 +38,7 @@ def test_stages_agree_on_every_aten_overload():
     for op in ALL_OVERLOADS:
         name = str(op)
         inplace, random = op_flags(op)  # asked without arguments: for any call
-        if policies.must_recompute(op) != (inplace or random):
+        if ops.must_recompute(op) != (inplace or random):
             mismatches.append(("forced recompute", name))
         record = OpRecord(index=0, name=name, module="", phase=Phase.FORWARD)
         if (save_matmuls.decide(op, name, 0, (), {}) is OpPolicy.SAVE) != rules.is_matmul(record):
@@ -81,7 +81,7 @@ Q = torch.randn(1, 2, 8, 4)  # (batch, heads, time, head size)
 ], ids=["default", "zero-positional", "zero-keyword", "positive-positional", "positive-keyword"])
 def test_attention_is_random_only_with_dropout(args, kwargs, random):
     assert ops.is_random(SDPA_CPU, args, kwargs) is random
-    assert policies.must_recompute(SDPA_CPU, args, kwargs) is random
+    assert ops.must_recompute(SDPA_CPU, args, kwargs) is random
     assert op_flags(SDPA_CPU, args, kwargs) == (False, random)
 
 

@@ -22,7 +22,10 @@ from memfit.runtime.region_policy import RegionPolicy
 
 # Offload runs on the CPU here, which it cannot help (NOTE [offload on a CPU model]); the
 # warning that says so has a test of its own.
-pytestmark = pytest.mark.filterwarnings("ignore:.*offloading frees nothing:UserWarning")
+# Offload needs torch 2.13's indexed selective-checkpoint cache: on an older torch each test
+# must raise UnsupportedTorch (NOTE [features by torch release] in memfit.torch_range).
+pytestmark = [pytest.mark.filterwarnings("ignore:.*offloading frees nothing:UserWarning"),
+              pytest.mark.torch_feature("offload")]
 
 B, T, C, HEADS, VOCAB = 2, 16, 32, 4, 64
 OFF, S = OpPolicy.OFFLOAD, OpPolicy.SAVE
