@@ -1,7 +1,15 @@
 """``largest_batch`` (NOTE [largest batch search]): the answer fits three real steps, one more
-fits no plan, and the search profiles few sizes."""
+fits no plan, and the search profiles few sizes; a card this host lacks is searched on fake
+tensors (NOTE [largest batch on fake tensors])."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +17,7 @@ import torch
 import memfit
 from memfit import InfeasibleBudget, zoo
 from memfit.profiling.meters import AllocatorMeter
+from memfit.profiling.tracer import ProfileMode
 from memfit.profiling.tracer import profile as trace
 
 
@@ -106,3 +115,58 @@ def test_a_sequence_search_stops_at_the_model_s_own_limit(model, limit, message)
     assert f"the model's own limit bounded the search: at {limit + 1} it raised {message}" in str(found)
     refused = [p.n for p in found.probes if p.error is not None]
     assert min(refused) == limit + 1 and all(not p.fits for p in found.probes if p.error)
+
+
+@pytest.mark.slow
+def test_fake_and_real_searches_agree_where_both_run():
+    model = _gpt()
+    make = lambda n: (model, torch.randint(0, 512, (n, 64)))  # noqa: E731
+    one = trace(model, make(1)[1], repeats=1)
+    device = 4 * sum(p.nbytes for p in one.parameters) + 6 * one.peak_bytes
+    real = memfit.largest_batch(make, device_memory=device, optimizer="adamw", mode="measure")
+    fake = memfit.largest_batch(make, device_memory=device, optimizer="adamw", mode="fake")
+    assert {p.mode for p in real.probes} == {ProfileMode.MEASURE} == {real.mode}
+    assert {p.mode for p in fake.probes} == {ProfileMode.FAKE} == {fake.mode}
+    assert fake.batch == real.batch > 2
+    # the smallest plan's whole job at every size, to the byte: no CPU kernel workspace of this
+    # GPT sits at its smallest plan's peak (NOTE [largest batch on fake tensors])
+    assert [(p.n, p.fits, p.smallest_total_bytes) for p in fake.probes] == [
+        (p.n, p.fits, p.smallest_total_bytes) for p in real.probes]
+    # by default the sizes whose plain step is larger than the device run on fake tensors
+    auto = memfit.largest_batch(make, device_memory=device, optimizer="adamw")
+    assert auto.batch == real.batch and auto.mode is ProfileMode.FAKE
+    for p in auto.probes:
+        plain = trace(model, make(p.n)[1], mode="fake", repeats=1).peak_bytes
+        assert p.mode is (ProfileMode.MEASURE if plain <= device else ProfileMode.FAKE), p
+    assert "its plan made on fake tensors" in str(auto)
+    with pytest.raises(ValueError, match="mode must be 'measure', 'fake' or None"):
+        memfit.largest_batch(make, device_memory=device, mode="meta")
+
+
+@pytest.mark.processes
+def test_the_readme_search_for_an_80_gib_card_runs_on_fake_tensors():
+    # the README's example: real steps near 80 GiB were killed by the OOM killer at 20.2 GB
+    code = textwrap.dedent("""
+        import json, resource, torch, memfit
+        model = memfit.zoo.gpt(n_layer=4, d_model=128, n_head=4, seq_len=128)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        found = memfit.largest_batch(lambda n: (model, torch.randint(0, 512, (n, 128))),
+                                     device_memory="80GiB", optimizer="adamw")
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(json.dumps({"batch": found.batch, "mode": found.mode.value, "grown_kib": grown_kib,
+                          "total": found.plan.memory.total_bytes, "text": str(found),
+                          "probes": [(p.n, p.mode.value) for p in found.probes]}))
+    """)
+    src = Path(memfit.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["batch"] > 10_000 and got["mode"] == "fake"
+    assert got["total"] <= 80 * 2**30
+    # the answer's plain step is hundreds of GB; the search grew the process by 297 MB
+    # (the example inputs make(n) builds, the planner's arrays): under 1 GiB
+    assert got["grown_kib"] < 1024 * 1024, got["grown_kib"]
+    assert all(mode == "fake" for n, mode in got["probes"] if n > 2), got["probes"]
+    assert "on fake tensors" in got["text"]

@@ -77,3 +77,53 @@ def test_a_plain_step_after_functional_call_reads_the_models_own_tensors() -> No
     ref(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class _Supervised(nn.Module):
+    """A block that stores a side output in a list its siblings share, as MONAI's DynUNet
+    skip layers store their supervision heads, and one in a tensor attribute."""
+
+    def __init__(self, heads: list[torch.Tensor], i: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.head = nn.Linear(64, 8)
+        self.heads, self.i = heads, i
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)                       # (batch, 64)
+        self.heads[self.i] = self.head(y)      # (batch, 8)
+        self.last = y.tanh()
+        return y
+
+
+class _Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads: list[torch.Tensor] = [torch.zeros(1)] * 3
+        self.blocks = nn.ModuleList(_Supervised(self.heads, i) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.sum() + sum(h.square().sum() for h in self.heads) + self.blocks[0].last.sum()
+
+
+@pytest.mark.parametrize("policy", [None, save_matmuls()], ids=["recompute-all", "save-matmuls"])
+def test_what_a_replay_stores_in_module_attributes_is_the_forwards_after_it(policy) -> None:
+    # NOTE [the forward's tensors], rule 6: the replay's own head would keep its autograd
+    # graph, and every tensor that graph saved, alive until the next forward
+    model, ref = _Deep(), _Deep()
+    for block in model.blocks:
+        wrap(block, policy)
+    x = torch.randn(32, 64)
+    loss = model(x)
+    stored = list(model.heads), [b.last for b in model.blocks]
+    loss.backward()
+    ref(x).backward()
+    assert model.heads is model.blocks[0].heads  # the shared list itself kept
+    assert all(a is b for a, b in zip(model.heads, stored[0], strict=True))
+    assert all(b.last is t for b, t in zip(model.blocks, stored[1], strict=True))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

@@ -31,6 +31,19 @@ NOTE [the forward's tensors]
        raises ``RecomputeMismatch`` naming the region, the input and what to do, before the
        replay reads anything. One version read per input and one hook per output and call;
        no memory.
+    6. What the replay stores in its modules' plain attributes is put back as the forward
+       left it when the replay ends (early stop included): a tensor attribute, and the
+       items of a list or dict attribute that holds tensors (the container itself kept, as
+       others may share it). The replay runs with autograd on, and torch's recompute hook
+       keeps each tensor it saves in the replay's graph, so a tensor the replay leaves
+       reachable keeps that whole graph alive until the next forward overwrites it. MONAI's
+       DynUNet with deep supervision stores each supervision head's output in a list shared
+       by its skip layers (``self.heads[i] = self.super_head(upout)``): its smallest plan
+       +1%, replaying the skip layer with the inner head, measured 125,754,924 B against
+       109,808,916 B predicted (+14.5%, the replay's 15.9 MB of recomputed and cached
+       activations live to the end of backward); 109,808,916 B with the forward's head put
+       back. The attributes are read when the replay starts: one pass over the modules'
+       ``__dict__``; names and values other than tensors and their containers are left alone.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ class ForwardTensors:
         self._modules = tuple(modules)
         self._slots: list[_Slot] = []
         self._swapped: list[_Slot] = []
+        self._attrs: list[tuple[dict, str, Any, Any]] = []
 
     def forward_enter(self) -> None:
         slots: list[_Slot] = []
@@ -77,6 +91,7 @@ class ForwardTensors:
         self._slots = [s for s in self._slots if s[0].get(s[1]) is s[2]]
 
     def replay_enter(self) -> None:
+        self._attrs = _tensor_attributes(self._modules)  # rule 6
         swapped = []
         for d, name, t in self._slots:
             now = d.get(name)
@@ -89,6 +104,48 @@ class ForwardTensors:
         for d, name, now in self._swapped:
             d[name] = now
         self._swapped = []
+        for d, name, value, items in self._attrs:  # rule 6
+            if d.get(name) is not value:
+                d[name] = value
+            if isinstance(value, list) and not _same_items(value, items):
+                value[:] = items
+            elif isinstance(value, dict) and not _same_items(list(value.items()), items):
+                value.clear()
+                value.update(items)
+        self._attrs = []
+
+
+# a module's own state, not attributes its forward sets (NOTE [the forward's tensors], rule 6)
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _tensor_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict, str, Any, Any]]:
+    """The plain attributes of ``modules`` and their submodules that hold tensors: (the
+    module's ``__dict__``, name, value, a copy of its items where it is a list or dict)."""
+    found: list[tuple[dict, str, Any, Any]] = []
+    seen: set[int] = set()
+    for top in modules:
+        for m in top.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for name, value in vars(m).items():
+                if name in _MODULE_STATE or not _tensors(value):
+                    continue
+                if id(value) in seen and not isinstance(value, torch.Tensor):
+                    continue  # a container shared by several modules: put back once
+                seen.add(id(value))
+                items = (list(value) if isinstance(value, list)
+                         else list(value.items()) if isinstance(value, dict) else None)
+                found.append((vars(m), name, value, items))
+    return found
+
+
+def _same_items(now: list[Any], then: list[Any]) -> bool:
+    return len(now) == len(then) and all(
+        a is b or (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+                   and all(x is y for x, y in zip(a, b, strict=True)))
+        for a, b in zip(now, then, strict=True))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
