@@ -328,12 +328,12 @@ def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, devic
         p = plan(prof, job=spec, solver=solver)
     except InfeasibleBudget as e:
         assert e.memory is not None
-        return Probe(n, False, e.memory.total_bytes, None, mode)
+        return Probe(n, False, e.memory.total_bytes, None, mode=mode)
     smallest = plan(prof, budget="min", solver=solver)
     total = job_memory(model_memory(prof.parameters, prof.buffer_bytes, spec), spec,
                        smallest.predicted_peak_bytes).total_bytes
     fits = max_overhead is None or p.overhead <= max_overhead
-    return Probe(n, fits, total, p.overhead, mode)
+    return Probe(n, fits, total, p.overhead, mode=mode)
 
 
 def _plan(prof: Profile, solver: str, device_memory: int | str, optimizer: Any,
