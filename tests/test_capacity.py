@@ -31,14 +31,14 @@ def test_the_largest_batch_fits_three_real_steps_and_one_more_fits_no_plan():
     one = trace(model, make(1)[1], repeats=1)
     weights = sum(p.nbytes for p in one.parameters) + one.buffer_bytes
     device = 4 * weights + 6 * one.peak_bytes
-    found = memfit.largest_batch(make, device_memory=device, optimizer="adamw")
+    found = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"))
     n = found.batch
     assert n > 2 and found.plan.memory is not None and found.plan.memory.fits
     assert len(found.probes) < n  # few profiles, not one per candidate
     above = next(p for p in found.probes if p.n == n + 1)
     assert not above.fits and above.smallest_total_bytes > device
     with pytest.raises(InfeasibleBudget):  # the planner says so on a fresh profile too
-        memfit.plan(memfit.profile(model, make(n + 1)[1]), device_memory=device, optimizer="adamw")
+        memfit.plan(memfit.profile(model, make(n + 1)[1]), memfit.Job(device=device, optimizer="adamw"))
 
     x = make(n)[1]
     memfit.apply(model, found.plan)
@@ -63,8 +63,8 @@ def test_max_overhead_bounds_the_predicted_recompute():
     make = lambda n: (model, torch.randint(0, 512, (n, 64)))  # noqa: E731
     one = trace(model, make(1)[1], repeats=1)
     device = 4 * sum(p.nbytes for p in one.parameters) + 6 * one.peak_bytes
-    free = memfit.largest_batch(make, device_memory=device, optimizer="adamw", limit=64)
-    capped = memfit.largest_batch(make, device_memory=device, optimizer="adamw", max_overhead=0.0,
+    free = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"), limit=64)
+    capped = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"), max_overhead=0.0,
                                   limit=64)
     assert capped.overhead == 0.0 and not capped.plan.regions
     assert capped.batch <= free.batch
@@ -74,16 +74,16 @@ def test_not_even_one_fits_says_so():
     model = _gpt()
     with pytest.raises(InfeasibleBudget, match="not even a batch of 1 fits") as e:
         memfit.largest_batch(lambda n: (model, torch.randint(0, 512, (n, 64))),
-                             device_memory=1000, optimizer="adamw")
+                             memfit.Job(device=1000, optimizer="adamw"))
     assert e.value.memory is not None and not e.value.memory.fits
 
 
 def test_bad_arguments_are_refused():
     model = _gpt()
     with pytest.raises(ValueError, match="max_overhead"):
-        memfit.largest_batch(lambda n: (model, None), device_memory="1GiB", max_overhead=-1)
+        memfit.largest_batch(lambda n: (model, None), memfit.Job(device="1GiB"), max_overhead=-1)
     with pytest.raises(TypeError, match=r"make\(1\) must return \(model, example_inputs\)"):
-        memfit.largest_batch(lambda n: model, device_memory="1GiB")
+        memfit.largest_batch(lambda n: model, memfit.Job(device="1GiB"))
 
 
 class _Positions(torch.nn.Module):
@@ -109,7 +109,7 @@ class _Positions(torch.nn.Module):
 def test_a_sequence_search_stops_at_the_model_s_own_limit(model, limit, message):
     """The model's ValueError at its maximum length escaped the search before (issue #39)."""
     found = memfit.largest_batch(lambda n: (model, torch.randint(0, 64, (2, n))),
-                                 device_memory="1GiB")
+                                 memfit.Job(device="1GiB"))
     assert found.batch == limit
     assert found.model_limit is not None and found.model_limit.startswith(message)
     assert f"the model's own limit bounded the search: at {limit + 1} it raised {message}" in str(found)
@@ -123,8 +123,8 @@ def test_fake_and_real_searches_agree_where_both_run():
     make = lambda n: (model, torch.randint(0, 512, (n, 64)))  # noqa: E731
     one = trace(model, make(1)[1], repeats=1)
     device = 4 * sum(p.nbytes for p in one.parameters) + 6 * one.peak_bytes
-    real = memfit.largest_batch(make, device_memory=device, optimizer="adamw", mode="measure")
-    fake = memfit.largest_batch(make, device_memory=device, optimizer="adamw", mode="fake")
+    real = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"), mode="measure")
+    fake = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"), mode="fake")
     assert {p.mode for p in real.probes} == {ProfileMode.MEASURE} == {real.mode}
     assert {p.mode for p in fake.probes} == {ProfileMode.FAKE} == {fake.mode}
     assert fake.batch == real.batch > 2
@@ -133,14 +133,14 @@ def test_fake_and_real_searches_agree_where_both_run():
     assert [(p.n, p.fits, p.smallest_total_bytes) for p in fake.probes] == [
         (p.n, p.fits, p.smallest_total_bytes) for p in real.probes]
     # by default the sizes whose plain step is larger than the device run on fake tensors
-    auto = memfit.largest_batch(make, device_memory=device, optimizer="adamw")
+    auto = memfit.largest_batch(make, memfit.Job(device=device, optimizer="adamw"))
     assert auto.batch == real.batch and auto.mode is ProfileMode.FAKE
     for p in auto.probes:
         plain = trace(model, make(p.n)[1], mode="fake", repeats=1).peak_bytes
         assert p.mode is (ProfileMode.MEASURE if plain <= device else ProfileMode.FAKE), p
     assert "its plan made on fake tensors" in str(auto)
     with pytest.raises(ValueError, match="mode must be 'measure', 'fake' or None"):
-        memfit.largest_batch(make, device_memory=device, mode="meta")
+        memfit.largest_batch(make, memfit.Job(device=device), mode="meta")
 
 
 @pytest.mark.processes
@@ -151,7 +151,7 @@ def test_the_readme_search_for_an_80_gib_card_runs_on_fake_tensors():
         model = memfit.zoo.gpt(n_layer=4, d_model=128, n_head=4, seq_len=128)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         found = memfit.largest_batch(lambda n: (model, torch.randint(0, 512, (n, 128))),
-                                     device_memory="80GiB", optimizer="adamw")
+                                     memfit.Job(device="80GiB", optimizer="adamw"))
         grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
         print(json.dumps({"batch": found.batch, "mode": found.mode.value, "grown_kib": grown_kib,
                           "total": found.plan.memory.total_bytes, "text": str(found),

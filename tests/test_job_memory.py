@@ -1,5 +1,5 @@
 """The whole job's memory (NOTE [the job's memory]): optimizer states measured on fake tensors
-against the CPU allocator, a plan for ``device_memory`` against three real AdamW steps."""
+against the CPU allocator, a plan for a ``memfit.Job`` against three real AdamW steps."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_a_zoo_gpt_with_adamw_fits_its_device_memory_over_three_real_steps():
     grads = sum(p.nbytes for p in prof.parameters if p.trainable)
     device = weights + grads + opt_mem.state_bytes + prof.peak_bytes // 2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    memfit.fit(model, x, device_memory=device, optimizer=opt)
+    memfit.fit(model, x, memfit.Job(device=device, optimizer=opt))
     mem = model.memfit_plan.memory
     assert mem is not None and mem.fits and mem.device_memory_bytes == device
     assert (mem.weights_bytes, mem.gradients_bytes, mem.optimizer_bytes) == (
@@ -132,7 +132,7 @@ def test_an_honest_no_names_the_shortfall_and_what_would_fit():
     prof = memfit.profile(model, torch.randint(0, 256, (2, 32)))
     weights = sum(p.nbytes for p in prof.parameters) + prof.buffer_bytes
     with pytest.raises(InfeasibleBudget) as e:
-        memfit.plan(prof, device_memory=3 * weights, optimizer="adamw")
+        memfit.plan(prof, memfit.Job(device=3 * weights, optimizer="adamw"))
     err = e.value
     assert err.memory is not None and not err.memory.fits
     assert err.memory.total_bytes > 3 * weights
@@ -140,19 +140,15 @@ def test_an_honest_no_names_the_shortfall_and_what_would_fit():
     assert any("full sharding" in f for f in err.fits_with)
     # each thing it names does fit: sharding over that many devices
     n = int(next(f for f in err.fits_with if "sharding" in f).split(" over ")[1].split()[0])
-    p = memfit.plan(prof, device_memory=3 * weights, optimizer="adamw", world_size=n, sharding="full")
+    p = memfit.plan(prof, memfit.Job(device=3 * weights, optimizer="adamw", world_size=n, sharding="full"))
     assert p.memory is not None and p.memory.fits and p.memory.world_size == n
 
 
-def test_device_memory_options_without_device_memory_are_refused():
+def test_a_plan_needs_a_budget_or_a_job():
     model = torch.nn.Linear(4, 4)
     prof = memfit.profile(model, torch.randn(2, 4))
-    with pytest.raises(TypeError, match="give device_memory"):
-        memfit.plan(prof, budget="50%", optimizer="adamw")
-    with pytest.raises(TypeError, match="budget= .* or device_memory="):
+    with pytest.raises(TypeError, match=r"budget= .* or a job \(memfit.Job\(device='80GiB'"):
         memfit.plan(prof)
-    with pytest.raises(ValueError, match="cannot parse device_memory"):
-        memfit.plan(prof, device_memory="lots")
 
 
 def test_describe_parameters_counts_tied_weights_once():
@@ -177,7 +173,7 @@ def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
     lm = load_model(str(config), dtype=torch.bfloat16, seq_len=4096)
     prof = trace(lm.model, lm.example_inputs, loss_fn=lm.loss_fn, mode="fake", target="h100")
     assert sum(torch.Size(p.shape).numel() for p in prof.parameters) == LLAMA_7B_PARAMETERS
-    p = memfit.plan(prof, device_memory="80GiB", optimizer="adamw", solver="chain")
+    p = memfit.plan(prof, memfit.Job(device="80GiB", optimizer="adamw"), solver="chain")
     mem = p.memory
     assert mem is not None and mem.fits and mem.total_bytes <= 80 * 2**30
     assert mem.gradients_bytes == 2 * LLAMA_7B_PARAMETERS
@@ -185,13 +181,13 @@ def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
     assert mem.optimizer_step_bytes == 2 * LLAMA_7B_PARAMETERS  # foreach: sqrt of one moment
     assert mem.reserve_bytes == 2**30 + 80 * 2**30 * 2 // 25  # the default allocator's (8%)
     with pytest.raises(InfeasibleBudget) as e:
-        memfit.plan(prof, device_memory="80GiB", optimizer="adamw",
-                    optimizer_state_dtype="float32", solver="chain")
+        memfit.plan(prof, memfit.Job(device="80GiB", optimizer="adamw", state_dtype="float32"),
+                    solver="chain")
     err = e.value
     assert err.memory is not None and err.memory.optimizer_bytes == 8 * LLAMA_7B_PARAMETERS
     assert err.memory.total_bytes > 80 * 2**30
     assert any("over 2 devices" in f for f in err.fits_with)
-    assert any("optimizer_state_dtype='bfloat16'" in f for f in err.fits_with)
+    assert any("state_dtype='bfloat16'" in f for f in err.fits_with)
 
 
 def test_fit_that_does_not_fit_names_the_largest_batch_that_does():
@@ -199,7 +195,7 @@ def test_fit_that_does_not_fit_names_the_largest_batch_that_does():
     model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=128)
     x = torch.randint(0, 512, (4, 128))
     with pytest.raises(InfeasibleBudget) as e:
-        memfit.fit(model, x, device_memory="5MiB", optimizer="adamw")
+        memfit.fit(model, x, memfit.Job(device="5MiB", optimizer="adamw"))
     assert e.value.memory is not None and e.value.memory.total_bytes > 5 * 2**20
     assert any(f.startswith("a batch of 2 ") for f in e.value.fits_with), e.value.fits_with
     assert not hasattr(model, "memfit_plan")  # nothing applied
@@ -209,7 +205,7 @@ def test_fit_plans_a_meta_model_for_its_target_device():
     with torch.device("meta"):
         model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
     x = torch.randint(0, 512, (2, 32))
-    memfit.fit(model, x, device_memory="80GiB", optimizer="adamw", target="h100")
+    memfit.fit(model, x, memfit.Job(device="80GiB", optimizer="adamw"), target="h100")
     mem = model.memfit_plan.memory
     assert mem is not None and mem.reserve_bytes == 2**30 + 80 * 2**30 * 2 // 25  # a GPU's reserve
     memfit.unapply(model)
@@ -243,7 +239,7 @@ def test_the_gpu_reserve_follows_the_allocator(monkeypatch, conf, expandable, sh
     with torch.device("meta"):
         model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
     p = memfit.plan(memfit.profile(model, torch.randint(0, 512, (2, 32), device="meta"), mode="fake",
-                                   target="h200"), device_memory=card, optimizer="adamw")
+                                   target="h200"), memfit.Job(device=card, optimizer="adamw"))
     assert p.memory is not None and p.memory.reserve_bytes == 2**30 + int(card * share)
 
 
@@ -265,7 +261,7 @@ def test_gradient_accumulation_keeps_two_micro_batches_within_the_device():
     def accumulate(grad_accumulation: bool) -> tuple[int, memfit.planning.job.JobMemory]:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        memfit.fit(model, x, device_memory=device, optimizer=opt, grad_accumulation=grad_accumulation)
+        memfit.fit(model, x, memfit.Job(device=device, optimizer=opt, grad_accumulation=grad_accumulation))
         with AllocatorMeter() as m:
             for _ in range(2):
                 opt.zero_grad(set_to_none=True)
@@ -304,14 +300,14 @@ def test_gradient_accumulation_counts_the_gradients_in_both_phases():
 
 
 def test_grad_accumulation_on_the_command_line():
-    from memfit.cli.job import job_options
+    from memfit.cli.job import job_of
     from memfit.cli.main import build_parser
     from memfit.cli.models import UsageError
 
     args = build_parser().parse_args(["plan", "tiny", "--device-memory", "1GiB", "--grad-accumulation"])
-    assert job_options(args)["grad_accumulation"] is True
+    assert job_of(args) == memfit.Job(device="1GiB", grad_accumulation=True)
     with pytest.raises(UsageError, match="--grad-accumulation count against --device-memory"):
-        job_options(build_parser().parse_args(["plan", "tiny", "--grad-accumulation"]))
+        job_of(build_parser().parse_args(["plan", "tiny", "--grad-accumulation"]))
 
 
 def _qat_gpt() -> torch.nn.Module:
@@ -331,7 +327,7 @@ def test_a_budget_too_small_is_named_and_its_suggestion_is_accepted_on_a_fresh_m
     x = torch.randint(0, 256, (4, 64))
     # budget= binds under a device that would hold the job: the budget is named, not the device
     with pytest.raises(InfeasibleBudget) as e:
-        memfit.fit(_qat_gpt(), x, budget=100_000, device_memory="64MiB", optimizer="adamw")
+        memfit.fit(_qat_gpt(), x, memfit.Job(device="64MiB", optimizer="adamw"), budget=100_000)
     err = e.value
     least = err.min_feasible_bytes
     assert str(err).startswith("budget 97.66 KiB (100000 bytes) is below the smallest peak")
@@ -339,7 +335,7 @@ def test_a_budget_too_small_is_named_and_its_suggestion_is_accepted_on_a_fresh_m
     assert err.budget_bytes == 100_000 and err.memory is not None and err.memory.fits
     assert err.fits_with == (f"a budget of at least {least} bytes",)
     # the suggestion is a budget fit accepts, on a fresh model, with and without the device
-    planned = memfit.fit(_qat_gpt(), x, budget=least, device_memory="64MiB", optimizer="adamw")
+    planned = memfit.fit(_qat_gpt(), x, memfit.Job(device="64MiB", optimizer="adamw"), budget=least)
     assert planned.memfit_plan.predicted_peak_bytes <= least
     with pytest.raises(InfeasibleBudget, match=f"Give a budget of at least {least} bytes"):
         memfit.fit(_qat_gpt(), x, budget=1000)
@@ -357,11 +353,11 @@ def test_a_budget_too_small_is_named_and_its_suggestion_is_accepted_on_a_fresh_m
 def test_job_options_that_would_mean_nothing_are_refused(options, message):
     prof = memfit.profile(_model(), torch.randn(4, 64))
     with pytest.raises(ValueError, match=re.escape(message)):
-        memfit.plan(prof, device_memory="64MiB", optimizer="adamw", **options)
+        memfit.plan(prof, memfit.Job(device="64MiB", optimizer="adamw", **options))
     bf16 = dataclasses.replace(prof, parameters=tuple(
         dataclasses.replace(p, dtype="bfloat16", nbytes=p.nbytes // 2) for p in prof.parameters))
     if "master_weights" in options:  # a bf16 model keeps the copy: counted
-        p = memfit.plan(bf16, device_memory="64MiB", optimizer="adamw", master_weights=True)
+        p = memfit.plan(bf16, memfit.Job(device="64MiB", optimizer="adamw", master_weights=True))
         fp32 = sum(x.nbytes for x in prof.parameters)  # 99,456 B
         # exp_avg, exp_avg_sq and the master copy in fp32, and 4 step counters of 4 B
         assert p.memory is not None and p.memory.optimizer_bytes == 3 * fp32 + 4 * 4 == 298_384

@@ -109,7 +109,7 @@ def test_fit_with_in_flight_plans_the_stage_for_the_micro_batches_it_holds():
     r = stage_report(p, stage=1, n_microbatches=4)
     assert (r.in_flight, r.predicted_peak_bytes, r.regions) == (3, info["stage_peak_bytes"], len(p.regions))
     with pytest.raises(TypeError, match="in_flight"):
-        memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), device_memory="1GiB", in_flight=3)
+        memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), job=memfit.Job(device="1GiB"), in_flight=3)
     with pytest.raises(ValueError, match="not made for a pipeline stage"):
         stage_report(none, stage=0, n_microbatches=4)
 

@@ -52,6 +52,7 @@ _LAZY = {
     "simulate": ("memfit.planning.hidden_host", "simulate_plan"),
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.api",
+    "Job": "memfit.device_memory",
     "largest_batch": "memfit.capacity",
     "capabilities": "memfit.torch_range",
     "Capabilities": "memfit.torch_range",

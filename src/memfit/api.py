@@ -28,7 +28,7 @@ from memfit.runtime.divergence import CheckArg
 from memfit.step import Step
 
 if TYPE_CHECKING:
-    from memfit.planning.job import OptimizerMemory
+    from memfit.device_memory import Job
 
 __all__ = ["fit", "plan", "apply"]
 
@@ -40,8 +40,9 @@ M = TypeVar("M", bound=nn.Module)
 def fit(
     model: M,
     example_inputs: Any = None,
+    job: Job | None = None,
     *,
-    budget: int | float | str | None = None,
+    budget: int | float | str | Job | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: SolverName = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
@@ -49,14 +50,6 @@ def fit(
     tune_time_limit_s: float | None = None,
     src: int = 0,
     group: Any = None,
-    device_memory: int | str | None = None,
-    optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
-    optimizer_state_dtype: torch.dtype | str | None = None,
-    master_weights: bool = False,
-    world_size: int | None = None,
-    sharding: str = "none",
-    reserve: int | str | None = None,
-    grad_accumulation: bool = False,
     target: str | None = None,
     on_new_shape: str | None = None,
     shapes: Sequence[Any] | None = None,
@@ -65,6 +58,7 @@ def fit(
     kept_bytes: int = 0,
     compress: str | None = None,
     lossy_codec: str = "bf16",
+    **old_job_keywords: Any,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -72,9 +66,17 @@ def fit(
         model: the model to plan, changed in place (the same object is returned).
         example_inputs: inputs of one step: a tensor, a tuple of positional arguments or a dict
             of keyword arguments, of the shapes training will use.
+        job: instead of (or with) ``budget``: the device the whole job must fit, a
+            ``memfit.Job`` (``memfit.Job(device="80GiB", optimizer="adamw")``): weights,
+            gradients, optimizer states, the optimizer step, activations and a reserve (NOTE
+            [the job's memory] in ``memfit.planning.job``); the breakdown is
+            ``model.memfit_plan.memory``. The keywords it replaces (``device_memory=``,
+            ``optimizer=``, ...) still work for one release, with a ``DeprecationWarning``
+            (NOTE [the old job keywords] in ``memfit.device_memory``).
         budget: the cap on peak activation memory: ``int`` bytes, a ``float`` fraction of the
             un-checkpointed peak (``0.6``), a string (``"6GiB"``, ``"60%"``), or ``"min"``:
-            the smallest peak any plan reaches.
+            the smallest peak any plan reaches. A ``Job`` here is taken as ``job``; given
+            both, the smaller cap holds.
         loss_fn: output -> scalar loss; default ``output.loss`` if present, else the sum of the
             floating outputs.
         solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, or a baseline
@@ -94,25 +96,6 @@ def fit(
             every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
             ``memfit.distributed``): every rank of ``group`` must call ``fit``.
         group: the ``torch.distributed`` process group to plan for (default the whole job).
-        device_memory: instead of (or with) ``budget``: the device's memory, which the whole
-            job must fit (int bytes or ``"80GiB"``): weights, gradients, optimizer states,
-            the optimizer step, activations and a reserve (NOTE [the job's memory] in
-            ``memfit.planning.job``). The breakdown is ``model.memfit_plan.memory``.
-        optimizer: with ``device_memory``: the optimizer instance (its class and param
-            groups are measured on fake tensors, NOTE [optimizer memory on fake tensors]), a
-            name (``"sgd"``, ``"sgd-momentum"``, ``"adam"``, ``"adamw"``), your own count
-            (``memfit.planning.job.OptimizerMemory``) or None (none).
-        optimizer_state_dtype: the optimizer states' dtype (default the parameters').
-        master_weights: mixed precision's fp32 copy of every trainable parameter.
-        world_size, sharding: the model states sharded over ``world_size`` devices
-            (``"none"``, ``"optimizer"``, ``"gradients"``, ``"full"``; NOTE [sharded model
-            states]); ``world_size`` defaults to the process group's size, else 1.
-        reserve: memory for the CUDA context and the allocator (NOTE [reserve]): bytes or a
-            size; default 0 on a CPU, 1 GiB + 2% of ``device_memory`` on a GPU.
-        grad_accumulation: with ``device_memory``: training adds several micro-batches'
-            gradients before each optimizer step, so the gradients are held through forward
-            and backward and the activations get that much less (NOTE [gradient
-            accumulation]). Default False.
         target: for a model on the meta device (profiled in fake mode), the device preset it
             is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
             kernels in fake mode]) and cost model; default ``"cpu"``. Refused for a model
@@ -164,7 +147,8 @@ def fit(
             ``solver`` that finds no blocks to checkpoint
             (``memfit.planning.solvers.baselines.NoBlocks``).
         TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
-            with ``loss_fn``, or a ``Step`` of another model.
+            with ``loss_fn``, or a ``Step`` of another model; a ``Job`` and the old job
+            keywords together.
 
     Example:
         >>> model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=128)
@@ -172,6 +156,7 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    from memfit.device_memory import resolve_job
     from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.measuring.calibration import profile
     from memfit.planning.planner import plan as make_plan
@@ -183,15 +168,11 @@ def fit(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
+    budget, job = resolve_job("fit", job, old_job_keywords, budget)
     the_step = _the_step(model, example_inputs, loss_fn, step)
-    job_options: dict[str, Any] = {
-        "device_memory": device_memory, "optimizer": optimizer,
-        "optimizer_state_dtype": optimizer_state_dtype, "master_weights": master_weights,
-        "world_size": world_size, "sharding": sharding, "reserve": reserve,
-        "grad_accumulation": grad_accumulation}
     refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
                          in_flight=in_flight, target=target, compress=compress, budget=budget,
-                         lossy_codec=lossy_codec, device_memory=device_memory, on_meta=_on_meta(model))
+                         lossy_codec=lossy_codec, job=job, on_meta=_on_meta(model))
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
                                      distributed=is_distributed() or in_flight is not None)
     refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
@@ -216,16 +197,15 @@ def fit(
                 new_plan = measure_plans(the_step, prof, budget, solver=solver,
                                          time_limit_s=tune_time_limit_s)
             else:
-                from memfit.device_memory import job_spec
-
-                job = job_spec(prof, **job_options)
+                spec = None if job is None else job.spec(prof)
                 if in_flight is not None and (job is not None or budget is None):
-                    raise TypeError("fit(in_flight=...) needs budget=, without device_memory=")
+                    raise TypeError("fit(in_flight=...) needs budget=, without a job")
                 if job is None and budget is None:
-                    raise TypeError("fit needs budget= (a cap on the activation peak) or "
-                                    "device_memory= (the device the whole job must fit)")
+                    raise TypeError("fit needs budget= (a cap on the activation peak) or a job "
+                                    "(memfit.Job(device='80GiB', ...): the device the whole job "
+                                    "must fit)")
                 def solve(b: Any) -> Plan:
-                    return make_plan(prof, budget=b, solver=solver, job=job)
+                    return make_plan(prof, budget=b, solver=solver, job=spec)
 
                 def first_plan() -> Plan:
                     if compress is None:
@@ -248,12 +228,12 @@ def fit(
 
                     raise with_largest_batch(
                         e, sliced_maker(model, example_inputs), batch_of(example_inputs),
-                        loss_fn=loss_fn, solver=solver, target=target, **job_options) from None
+                        job, loss_fn=loss_fn, solver=solver, target=target) from None
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
         # another shape's plan: the same budget in bytes (or device), NOTE [a fitted model pickles]
         plan_profile = PlanForShape(
             None if budget is None else "min" if budget == "min" else new_plan.budget_bytes,
-            solver, job_options)
+            solver, job)
 
         shaped: dict[str, Any] = {}
         if shapes is not None:
@@ -407,34 +387,30 @@ def _on_meta(model: nn.Module) -> bool:
     return False
 
 
-def plan(profile: Profile, *, budget: int | float | str | None = None, solver: SolverName = "auto",
-         device_memory: int | str | None = None,
-         optimizer: torch.optim.Optimizer | OptimizerMemory | str | None = None,
-         optimizer_state_dtype: torch.dtype | str | None = None, master_weights: bool = False,
-         world_size: int | None = None, sharding: str = "none", reserve: int | str | None = None,
-         grad_accumulation: bool = False, **options: Any) -> Plan:
+def plan(profile: Profile, job: Job | None = None, *, budget: int | float | str | Job | None = None,
+         solver: SolverName = "auto", **options: Any) -> Plan:
     """The fastest plan for ``budget`` (``memfit.planning.planner.plan``), or for a device the
-    whole job must fit: ``device_memory`` with ``optimizer`` and the rest as in ``fit``.
+    whole job must fit: ``job``, a ``memfit.Job``, as in ``fit``.
 
     ``options`` go to the planner (``time_limit_s``, ``offload``, ``host_budget``,
-    ``target``). ``memfit.plan(profile, device_memory="80GiB", optimizer="adamw")``.
+    ``target``); the old job keywords are deprecated (NOTE [the old job keywords] in
+    ``memfit.device_memory``). ``memfit.plan(profile, memfit.Job(device="80GiB",
+    optimizer="adamw"))``.
 
     Raises:
-        InfeasibleBudget: nothing fits; with ``device_memory``, its ``memory`` is the
-            breakdown with the smallest plan and ``fits_with`` what would fit.
+        InfeasibleBudget: nothing fits; with a job, its ``memory`` is the breakdown with the
+            smallest plan and ``fits_with`` what would fit.
     """
-    from memfit.device_memory import job_spec, with_state_dtype_hint
+    from memfit.device_memory import OLD_KEYWORDS, resolve_job, with_state_dtype_hint
     from memfit.planning.planner import plan as make_plan
 
-    job = job_spec(profile, device_memory=device_memory, optimizer=optimizer,
-                   optimizer_state_dtype=optimizer_state_dtype, master_weights=master_weights,
-                   world_size=world_size, sharding=sharding, reserve=reserve,
-                   grad_accumulation=grad_accumulation)
+    old = {k: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
+    budget, job = resolve_job("plan", job, old, budget)
+    spec = None if job is None else job.spec(profile)
     try:
-        return make_plan(profile, budget=budget, solver=solver, job=job, **options)
+        return make_plan(profile, budget=budget, solver=solver, job=spec, **options)
     except InfeasibleBudget as e:
-        raise with_state_dtype_hint(e, profile, job, optimizer, optimizer_state_dtype,
-                                    budget, solver, options) from None
+        raise with_state_dtype_hint(e, profile, job, spec, budget, solver, options) from None
 
 
 def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | str | None = None,

@@ -3,7 +3,7 @@
 NOTE [largest batch search]
     ``make(n)`` builds the step for size ``n``; whether it fits is decided by profiling it
     and planning it for the device (NOTE [the job's memory] in ``memfit.planning.job``): it
-    fits when the smallest plan's whole-job total fits ``device_memory`` and, with
+    fits when the smallest plan's whole-job total fits the job's device and, with
     ``max_overhead``, the fastest plan that fits predicts at most that recompute. Profiles
     cost a traced step each, so the search makes few: it probes 1 and 2, then predicts the
     size where the smallest plan's total meets the device from the last two probes (the
@@ -26,7 +26,7 @@ NOTE [largest batch search]
 
 NOTE [largest batch on fake tensors]
     A search for a card this host lacks must not run that card's steps here: the README's
-    example at ``device_memory="80GiB"`` ran real steps of a 4-layer GPT until the OOM killer
+    example for an 80 GiB device ran real steps of a 4-layer GPT until the OOM killer
     stopped it at 20.2 GB on a 24 GB machine, and at ``"1GiB"`` real steps grew the process
     by 6.0 GB over 418 s (its answer, 490, has a 4 GB plain step). So each size is first
     traced on fake tensors (NOTE [fake mode]: storages of the true size and no data, about
@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from memfit.device_memory import Job, resolve_job
 from memfit.errors import InfeasibleBudget, ModelError
 from memfit.planning.plan import Plan
 from memfit.profiling.profile import Profile
@@ -131,22 +132,21 @@ class BatchFit:
                 f"{len(self.probes)} sizes profiled{how}{tail}; {answer})\n{self.plan}")
 
 
-def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
-                  device_memory: int | str, optimizer: Any = None,
+def largest_batch(make: Callable[[int], tuple[Any, ...]], job: Job | None = None, *,
                   max_overhead: float | None = None, target: str | None = None,
                   solver: str = "auto", limit: int = 1 << 20,
                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  mode: ProfileMode | str | None = None, **job: Any) -> BatchFit:
-    """The largest ``n`` for which ``make(n)``'s step has a plan that fits ``device_memory``.
+                  mode: ProfileMode | str | None = None, **old_job_keywords: Any) -> BatchFit:
+    """The largest ``n`` for which ``make(n)``'s step has a plan that fits ``job``'s device.
 
     Args:
         make: ``n -> (model, example_inputs)``, or ``(model, example_inputs, loss_fn)`` for
             a loss made for those inputs; the caller decides what ``n`` is (batch size,
             sequence length). It may return the same model each time.
-        device_memory, optimizer: the device and the optimizer (an instance, or a name:
-            ``"adamw"``), as in ``memfit.fit``; further ``job`` options likewise
-            (``optimizer_state_dtype``, ``master_weights``, ``world_size``, ``sharding``,
-            ``reserve``).
+        job: the job on its device, a ``memfit.Job`` (``memfit.Job(device="80GiB",
+            optimizer="adamw")``), as in ``memfit.fit``; the old keywords
+            (``device_memory=``, ``optimizer=``, ...) are deprecated (NOTE [the old job
+            keywords] in ``memfit.device_memory``).
         max_overhead: the most predicted recompute allowed, a fraction of the plain step
             (``0.2``: +20%); default None: any.
         target: plan for a device preset in fake mode (``"h100"``); default: where the
@@ -168,20 +168,25 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
 
     Example:
         >>> make = lambda n: (model, torch.randint(0, 512, (n, 128)))      # doctest: +SKIP
-        >>> memfit.largest_batch(make, device_memory="80GiB", optimizer="adamw").batch  # doctest: +SKIP
+        >>> memfit.largest_batch(make, memfit.Job(device="80GiB", optimizer="adamw")).batch  # doctest: +SKIP
     """
+    _, found = resolve_job("largest_batch", job, old_job_keywords)
+    if found is None:
+        raise TypeError("largest_batch needs the device to search for: "
+                        "largest_batch(make, memfit.Job(device='80GiB', optimizer=...))")
+    job = found
     if max_overhead is not None and not (isinstance(max_overhead, int | float) and max_overhead >= 0):
         raise ValueError(f"max_overhead must be a fraction >= 0 (0.2 for +20%), got {max_overhead!r}")
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     sizes = _Sizes(make, loss_fn, target, None if mode is None else _profile_mode(mode),
-                   _device_bytes(device_memory))
+                   job.device_memory_bytes)
     probes: dict[int, Probe] = {}
 
     def probe(n: int) -> Probe:
         if n not in probes:
             try:
-                probes[n] = _probe(n, sizes, solver, max_overhead, device_memory, optimizer, job,
+                probes[n] = _probe(n, sizes, solver, max_overhead, job,
                                    calibrated=max_overhead is not None)
             except (ModelError, ValueError) as e:  # NOTE [largest batch search]: the model's limit
                 if n == 1:
@@ -191,7 +196,7 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
 
     first = probe(1)
     if not first.fits:
-        _raise_for_one(sizes, solver, device_memory, optimizer, job, max_overhead)
+        _raise_for_one(sizes, solver, job, max_overhead)
     lo, hi = 1, None if limit > 1 else 2
     while hi is None or hi - lo > 1:
         n = _next_size(lo, hi, probes, device_memory_bytes=sizes.device_bytes, limit=limit)
@@ -201,7 +206,7 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], *,
             lo = n
         else:
             hi = n
-    best, mode = _final_plan(lo, sizes, solver, device_memory, optimizer, job)
+    best, mode = _final_plan(lo, sizes, solver, job)
     return BatchFit(lo, best, tuple(probes.values()), mode)
 
 
@@ -239,12 +244,6 @@ def _profile_mode(mode: ProfileMode | str) -> ProfileMode:
     except ValueError:
         raise ValueError(f"mode must be 'measure', 'fake' or None (real steps where the host "
                          f"has room), got {mode!r}") from None
-
-
-def _device_bytes(device_memory: int | str) -> int:
-    from memfit.device_memory import parse_size
-
-    return parse_size("device_memory", device_memory)
 
 
 @dataclass(frozen=True)
@@ -314,16 +313,14 @@ def _trace(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.T
     return trace(model, inputs, loss_fn=loss_fn, mode=mode, target=target or "cpu", repeats=1)
 
 
-def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, device_memory: int | str, optimizer: Any,
-           job: dict[str, Any], calibrated: bool) -> Probe:
-    from memfit.device_memory import job_spec
+def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, job: Job,
+           calibrated: bool) -> Probe:
     from memfit.planning.job import job_memory, model_memory
     from memfit.planning.planner import plan
 
     prof = sizes.profile(n, calibrated)
     mode = ProfileMode(prof.mode)
-    spec = job_spec(prof, device_memory=device_memory, optimizer=optimizer, **job)
-    assert spec is not None
+    spec = job.spec(prof)
     try:
         p = plan(prof, job=spec, solver=solver)
     except InfeasibleBudget as e:
@@ -336,26 +333,21 @@ def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, devic
     return Probe(n, fits, total, p.overhead, mode=mode)
 
 
-def _plan(prof: Profile, solver: str, device_memory: int | str, optimizer: Any,
-          job: dict[str, Any]) -> Plan:
-    from memfit.device_memory import job_spec
+def _plan(prof: Profile, solver: str, job: Job) -> Plan:
     from memfit.planning.planner import plan
 
-    return plan(prof, solver=solver,
-                job=job_spec(prof, device_memory=device_memory, optimizer=optimizer, **job))
+    return plan(prof, solver=solver, job=job.spec(prof))
 
 
-def _final_plan(n: int, sizes: _Sizes, solver: str, device_memory: int | str, optimizer: Any,
-                job: dict[str, Any]) -> tuple[Plan, ProfileMode]:
+def _final_plan(n: int, sizes: _Sizes, solver: str, job: Job) -> tuple[Plan, ProfileMode]:
     prof = sizes.profile(n, calibrated=True)
-    return _plan(prof, solver, device_memory, optimizer, job), ProfileMode(prof.mode)
+    return _plan(prof, solver, job), ProfileMode(prof.mode)
 
 
-def _raise_for_one(sizes: _Sizes, solver: str, device_memory: int | str, optimizer: Any, job: dict[str, Any],
-                   max_overhead: float | None) -> None:
+def _raise_for_one(sizes: _Sizes, solver: str, job: Job, max_overhead: float | None) -> None:
     prof = sizes.profile(1, calibrated=max_overhead is not None)
     try:
-        p = _plan(prof, solver, device_memory, optimizer, job)
+        p = _plan(prof, solver, job)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(f"not even a batch of 1 fits: {e}", budget_bytes=e.budget_bytes,
                                min_feasible_bytes=e.min_feasible_bytes, memory=e.memory,
@@ -368,14 +360,14 @@ def _raise_for_one(sizes: _Sizes, solver: str, device_memory: int | str, optimiz
 
 
 def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[Any, ...]],
-                       batch: int | None, **search: Any) -> InfeasibleBudget:
+                       batch: int | None, job: Job, **search: Any) -> InfeasibleBudget:
     """``e`` (a job that does not fit at ``batch``) with the largest smaller batch that fits
     with its smallest plan named, found by ``largest_batch``; ``e`` itself when none does, or
     when the device holds the job and ``budget=`` is the cap that binds (``e.memory.fits``)."""
     if e.memory is None or e.memory.fits or batch is None or batch <= 1:
         return e
     try:
-        found = largest_batch(make, limit=batch - 1, **search)
+        found = largest_batch(make, job, limit=batch - 1, **search)
     except (InfeasibleBudget, ValueError, TypeError):
         return e
     hint = f"a batch of {found.batch} (the largest that fits, +{found.overhead:.1%} step time)"

@@ -34,7 +34,7 @@ class InfeasibleBudget(MemfitError):
     Attributes:
         budget_bytes: the activation budget asked for (for a whole job, what the device left).
         min_feasible_bytes: the smallest predicted activation peak any plan reaches.
-        memory: for a plan made for a device (``device_memory=``), the job's breakdown with
+        memory: for a plan made for a device (a ``memfit.Job``), the job's breakdown with
             the smallest plan (``memfit.planning.job.JobMemory``); else None.
         fits_with: what would make it fit, computed (another sharding, a smaller batch, a
             state dtype), one phrase each.

@@ -15,7 +15,7 @@ __all__ = ["refuse_fit_arguments"]
 
 def refuse_fit_arguments(model: nn.Module, *, monitor_every: int | None, shapes: Sequence[Any] | None,
                          tune: bool, step: Any, in_flight: int | None, target: str | None,
-                         compress: str | None, budget: Any, device_memory: Any, on_meta: bool,
+                         compress: str | None, budget: Any, job: Any, on_meta: bool,
                          lossy_codec: str = "bf16") -> None:
     """Raise ValueError / TypeError for a combination of ``fit``'s arguments it does not support."""
     if monitor_every is not None and (not isinstance(monitor_every, int)
@@ -34,10 +34,10 @@ def refuse_fit_arguments(model: nn.Module, *, monitor_every: int | None, shapes:
         raise ValueError(f"fit(target={target!r}) plans a model on the meta device for that "
                          f"device; {type(model).__name__} has weights and is profiled where it is "
                          "(move it to the device, or build it under torch.device('meta'))")
-    if compress is not None and (tune or device_memory is not None or shapes is not None
+    if compress is not None and (tune or job is not None or shapes is not None
                                  or in_flight is not None):
         raise ValueError("fit(compress=...) plans against budget= for one input shape; not "
-                         "with tune, device_memory, shapes or in_flight yet")
+                         "with tune, a job, shapes or in_flight yet")
     if lossy_codec != "bf16" and compress != "lossy":
         raise ValueError(f"fit(lossy_codec={lossy_codec!r}) chooses the codec of compress='lossy'; "
                          f"got compress={compress!r}: pass compress='lossy' too, or drop lossy_codec")
@@ -47,8 +47,8 @@ def refuse_fit_arguments(model: nn.Module, *, monitor_every: int | None, shapes:
         check_lossy_codec(lossy_codec)
     if tune and budget is None:
         raise TypeError("fit(tune=True) measures plans against budget=: give budget")
-    if tune and device_memory is not None:
-        raise ValueError("fit(tune=True) with device_memory= is not supported yet: tuning "
+    if tune and job is not None:
+        raise ValueError("fit(tune=True) with a job is not supported yet: tuning "
                          "measures activation plans against budget=; plan for the device "
                          "without tune")
     if tune and is_distributed():

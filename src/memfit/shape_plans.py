@@ -16,7 +16,7 @@ NOTE [re-planning inside a training call]
     call that re-planned the 6-layer zoo GPT of ``tests/test_shape_plans.py`` at 4x256 tokens
     took 17.6 s on this project's shared 2-core machine (its ``fit`` at 4x64: 30 s). The plan is
     made for the budget in BYTES of the first plan (a fraction of the fit's plain peak stays
-    the same number of bytes), or for the same device (``device_memory=``).
+    the same number of bytes), or for the same device (the fit's ``Job``).
 
     Costs and limits: the profile runs the plain step of the new shape once, at its
     un-checkpointed peak (a GPU that cannot hold it runs out of memory there: plan such
@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from memfit.device_memory import Job
 from memfit.errors import InfeasibleBudget, MemfitError
 from memfit.planning.plan import Plan
 from memfit.profiling.inputs import call_signature, first_floating_parameter, normalize_inputs
@@ -111,21 +112,21 @@ class PlanForShape:
     Args:
         budget: bytes, ``"min"``, or None (the device alone bounds the plan).
         solver: the fit's solver.
-        job: ``memfit.device_memory.job_spec``'s keywords (``device_memory``, ``optimizer``...).
+        job: the fit's ``memfit.Job`` (None: ``budget`` alone), its ``JobSpec`` made for
+            each profile.
     """
 
-    def __init__(self, budget: int | str | None, solver: str, job: dict[str, Any]) -> None:
+    def __init__(self, budget: int | str | None, solver: str, job: Job | None) -> None:
         self.budget = budget
         self.solver = solver
         self.job = job
 
     def __call__(self, p: Profile) -> Plan:
-        from memfit.device_memory import job_spec
         from memfit.planning.planner import plan as make_plan
         from memfit.planning.planner import refuse_over_budget
 
         made = make_plan(p, budget=self.budget, solver=self.solver,
-                         job=job_spec(p, **self.job))
+                         job=None if self.job is None else self.job.spec(p))
         refuse_over_budget(made)
         return made
 

@@ -59,7 +59,7 @@ def test_max_batch_finds_the_largest_batch(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["plan", SMALL], "give --budget"),
     (["plan", SMALL, "--budget", "50%", "--optimizer", "adamw"], "count against --device-memory"),
-    (["plan", SMALL, "--device-memory", "lots"], "cannot parse device_memory"),
+    (["plan", SMALL, "--device-memory", "lots"], "cannot parse device='lots'"),
     (["plan", SMALL, "--device-memory", "1GiB", "--max-batch", "--budget", "50%"], "drop --budget"),
 ])
 def test_bad_job_arguments_exit_2_with_one_line(argv, message, capsys):

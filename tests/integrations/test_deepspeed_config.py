@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import memfit
 from memfit.integrations import deepspeed as memfit_ds
 
 
@@ -21,18 +22,17 @@ def test_device_memory_plans_the_zero_stages_sharding(stage: int, sharding: str,
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"},
            "memfit": {"device_memory": "80GiB", "reserve": "2GiB"}}
-    assert memfit_ds.fit_arguments(cfg, _model()) == {
-        "device_memory": "80GiB", "reserve": "2GiB", "sharding": sharding, "world_size": 8,
-        "optimizer": "adamw"}
+    assert memfit_ds.fit_arguments(cfg, _model()) == {"job": memfit.Job(
+        device="80GiB", reserve="2GiB", sharding=sharding, world_size=8, optimizer="adamw")}
 
 
 def test_bf16_plans_fp32_master_weights_and_states(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}
     args = memfit_ds.fit_arguments(cfg, _model(torch.bfloat16), device_memory=1 << 30)
-    assert args == {"device_memory": 1 << 30, "sharding": "none", "world_size": 2,
-                    "optimizer": "sgd-momentum", "master_weights": True,
-                    "optimizer_state_dtype": torch.float32}
+    assert args == {"job": memfit.Job(device=1 << 30, sharding="none", world_size=2,
+                                      optimizer="sgd-momentum", master_weights=True,
+                                      state_dtype=torch.float32)}
 
 
 def test_a_budget_alone_passes_through() -> None:
@@ -45,7 +45,7 @@ def test_an_optimizer_instance_is_planned_as_given() -> None:
     model = _model()
     opt = torch.optim.Adam(model.parameters())
     args = memfit_ds.fit_arguments({}, model, device_memory="1GiB", optimizer=opt)
-    assert args["optimizer"] is opt
+    assert args["job"].optimizer is opt
 
 
 @pytest.mark.parametrize(("cfg", "kwargs", "message"), [
@@ -58,6 +58,8 @@ def test_an_optimizer_instance_is_planned_as_given() -> None:
     ({"optimizer": {"type": "Lamb"}}, {"device_memory": "1GiB"},
      r"knows DeepSpeed optimizers \['adam', 'adamw', 'sgd'\], got 'Lamb'"),
     ({"zero_optimization": {"stage": 4}}, {"device_memory": "1GiB"}, r"stage must be 0-3, got 4"),
+    ({"memfit": {"budget": 0.5, "reserve": "2GiB"}}, {},
+     r"\['reserve'\] in the config's \"memfit\" block count against device_memory"),
 ])
 def test_bad_configs_are_refused_with_what_to_do(cfg: dict, kwargs: dict, message: str) -> None:
     before = repr(cfg)

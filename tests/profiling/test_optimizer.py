@@ -71,7 +71,7 @@ def test_adagrad_counts_its_constructors_states_in_a_plan():
     opt = torch.optim.Adagrad(model.parameters())
     weights = sum(p.numel() * 4 for p in model.parameters())  # 848 B
     prof = memfit.profile(model, x)
-    p = memfit.plan(prof, device_memory="16MiB", optimizer=opt)
+    p = memfit.plan(prof, memfit.Job(device="16MiB", optimizer=opt))
     assert p.memory is not None
     # state_sum (one model's size) + one 4-byte step counter per parameter tensor
     assert p.memory.optimizer_bytes == weights + 4 * 4 == 864

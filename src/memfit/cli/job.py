@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.cli.models import UsageError, load_from_args
 from memfit.cli.output import emit
 from memfit.errors import InfeasibleBudget
 
-__all__ = ["add_job_arguments", "job_options", "plan_for_job", "run_max_batch"]
+if TYPE_CHECKING:
+    from memfit.device_memory import Job
+
+__all__ = ["add_job_arguments", "job_of", "plan_for_job", "run_max_batch"]
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +27,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the whole job on one device (instead of, or with, --budget)")
     g.add_argument("--device-memory", metavar="SIZE",
                    help="the device's memory the whole job must fit: weights, gradients, "
-                        "optimizer states, activations and a reserve (80GiB)")
+                        "optimizer states, activations and a reserve (80GiB, or a preset: h100)")
     g.add_argument("--optimizer", choices=sorted(OPTIMIZER_NAMES),
                    help="the optimizer whose states count (default none)")
     g.add_argument("--optimizer-state-dtype", metavar="DTYPE",
@@ -46,8 +49,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --max-batch: the most predicted recompute (0.2 = +20%% step time)")
 
 
-def job_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``device_memory=``... keywords of ``memfit.plan`` from the command line."""
+def job_of(args: argparse.Namespace) -> Job | None:
+    """The ``memfit.Job`` the command line describes (None without ``--device-memory``)."""
+    from memfit.device_memory import Job
+
     if args.device_memory is None:
         given = [f"--{k.replace('_', '-')}" for k in ("optimizer", "optimizer_state_dtype",
                                                       "world_size", "reserve", "max_overhead")
@@ -59,12 +64,13 @@ def job_options(args: argparse.Namespace) -> dict[str, Any]:
         if given:
             raise UsageError(f"{', '.join(given)} count against --device-memory; give it too "
                              "(e.g. --device-memory 80GiB)")
-        return {}
-    return {"device_memory": args.device_memory, "optimizer": args.optimizer,
-            "optimizer_state_dtype": args.optimizer_state_dtype,
-            "master_weights": args.master_weights, "world_size": args.world_size,
-            "sharding": args.sharding, "reserve": args.reserve,
-            "grad_accumulation": args.grad_accumulation}
+        return None
+    if args.world_size is not None and args.world_size < 1:
+        raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
+    return Job(device=args.device_memory, optimizer=args.optimizer,
+               state_dtype=args.optimizer_state_dtype, master_weights=args.master_weights,
+               world_size=args.world_size, sharding=args.sharding, reserve=args.reserve,
+               grad_accumulation=args.grad_accumulation)
 
 
 def plan_for_job(args: argparse.Namespace, prof: Any, lm: Any) -> Any:
@@ -72,7 +78,7 @@ def plan_for_job(args: argparse.Namespace, prof: Any, lm: Any) -> Any:
     from memfit.api import plan
 
     try:
-        return plan(prof, budget=args.budget, solver=args.solver, **_checked(job_options(args)))
+        return plan(prof, job_of(args), budget=args.budget, solver=args.solver)
     except InfeasibleBudget as e:
         raise _with_largest_batch(e, args, lm) from None
 
@@ -85,8 +91,8 @@ def run_max_batch(args: argparse.Namespace) -> int:
     make = _maker(args)
     target = None if args.target == "cpu" else args.target
     lm = load_from_args(args)
-    found = largest_batch(make, target=target, solver=args.solver, loss_fn=lm.loss_fn,
-                          max_overhead=args.max_overhead, **_checked(job_options(args)))
+    found = largest_batch(make, job_of(args), target=target, solver=args.solver,
+                          loss_fn=lm.loss_fn, max_overhead=args.max_overhead)
     p = found.plan if found.plan.model else dataclasses.replace(found.plan, model=lm.name)
     if args.output:
         p.save(args.output)
@@ -94,14 +100,6 @@ def run_max_batch(args: argparse.Namespace) -> int:
     emit(args, text, {**p.to_dict(), "largest_batch": found.batch, "plan_file": args.output,
                       "probes": [dataclasses.asdict(x) for x in found.probes]})
     return 0
-
-
-def _checked(options: dict[str, Any]) -> dict[str, Any]:
-    options = dict(options)
-    options.pop("max_overhead", None)
-    if options.get("world_size") is not None and options["world_size"] < 1:
-        raise UsageError(f"--world-size must be at least 1, got {options['world_size']}")
-    return options
 
 
 def _maker(args: argparse.Namespace) -> Any:
@@ -131,6 +129,9 @@ def _with_largest_batch(e: InfeasibleBudget, args: argparse.Namespace, lm: Any) 
         make = _maker(args)
     except UsageError:
         return e
-    return with_largest_batch(e, make, batch_of(lm.example_inputs),
+    job = job_of(args)
+    if job is None:
+        return e
+    return with_largest_batch(e, make, batch_of(lm.example_inputs), job,
                               target=None if args.target == "cpu" else args.target,
-                              solver=args.solver, loss_fn=lm.loss_fn, **_checked(job_options(args)))
+                              solver=args.solver, loss_fn=lm.loss_fn)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.cli.cost import add_cost_arguments, check_cost_arguments, run_cost
-from memfit.cli.job import add_job_arguments, job_options, plan_for_job, run_max_batch
+from memfit.cli.job import add_job_arguments, job_of, plan_for_job, run_max_batch
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is None and args.device_memory is None:
         raise UsageError("give --budget (a cap on the activation peak) or --device-memory (the "
                          "device the whole job must fit, e.g. 80GiB)")
-    job_options(args)  # job arguments without --device-memory: exit 2 before any profiling
+    job_of(args)  # job arguments without --device-memory, or bad ones: exit 2 before profiling
     check_cost_arguments(args)
     _check_compress(args)
     if args.max_batch:

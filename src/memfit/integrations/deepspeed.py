@@ -15,7 +15,9 @@ NOTE [planning under a DeepSpeed engine]
        taken out of a copy of the config before DeepSpeed reads it; the caller's dict is not
        changed.
     3. With ``device_memory`` the whole job is planned per rank (NOTE [the job's memory] in
-       ``memfit.planning.job``) with the ZeRO stage's sharding over the job's world size:
+       ``memfit.planning.job``), as the ``memfit.Job`` ``fit_arguments`` makes of the block's
+       ``device_memory``, ``reserve`` and ``optimizer_state_dtype`` (the Job's ``device``,
+       ``reserve`` and ``state_dtype``) with the ZeRO stage's sharding over the job's world size:
        stage 0 none, 1 ``"optimizer"``, 2 ``"gradients"``, 3 ``"full"``; the optimizer from
        the config's ``"optimizer"`` block (``Adam``, ``AdamW``, ``SGD``, or the ``optimizer=``
        instance passed to ``initialize``); with ``bf16`` or ``fp16`` enabled, fp32 master
@@ -101,7 +103,8 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
                   **overrides: Any) -> dict[str, Any]:
     """The ``memfit.fit`` keywords for ``model`` under DeepSpeed ``config`` (NOTE [planning
     under a DeepSpeed engine], rules 2-4): the config's ``"memfit"`` block, ``overrides``,
-    and with ``device_memory`` the ZeRO sharding, world size and optimizer."""
+    and with ``device_memory`` a ``memfit.Job`` as ``job`` with the ZeRO sharding, world size
+    and optimizer."""
     block = config.get("memfit")
     block = {} if block is None else block
     if not isinstance(block, Mapping):
@@ -144,7 +147,21 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
         if half is not None:
             args["master_weights"] = True
             args.setdefault("optimizer_state_dtype", torch.float32)
-    return args
+    return _with_job(args)
+
+
+def _with_job(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with the job's keywords gathered into one ``memfit.Job`` as ``job``."""
+    from memfit.device_memory import OLD_KEYWORDS, Job
+
+    job = {OLD_KEYWORDS[k]: args.pop(k) for k in list(args) if k in OLD_KEYWORDS}
+    if not job:
+        return args
+    if job.get("device") is None:
+        raise ValueError(f"{sorted(k for k in OLD_KEYWORDS if OLD_KEYWORDS[k] in job)} in the "
+                         'config\'s "memfit" block count against device_memory; add '
+                         '{"device_memory": "80GiB"} or drop them')
+    return {**args, "job": Job(**job)}
 
 
 def _config_optimizer(config: Mapping[str, Any]) -> str | None:

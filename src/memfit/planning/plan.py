@@ -167,7 +167,7 @@ class Plan:
     input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # what measured selection timed (``memfit.tune``); a measurement, not part of the plan
     tuning: Tuning | None = field(default=None, compare=False, hash=False)
-    # the whole job's memory on the device, for a plan made for ``device_memory`` (NOTE [the
+    # the whole job's memory on the device, for a plan made for a ``memfit.Job`` (NOTE [the
     # job's memory] in memfit.planning.job); None for an activation budget alone
     memory: JobMemory | None = None
     # FLOPs the recompute adds to one step (simulate's recompute_flops: the non-saved forward

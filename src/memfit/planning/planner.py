@@ -65,7 +65,7 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: s
             ``"h200"``); default: the profile's own (its fake-mode target). Needed for a
             profile measured on a GPU.
         job: the device and what else the job keeps on it (``memfit.planning.job.JobSpec``;
-            ``memfit.plan`` makes it from ``device_memory=`` and ``optimizer=``): the
+            ``memfit.plan`` makes it from a ``memfit.Job``): the
             activation budget is what the device leaves after weights, optimizer states and
             the reserve (NOTE [the job's memory]), capped by ``budget`` if given too; the plan
             carries the breakdown as ``plan.memory``.
@@ -101,8 +101,8 @@ def plan(profile: Profile, *, budget: int | float | str | None = None, solver: s
     args = (solver, time_limit_s, offload, host_budget, target)
     if job is None:
         if budget is None:
-            raise TypeError("plan needs budget= (a cap on the activation peak) or "
-                            "device_memory= (the device the whole job must fit)")
+            raise TypeError("plan needs budget= (a cap on the activation peak) or a job "
+                            "(memfit.Job(device='80GiB', ...): the device the whole job must fit)")
         return _plan_activations(profile, budget, *args)
     return plan_for_device(profile, job, budget, *args)
 

@@ -64,7 +64,7 @@ from memfit.profiling.model_state import dtype_name, local_part
 from memfit.profiling.profile import ParameterRecord, StorageKind
 from memfit.profiling.storages import LiveStorages, storage_of
 
-__all__ = ["optimizer_memory", "OPTIMIZER_NAMES", "UNCOUNTABLE"]
+__all__ = ["optimizer_memory", "OPTIMIZER_NAMES", "UNCOUNTABLE", "parse_dtype"]
 
 #: The optimizers ``optimizer=`` may name, and the torch class and hyper-parameters of each.
 OPTIMIZER_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -112,14 +112,14 @@ def optimizer_memory(optimizer: torch.optim.Optimizer | OptimizerMemory | str | 
     if isinstance(optimizer, OptimizerMemory):
         if state_dtype is not None or master_weights:
             raise ValueError(f"optimizer={optimizer!r} is a count of its own; "
-                             "optimizer_state_dtype and master_weights change a measured one: "
+                             "state_dtype and master_weights change a measured one: "
                              "count them in it and drop them")
         return optimizer
-    dtype = _dtype(state_dtype)
+    dtype = parse_dtype(state_dtype)
     if master_weights:
         if dtype not in (None, torch.float32):
             raise ValueError(f"master_weights keeps fp32 copies and fp32 states; got "
-                             f"optimizer_state_dtype={state_dtype!r}: drop one of the two")
+                             f"state_dtype={state_dtype!r}: drop one of the two")
         dtype = torch.float32
     cls, groups, label = _recipe(optimizer, parameters)
     if label in UNCOUNTABLE:
@@ -168,7 +168,7 @@ def _uncountable(label: str, why: str) -> ValueError:
     return ValueError(
         f"memfit cannot count the memory of optimizer {label}: {why}; give your own count as "
         "optimizer=memfit.planning.job.OptimizerMemory(name, state_bytes, step_bytes), or a name "
-        f"({'|'.join(OPTIMIZER_NAMES)}) with optimizer_state_dtype=")
+        f"({'|'.join(OPTIMIZER_NAMES)}) with state_dtype=")
 
 
 def _own(cls: type) -> bool:
@@ -223,7 +223,7 @@ def _recipe(optimizer: torch.optim.Optimizer | str, parameters: Sequence[Paramet
             raise ValueError(f"unknown optimizer {optimizer!r}; name one of "
                              f"{sorted(OPTIMIZER_NAMES)} or pass the optimizer itself")
         cls_name, hyper = OPTIMIZER_NAMES[key]
-        params = [(p.shape, _dtype(p.dtype)) for p in parameters if p.trainable]
+        params = [(p.shape, parse_dtype(p.dtype)) for p in parameters if p.trainable]
         return getattr(torch.optim, cls_name), [{**hyper, "params": params}], cls_name
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, a name "
@@ -273,7 +273,9 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
-def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype from ``torch.bfloat16``, ``"bfloat16"``, ``"bf16"`` or ``"torch.float32"``
+    (None stays None); ValueError for a name torch does not know."""
     if value is None or isinstance(value, torch.dtype):
         return value
     name = str(value).removeprefix("torch.").lower()
