@@ -30,6 +30,7 @@ from benchmarks.gpu_check_report import PEAK_RTOL
 from benchmarks.gpu_check_steps import Deadline, time_rounds
 from benchmarks.peers import Method
 from memfit.errors import InfeasibleBudget
+from memfit.runtime.apply import host_pool
 
 __all__ = ["speed", "offload", "largest_batch", "compiled", "COMPILE_BUDGET"]
 
@@ -87,13 +88,11 @@ def speed(s: Setup, fitted: dict[str, Method], fitted_peaks: dict[str, int], *, 
 
 def offload(s: Setup, budget: int, *, rounds: int, deadline: Deadline) -> dict[str, Any]:
     """The planner's offload plan for ``budget`` bytes against recompute only at its peak."""
-    from memfit.planning.plan import OpPolicy
-
     if s.runner.device.type != "cuda":
         return {"skipped": "on a CPU: no host link (the planner makes offload a no-op there); "
                            "runs on a GPU only"}
     plan = memfit.plan(s.prof, budget=budget, offload=True, target=s.target)
-    n_off = sum(p is OpPolicy.OFFLOAD for r in plan.regions for _, p in r.ops)
+    n_off = sum(p is memfit.OpPolicy.OFFLOAD for r in plan.regions for _, p in r.ops)
     model = memfit.apply(s.runner.fresh(), plan)
     off = s.runner.method("offload", model)
     row: dict[str, Any] = {"budget_bytes": budget, "target": s.target, "offloaded_ops": n_off,
@@ -102,7 +101,7 @@ def offload(s: Setup, budget: int, *, rounds: int, deadline: Deadline) -> dict[s
     rec, row["recompute"] = _planned(s, "recompute", row["offload"]["measured_peak_bytes"])
     row["recompute"]["measured_peak_bytes"] = s.runner.peak(rec)
     timed = time_rounds(s.runner, {"offload": off, "recompute": rec}, rounds=rounds, deadline=deadline)
-    pool = memfit.runtime.apply.host_pool(model)
+    pool = host_pool(model)
     row.update(timed, host_peak_bytes=pool.peak_bytes if pool is not None else 0,
                offload_over_recompute=_ratio(timed["median_s"]["offload"], timed["median_s"]["recompute"]))
     return row
