@@ -23,7 +23,9 @@ FAKE_UNDER_ON_CPU = ("resnet50", "unet3d")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out: Path = tmp_path_factory.mktemp("gpu-check")
-    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    # torch.compile is left out here (minutes of CPU; compiled memfit has tests/runtime/
+    # test_compile.py): the GPU run compiles the GPT and the Llama
+    assert gpu_check.main(["--device", "cpu", "--quick", "--compile", "none", "--out", str(out)]) == 0
     return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
 
 
@@ -64,7 +66,7 @@ def test_plans_bitwise_and_within_budget(cases: dict[str, Any], name: str) -> No
 
 
 @pytest.mark.slow
-def test_peers_offload_batch_and_compile(cases: dict[str, Any]) -> None:
+def test_peers_offload_and_batch(cases: dict[str, Any]) -> None:
     for name, c in cases.items():
         speed = c["speed"]
         assert speed["rounds"] == 2 and set(speed["median_s"]) >= {
@@ -78,11 +80,7 @@ def test_peers_offload_batch_and_compile(cases: dict[str, Any]) -> None:
         if name in FAKE_UNDER_ON_CPU:  # the batch is found on fake-mode profiles
             continue
         assert big["found"]["within_device"] and c["summary"]["largest_batch_trains"], (name, big)
-        if name != "gpt":
-            assert c["compile"]["skipped"].startswith("not in --compile")
-    comp = cases["gpt"]["compile"]
-    assert set(comp["median_s"]) == {"plain", "compile_budget_0.5", "compiled_memfit@compile_budget_0.5"}
-    assert comp["comparisons"][0]["memfit_over_peer"] > 0
+    assert all(c["compile"]["skipped"].startswith("not in --compile") for c in cases.values())
 
 
 def _row(**kw: Any) -> dict[str, Any]:
