@@ -32,14 +32,14 @@ SOLVERS = ("none", "every_block")
 
 def predict() -> dict[str, Any]:
     import memfit
-    from benchmarks.gpu_probe import _llama_case
+    from benchmarks.gpu_probe_cases import llama_case
     from memfit.planning.job import expandable_segments
 
     out: dict[str, Any] = {"device_memory_bytes": CARD_BYTES, "target": "h200",
                            "expandable_segments": expandable_segments()}
     for solver in SOLVERS:
         def make(n: int) -> tuple[Any, ...]:
-            case = _llama_case(False, batch=n)
+            case = llama_case(False, batch=n)
             return (case.build(torch.device("meta")), case.inputs(torch.device("meta")), case.loss_fn)
 
         t0 = time.perf_counter()
@@ -54,9 +54,9 @@ def predict() -> dict[str, Any]:
 
 
 def _run(batch: int, solver: str, device: torch.device) -> dict[str, Any]:
-    from benchmarks.gpu_probe import _llama_case, _step, checkpoint_regions
+    from benchmarks.gpu_probe_cases import checkpoint_regions, llama_case, train_step
 
-    case = _llama_case(False, batch=batch)
+    case = llama_case(False, batch=batch)
     row: dict[str, Any] = {"batch": batch}
     model = opt = inputs = None
     try:
@@ -69,7 +69,7 @@ def _run(batch: int, solver: str, device: torch.device) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         inputs = case.inputs(device)
         for _ in range(2):
-            _step(case, model, inputs)
+            train_step(case, model, inputs)
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)

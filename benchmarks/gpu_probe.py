@@ -29,7 +29,6 @@ plans at MONeT's four memories re-made on that measured-time profile.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -42,100 +41,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.gpu_probe_cases import (
+    Case,
+    OpTimes,
+    cases,
+    checkpoint_regions,
+    fake_profile,
+    peak_bytes,
+    sync,
+    train_step,
+)
+
 SPEC = Path(__file__).parent / "results" / "gpu-probe-spec.json"
-GB = 10**9
-
-
-@dataclasses.dataclass
-class Case:
-    name: str
-    description: str
-    build: Callable[[torch.device], nn.Module]
-    inputs: Callable[[torch.device], tuple[Any, ...]]
-    loss_fn: Callable[[Any], torch.Tensor]
-
-
-def _sum_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().sum()
-
-
-def _square_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().pow(2).mean()
-
-
-def _resnet50(device: torch.device, stages: tuple[int, ...], classes: int) -> nn.Module:
-    """``benchmarks.published.resnet50``, on ``device`` and seeded (meta: as built)."""
-    from benchmarks.published import resnet50
-
-    model = resnet50(num_classes=classes, stages=stages)
-    if device.type == "meta":
-        return model
-    torch.manual_seed(0)
-    model = model.to_empty(device=device)
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()  # BatchNorm's resets its running statistics too
-    return model
-
-
-def cases(quick: bool) -> list[Case]:
-    """MONeT's ResNet-50 (batch 184, fp32), then ``benchmarks.gpu_fake_check``'s cases."""
-    from benchmarks import gpu_fake_check
-
-    stages, batch, side, classes = ((1, 1, 1, 1), 4, 64, 10) if quick else ((3, 4, 6, 3), 184, 224, 1000)
-    out = [Case("resnet50", f"ResNet-50 (stages {stages}), fp32, batch {batch}, {side}x{side} (MONeT's setting)",
-                lambda dev: _resnet50(dev, stages, classes),
-                lambda dev: (torch.randn(batch, 3, side, side, device=dev, generator=None),),
-                _square_loss)]
-    for c in gpu_fake_check._cases(quick):
-        def build(dev: torch.device, c: Any = c) -> nn.Module:
-            torch.manual_seed(0)
-            with torch.device(dev):
-                return c.build()
-        out.append(Case(c.name, c.description, build, c.inputs, c.loss_fn))
-    out.append(_llama_case(quick))
-    return out
-
-
-def _llama_case(quick: bool, batch: int | None = None) -> Case:
-    """An HF Llama fine-tune: bf16, SDPA attention (HF's default), no dropout, GQA."""
-    h, layers, heads, kv, seq, default_batch, vocab = ((64, 2, 4, 2, 64, 2, 256) if quick else
-                                                       (2048, 8, 16, 4, 2048, 4, 32000))
-    batch = batch or default_batch
-
-    def build(dev: torch.device) -> nn.Module:
-        import os
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from benchmarks.models import _LlamaStep
-
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=int(2.75 * h),
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                          max_position_embeddings=seq, use_cache=False)
-        torch.manual_seed(0)
-        with torch.device(dev):
-            return _LlamaStep(LlamaForCausalLM(cfg).to(torch.bfloat16))
-
-    def inputs(dev: torch.device) -> tuple[Any, ...]:
-        g = torch.Generator().manual_seed(0)
-        return (torch.randint(0, vocab, (batch, seq), generator=g).to(dev),)
-
-    return Case("hf-llama", f"HF LlamaForCausalLM {layers}x{h}, {heads} heads ({kv} KV), bf16, SDPA, "
-                f"seq {seq}, batch {batch}, vocab {vocab}, labels = inputs", build, inputs,
-                lambda out: out.loss)
 
 
 # ---- here: the spec --------------------------------------------------------------------------
-
-def _fake_profile(case: Case, target: str) -> Any:
-    import memfit
-
-    model = case.build(torch.device("meta"))
-    return memfit.profile(model, case.inputs(torch.device("meta")), loss_fn=case.loss_fn,
-                          mode="fake", target=target)
-
 
 def prepare(target: str, quick: bool) -> dict[str, Any]:
     """The regions of memfit's every_block plan per case (all the GPU needs from memfit)."""
@@ -143,114 +63,13 @@ def prepare(target: str, quick: bool) -> dict[str, Any]:
 
     spec: dict[str, Any] = {"target": target, "quick": quick, "cases": {}}
     for case in cases(quick):
-        prof = _fake_profile(case, target)
+        prof = fake_profile(case, target)
         plan = memfit.plan(prof, budget="100%", solver="every_block")
         if any(r.ops for r in plan.regions):
             raise RuntimeError(f"{case.name}: every_block has per-op policies; the GPU side "
                                "checkpoints whole regions only")
         spec["cases"][case.name] = {"regions": [list(r.modules) for r in plan.regions]}
     return spec
-
-
-# ---- on the GPU: torch only ------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _OpTimes:
-    """Every aten op of a step with its time: CUDA events around it (CPU: wall clock)."""
-
-    def __init__(self, device: torch.device) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.device, self.rows, self.phase = device, [], "forward"
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if outer.device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    out = func(*args, **(kwargs or {}))
-                    end.record()
-                    outer.rows.append([str(func), outer.phase, (start, end)])
-                else:
-                    t0 = time.perf_counter()
-                    out = func(*args, **(kwargs or {}))
-                    outer.rows.append([str(func), outer.phase, time.perf_counter() - t0])
-                return out
-
-        self.mode = Mode()
-
-    def seconds(self) -> list[tuple[str, str, float]]:
-        _sync(self.device)
-        return [(n, ph, t[0].elapsed_time(t[1]) / 1e3 if isinstance(t, tuple) else t)
-                for n, ph, t in self.rows]
-
-
-class _Checkpointed(nn.Module):
-    """Runs ``modules`` (consecutive siblings) in order under one non-reentrant checkpoint."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self.inner = nn.ModuleList(modules)
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        x = self.inner[0](*args, **kwargs)  # keyword arguments: a lone module's (HF layers')
-        for m in self.inner[1:]:
-            x = m(x)
-        return x
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_regions(model: nn.Module, regions: list[list[str]]) -> nn.Module:
-    """``model`` with each region (module paths: one, or consecutive siblings) checkpointed."""
-    for paths in regions:
-        parent_path, _, first = paths[0].rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        names = [p.rpartition(".")[2] for p in paths]
-        wrapped = _Checkpointed([parent.get_submodule(n) for n in names])
-        if len(names) == 1:
-            setattr(parent, first, wrapped)
-            continue
-        if not isinstance(parent, nn.Sequential):
-            raise TypeError(f"a run of siblings under {parent_path!r} ({type(parent).__name__}) "
-                            "needs an nn.Sequential parent here")
-        kept = [(n, m) for n, m in parent.named_children() if n not in names[1:]]
-        for n, _ in list(parent.named_children()):
-            delattr(parent, n)
-        for n, m in kept:
-            parent.add_module(n, wrapped if n == first else m)
-    return model
-
-
-def _step(case: Case, model: nn.Module, inputs: tuple[Any, ...]) -> None:
-    """Forward, loss, backward, the output referenced through backward as in a usual training
-    loop (``out = model(x); loss_fn(out).backward()``) and as memfit's profile counts it."""
-    out = model(*inputs)
-    case.loss_fn(out).backward()
-    del out
-
-
-def _peak(step: Callable[[], None], model: nn.Module, device: torch.device) -> int | None:
-    for p in model.parameters():
-        p.grad = None  # the profile counts the gradients backward allocates
-    gc.collect()
-    if device.type != "cuda":
-        step()
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
 
 
 def measure_case(case: Case, regions: list[list[str]], device: torch.device, repeats: int) -> dict[str, Any]:
@@ -262,7 +81,7 @@ def measure_case(case: Case, regions: list[list[str]], device: torch.device, rep
 
     def step_of(m: nn.Module) -> Callable[[], None]:
         def step() -> None:
-            _step(case, m, inputs)
+            train_step(case, m, inputs)
         return step
 
     def clear(m: nn.Module) -> None:
@@ -274,22 +93,22 @@ def measure_case(case: Case, regions: list[list[str]], device: torch.device, rep
         for _ in range(2):  # warm-up: cuBLAS/cuDNN handles and workspaces, lazy kernels
             step_of(m)()
             clear(m)
-        row[f"{name}_peak_bytes"] = _peak(step_of(m), m, device)
+        row[f"{name}_peak_bytes"] = peak_bytes(step_of(m), m, device)
         clear(m)
     times: dict[str, list[float]] = {n: [] for n in models}
     for r in range(repeats):  # in turn, the order alternating
         for name in (list(models) if r % 2 == 0 else list(reversed(models))):
             m = models[name]
             clear(m)
-            _sync(device)
+            sync(device)
             s = time.perf_counter()
             step_of(m)()
-            _sync(device)
+            sync(device)
             times[name].append(time.perf_counter() - s)
     for name, ts in times.items():
         row[f"{name}_step_s"] = statistics.median(ts)
         row[f"{name}_steps_s"] = ts
-    timer = _OpTimes(device)
+    timer = OpTimes(device)
     m = models["plain"]
     clear(m)
     with timer.mode:

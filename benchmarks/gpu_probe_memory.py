@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_probe import Case, _OpTimes, _peak, _step, checkpoint_regions
+from benchmarks.gpu_probe_cases import Case, OpTimes, checkpoint_regions, peak_bytes, train_step
 
 
 class _MemTrace:
@@ -45,12 +45,12 @@ def trace_case(case: Case, device: torch.device, settings: dict[str, bool]) -> d
     torch.manual_seed(1)
     inputs = case.inputs(device)
     for _ in range(2):
-        _step(case, model, inputs)
+        train_step(case, model, inputs)
         for p in model.parameters():
             p.grad = None
     gc.collect()
     torch.cuda.synchronize(device)
-    peak = _peak(lambda: _step(case, model, inputs), model, device)
+    peak = peak_bytes(lambda: train_step(case, model, inputs), model, device)
     for p in model.parameters():
         p.grad = None
     gc.collect()
@@ -66,10 +66,10 @@ def trace_case(case: Case, device: torch.device, settings: dict[str, bool]) -> d
             p.grad = None
         torch.cuda.synchronize(device)
         s = time.perf_counter()
-        _step(case, model, inputs)
+        train_step(case, model, inputs)
         torch.cuda.synchronize(device)
         steps.append(time.perf_counter() - s)
-    timer = _OpTimes(device)
+    timer = OpTimes(device)
     for p in model.parameters():
         p.grad = None
     with timer.mode:
@@ -106,7 +106,7 @@ def job_case(case: Case, regions: list[list[str]], device: torch.device, steps: 
         torch.manual_seed(1)
         inputs = case.inputs(device)
         for _ in range(steps):
-            _step(case, model, inputs)
+            train_step(case, model, inputs)
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)

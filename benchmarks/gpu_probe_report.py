@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_probe import GB, _fake_profile, cases
+from benchmarks.gpu_probe_cases import GB, cases, fake_profile
 
 COMPUTE_KINDS = ("conv", "matmul", "attention")
 
@@ -223,7 +223,7 @@ def report(measured_path: Path, target: str | None) -> str:
     target = target or next((v for k, v in (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
                              if k in rec["device"].upper()), "h100")
     by_name = {c.name: c for c in cases(rec["quick"])}
-    profs = {n: _fake_profile(c, target) for n, c in by_name.items()}
+    profs = {n: fake_profile(c, target) for n, c in by_name.items()}
     every = {n: memfit.plan(p, budget="100%", solver="every_block") for n, p in profs.items()}
     ctx = (f" CUDA context (in use per `mem_get_info` beyond the allocator's reserve): "
            f"{rec['context_start']['context_bytes'] / 2**30:.3f} GiB after start, "

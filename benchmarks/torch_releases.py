@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "torch-releases.json"
 DOC = ROOT / "docs" / "torch-releases.md"
 BEGIN, END = "<!-- torch-releases table: begin -->", "<!-- torch-releases table: end -->"
-_SUMMARY = re.compile(r"=+ (.*\d+ (?:passed|failed).*?) in ([\d.]+)s")
+_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+, )*\d+ (?:passed|failed)[^=]*?) in ([\d.]+)s", re.M)
 
 
 def run_release(version: str, pytest_args: list[str]) -> dict[str, Any]:
@@ -70,8 +70,15 @@ def table(results: list[dict[str, Any]]) -> str:
     for f in features:
         lines.append(f"| {f} | " + " | ".join(status.get((f, v), "-") for v in versions) + " |")
     lines.append("| **suite** (`./run test-torch V`) | "
-                 + " | ".join(f"{r['summary']} ({r['wall_s']:.0f} s)" for r in results) + " |")
+                 + " | ".join(f"{_summary(r['summary'])} ({r['wall_s']:.0f} s)" for r in results)
+                 + " |")
     return "\n".join(lines)
+
+
+def _summary(text: str) -> str:
+    """pytest's last summary line in ``text`` (``text`` itself if it holds none)."""
+    found = _SUMMARY.findall(text)
+    return found[-1][0] if found else text.strip().splitlines()[-1] if text.strip() else "-"
 
 
 def write_doc(results: list[dict[str, Any]]) -> None:

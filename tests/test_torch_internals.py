@@ -406,6 +406,14 @@ def _checkpoint_options() -> None:
     assert (T.feature_problems()[T.RESPECT_HOOKS] is None) is takes
 
 
+def _keep_out_of_hooks() -> None:
+    caching, _ = create_selective_checkpoint_contexts(lambda *a, **k: False)
+    T.sac_keep_out_of_hooks(caching)  # torch 2.14 reads the attribute; older ones lack it
+    assert getattr(caching, T.RESPECT_HOOKS, False) is False
+    assert getattr(T.selective_checkpoint_contexts(lambda *a, **k: False)[0], T.RESPECT_HOOKS,
+                   False) is False
+
+
 def _has_cuda_fake_ops() -> None:
     assert T.has_cuda_fake_ops() is True  # every release of the range has them (cuda_fake_ops)
 
@@ -633,6 +641,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "PROFILER_OPS": _profiler_ops,
     "checkpoint_options": _checkpoint_options,
     "RESPECT_HOOKS": _checkpoint_options,
+    "sac_keep_out_of_hooks": _keep_out_of_hooks,
     "feature_problems": _sac_indexed,
     "has_cuda_fake_ops": _has_cuda_fake_ops,
     "require_sac_storage": _require_sac_storage,

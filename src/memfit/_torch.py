@@ -61,7 +61,7 @@ __all__ = [
     "no_python_dispatch", "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
     "SAC_OP_OUTPUT", "SAC_INDEXED", "QueuedEntries", "selective_checkpoint_contexts",
     "sac_is_recompute", "checkpoint_options", "RESPECT_HOOKS", "PROFILER_OPS",
-    "AnyOccurrenceRecomputed", "sac_ignore_profiler_ops",
+    "AnyOccurrenceRecomputed", "sac_ignore_profiler_ops", "sac_keep_out_of_hooks",
     "require_sac_storage", "sac_set_storage", "sac_saved_tensor", "sac_is_entry",
     "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
     "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
@@ -224,7 +224,16 @@ def selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, A
         caching.storage = storage
         cached.storage = storage
     sac_ignore_profiler_ops(caching.storage)
+    sac_keep_out_of_hooks(caching)
     return caching, cached
+
+
+def sac_keep_out_of_hooks(caching_mode: Any) -> None:
+    """NOTE [saved-tensor hooks around selective regions] on the caching mode itself: torch
+    sets it from checkpoint's argument only on a caching mode that is the whole forward
+    context, and memfit's forward context composes several."""
+    if hasattr(caching_mode, RESPECT_HOOKS):
+        setattr(caching_mode, RESPECT_HOOKS, False)
 
 
 def sac_is_recompute(ctx: Any) -> bool:
@@ -429,6 +438,7 @@ def sac_set_storage(caching_mode: Any, cached_mode: Any, storage: Any) -> None:
     ``storage`` (a dict ``op -> {index: entry}``) instead of the dict torch made for them."""
     require_sac_storage()
     sac_ignore_profiler_ops(storage)
+    sac_keep_out_of_hooks(caching_mode)
     caching_mode.storage = storage
     cached_mode.storage = storage
 

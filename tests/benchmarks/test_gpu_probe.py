@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from benchmarks.gpu_probe import checkpoint_regions
+from benchmarks.gpu_probe_cases import checkpoint_regions
 from benchmarks.gpu_probe_report import by_kind, kind, measured_time_profile
 from torch import nn
 

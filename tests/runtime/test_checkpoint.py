@@ -404,3 +404,55 @@ def test_divergence_detected_when_the_policy_feeds_the_recorder(policy):
     with pytest.raises(RecomputeMismatch, match=r"op 2: the forward ran aten.sin.default.*"
                                                 r"recomputation ran aten.cos.default"):
         y.sum().backward()
+
+
+class _RangedOnReplay(nn.Module):
+    """Opens a profiler range on every other call: the replay runs profiler ops the forward
+    did not (as FSDP2's hooks under record_function may: NOTE [profiler ops in a replay])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            with torch.profiler.record_function("replay-only"):
+                pass
+        return torch.tanh(self.lin(x)) @ self.lin.weight
+
+
+@pytest.mark.parametrize("policy", [None, {"aten.addmm", "aten.mm"}], ids=["all", "save-matmuls"])
+def test_a_profiler_range_only_the_replay_opens_is_bitwise(policy):
+    torch.manual_seed(0)
+    module, x = _RangedOnReplay(), torch.randn(4, 8, requires_grad=True)
+    plain = copy.deepcopy(module)
+    plain.calls = 1  # its single call is the odd one, as the forward's
+    checkpoint(module, x, policy=policy).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    plain(x).sum().backward()
+    assert module.calls == 2  # forward + replay
+    assert torch.equal(gx, x.grad)
+    assert torch.equal(module.lin.weight.grad, plain.lin.weight.grad)
+
+
+def test_a_selective_region_inside_saved_tensor_hooks_says_nothing(recwarn):
+    """torch 2.14+ warns (FutureWarning) unless respect_saved_tensors_hooks is passed; memfit
+    passes False (NOTE [saved-tensor hooks around selective regions]), as its plans assume."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = checkpoint(lambda t: torch.relu(lin(t)) * 2, x, policy={"aten.addmm"})
+    out.sum().backward()
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []
+    assert packed  # the hooks were in effect around the region
+    with pytest.raises(ValueError, match="respect_saved_tensors_hooks=True"):
+        checkpoint(lin, x, policy={"aten.addmm"}, respect_saved_tensors_hooks=True)

@@ -92,12 +92,14 @@ def _check_shapes(model: nn.Module, plan: Plan) -> None:
     recorded = plan.extra.get("parameter_shapes", {}) if isinstance(plan.extra, dict) else {}
     if not recorded:
         return
-    actual = {n: list(local_part(p).shape) for n, p in model.named_parameters()}
+    # a sharded parameter (FSDP2's DTensor) matches by its global or its local shape: a plan
+    # made before sharding records the one, a plan made after it the other
+    actual = {n: (list(p.shape), list(local_part(p).shape)) for n, p in model.named_parameters()}
     for name, shape in recorded.items():
-        if name in actual and actual[name] != list(shape):
+        if name in actual and list(shape) not in actual[name]:
             raise PlanMismatch(
                 f"the plan was made for a model whose parameter {name!r} has shape "
-                f"{tuple(shape)}, but this {type(model).__name__}'s has {tuple(actual[name])}: its "
+                f"{tuple(shape)}, but this {type(model).__name__}'s has {tuple(actual[name][1])}: its "
                 "predicted peak and decisions are another model's; profile and plan this one again")
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memfit._torch import (
+    RESPECT_HOOKS,
     SAC_OP_OUTPUT,
     checkpoint_options,
     sac_rearm,
@@ -286,6 +287,12 @@ def checkpoint(fn: Callable[..., Any], *args: Any, policy: PolicyArg = None, che
             "names the first op that differs (check=\"always\"); for torch's debug traces "
             "call torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, debug=True)"
         )
+    if kwargs.get(RESPECT_HOOKS):
+        raise ValueError(
+            "memfit.checkpoint does not take respect_saved_tensors_hooks=True: memfit counts "
+            "the outputs a selective region saves on its device, outside outer saved-tensor "
+            "hooks (NOTE [saved-tensor hooks around selective regions]). Drop the argument, or "
+            "call torch.utils.checkpoint.checkpoint for that region")
     user_contexts = kwargs.pop("context_fn", None)
     resolved = _policies.resolve(policy)
     if user_contexts is not None:
