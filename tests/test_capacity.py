@@ -4,6 +4,7 @@ tensors (NOTE [largest batch on fake tensors])."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -170,3 +171,22 @@ def test_the_readme_search_for_an_80_gib_card_runs_on_fake_tensors():
     assert got["grown_kib"] < 1024 * 1024, got["grown_kib"]
     assert all(mode == "fake" for n, mode in got["probes"] if n > 2), got["probes"]
     assert "on fake tensors" in got["text"]
+
+
+@pytest.mark.slow
+def test_a_fitted_model_is_searched_on_fake_tensors_as_a_fresh_one():
+    """The README fits a model, then asks for its largest batch on an 80 GiB card: the plan is
+    lifted while the sizes are traced (a planned model does not trace on fake tensors, and a
+    real step at each size ran the host out of memory), and put back afterwards."""
+    fitted = zoo.gpt(n_layer=4, d_model=128, n_head=4, seq_len=128)
+    fresh = copy.deepcopy(fitted)
+    memfit.fit(fitted, zoo.example_inputs(fitted, batch=4),
+               job=memfit.Job(device="32MiB", optimizer="adamw"))
+    plan = fitted.memfit_plan
+    job = memfit.Job(device="80GiB", optimizer="adamw")
+    got = memfit.largest_batch(lambda n: (fitted, torch.randint(0, 512, (n, 128))), job)
+    want = memfit.largest_batch(lambda n: (fresh, torch.randint(0, 512, (n, 128))), job)
+    assert got.batch == want.batch and got.batch > 10_000
+    assert got.mode is ProfileMode.FAKE
+    assert got.plan.regions == want.plan.regions
+    assert fitted.memfit_plan == plan  # the model's own plan is back

@@ -265,6 +265,16 @@ class _Sizes:
         model, inputs = made[:2]
         # (model, inputs, loss_fn): a loss that depends on the inputs
         loss_fn = made[2] if len(made) == 3 else self.loss_fn
+        from memfit.measuring.twins import lifted_plan
+
+        # a fitted model's plan (and its re-planning at a new shape) lifted while its plain
+        # step is traced, as fit does: a planned model does not trace on fake tensors, and a
+        # real step at every probed size is what NOTE [largest batch on fake tensors] avoids
+        with lifted_plan(model):
+            return self._profile(n, model, inputs, loss_fn, calibrated)
+
+    def _profile(self, n: int, model: torch.nn.Module, inputs: Any,
+                 loss_fn: Callable[[Any], torch.Tensor] | None, calibrated: bool) -> Profile:
         on_meta = any(p.device.type == "meta" for p in model.parameters())
         mode = (ProfileMode.FAKE if on_meta or (self.target is not None and self.target != "cpu")
                 else self.mode)
