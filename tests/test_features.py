@@ -16,7 +16,7 @@ from memfit.runtime.policies import by_key
 
 FEATURES = ["torch release", "selective regions", "op outputs seen by the policy",
             "another backward through a region", "offload", "chain segments",
-            "saved-tensor hooks around regions", "profiler ranges in a replay",
+            "saved-tensor hooks around regions", "profiler ranges in a replay", "pipeline schedules",
             "GPU-faithful fake mode", "CUDA peak meter"]
 
 

@@ -20,6 +20,14 @@ pytestmark = pytest.mark.processes  # 2 ranks, each a process
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 pytest.importorskip("torch.distributed.pipelining")
+import torch  # noqa: E402
+
+from memfit.torch_range import torch_release  # noqa: E402
+
+if torch_release(torch.__version__) < (2, 11):  # the "pipeline schedules" row of memfit.capabilities()
+    pytest.skip("torch 2.9's own pipelining schedules fail over gloo before memfit runs (a send "
+                "of another size than the receive expects): docs/torch-releases.md",
+                allow_module_level=True)
 
 RANKS = 2
 N_MICROBATCHES = 4
