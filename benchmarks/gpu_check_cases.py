@@ -111,9 +111,9 @@ def _gpt(quick: bool) -> GpuCase:
 
 
 def _llama(quick: bool) -> GpuCase:
-    from benchmarks.gpu_probe import _llama_case
+    from benchmarks.gpu_probe_cases import llama_case
 
-    probe = _llama_case(quick)
+    probe = llama_case(quick)
     batch = 2 if quick else 4
     seq = int(probe.inputs(torch.device("meta"))[0].shape[1])
     llama: Any = probe.build(torch.device("meta")).get_submodule("llama")
@@ -131,7 +131,7 @@ def _llama(quick: bool) -> GpuCase:
 
 
 def _resnet50(quick: bool, card_bytes: int | None) -> GpuCase:
-    from benchmarks.gpu_probe import _resnet50 as build
+    from benchmarks.gpu_probe_cases import resnet50 as build
 
     stages, side, classes = ((1, 1, 1, 1), 64, 10) if quick else ((3, 4, 6, 3), 224, 1000)
     batch = 4 if quick or card_bytes is None else max(

@@ -38,7 +38,7 @@ def _square_loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def _resnet50(device: torch.device, stages: tuple[int, ...], classes: int) -> nn.Module:
+def resnet50(device: torch.device, stages: tuple[int, ...], classes: int) -> nn.Module:
     """``benchmarks.published.resnet50``, on ``device`` and seeded (meta: as built)."""
     from benchmarks.published import resnet50
 
@@ -59,7 +59,7 @@ def cases(quick: bool) -> list[Case]:
 
     stages, batch, side, classes = ((1, 1, 1, 1), 4, 64, 10) if quick else ((3, 4, 6, 3), 184, 224, 1000)
     out = [Case("resnet50", f"ResNet-50 (stages {stages}), fp32, batch {batch}, {side}x{side} (MONeT's setting)",
-                lambda dev: _resnet50(dev, stages, classes),
+                lambda dev: resnet50(dev, stages, classes),
                 lambda dev: (torch.randn(batch, 3, side, side, device=dev, generator=None),),
                 _square_loss)]
     for c in gpu_fake_check._cases(quick):
