@@ -29,6 +29,14 @@ if torch_release(torch.__version__) < (2, 11):  # the "pipeline schedules" row o
                 "of another size than the receive expects): docs/torch-releases.md",
                 allow_module_level=True)
 
+# torch 2.15's schedules keep other boundary tensors than memfit's in-flight count models
+# (measured, plain stages on 2 and 4 ranks: a first stage one boundary tensor less per
+# micro-batch held after the first, 131,052-262,372 B under; the last stage one more per
+# micro-batch, 262,208 B over: up to 3.0% of the stage peak, where this test allows 0.1%): the
+# "pipeline schedules" row of memfit.capabilities(). Strict: a pass on 2.15 fails the suite.
+MODEL_2_15 = pytest.mark.xfail(
+    torch_release(torch.__version__) >= (2, 15), strict=True, raises=AssertionError,
+    reason="torch 2.15's pipelining keeps other boundary tensors than memfit's stage model")
 RANKS = 2
 N_MICROBATCHES = 4
 PEAK_TOLERANCE = 0.03  # NOTE [peak tolerance]: the allocator's peak vs the budget, prediction
@@ -42,6 +50,7 @@ def launch(schedule: str, tmp_path: Path, script: str = "pipeline_ranks.py", ran
                      tmp_path=tmp_path, ranks=ranks)
 
 
+@MODEL_2_15
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_stage_plans_fit_their_budgets_and_train_bitwise(schedule: str, tmp_path: Path) -> None:
     results = launch(schedule, tmp_path)
@@ -49,6 +58,7 @@ def test_stage_plans_fit_their_budgets_and_train_bitwise(schedule: str, tmp_path
     check_stages(results, schedule, expected, kept=[65536, 65536] if schedule == "1f1b" else [0, 0])
 
 
+@MODEL_2_15
 @pytest.mark.parametrize(("schedule", "n"), [("gpipe", 8), ("1f1b", 8), ("1f1b", 5)])
 def test_four_stages_each_planned_for_what_it_holds(schedule: str, n: int, tmp_path: Path) -> None:
     # 4 processes, one block a stage: under 1F1B stage i holds 4 - i, and the end stages'
