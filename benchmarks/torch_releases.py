@@ -47,7 +47,9 @@ def run_release(version: str, pytest_args: list[str]) -> dict[str, Any]:
     doctor = subprocess.run([str(python), "-m", "memfit", "doctor", "--json"], cwd=ROOT,
                             capture_output=True, text=True, env=env)
     caps = json.loads(doctor.stdout) if doctor.returncode == 0 else {"error": doctor.stderr}
-    return {"version": version, "returncode": done.returncode,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    return {"version": version, "returncode": done.returncode, "commit": commit,
             "summary": found[-1][0] if found else done.stdout[-2000:], "wall_s": round(wall_s, 1),
             "failed": failed, "capabilities": caps}
 
@@ -70,8 +72,12 @@ def table(results: list[dict[str, Any]]) -> str:
     for f in features:
         lines.append(f"| {f} | " + " | ".join(status.get((f, v), "-") for v in versions) + " |")
     lines.append("| **suite** (`./run test-torch V`) | "
-                 + " | ".join(f"{_summary(r['summary'])} ({r['wall_s']:.0f} s)" for r in results)
-                 + " |")
+                 + " | ".join(f"{_summary(r['summary'])} ({r['wall_s']:.0f} s, {r.get('commit', '-')})"
+                              for r in results) + " |")
+    if any("rerun" in r for r in results):
+        lines.append("| **rerun** of the test files changed since, and of those that failed | "
+                     + " | ".join(f"{_summary(r['rerun']['summary'])} ({r['rerun']['commit']})"
+                                  if "rerun" in r else "-" for r in results) + " |")
     return "\n".join(lines)
 
 
