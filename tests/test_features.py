@@ -53,3 +53,18 @@ def test_doctor_prints_the_rows(capsys):
     assert data["kind"] == "memfit.Capabilities" and data["torch"] == torch.__version__
     assert [r["feature"] for r in data["rows"]] == FEATURES
     assert {r["status"] for r in data["rows"]} <= {"full", "degraded", "refused"}
+
+
+def test_the_command_line_refuses_a_torch_outside_the_range_in_one_line(monkeypatch, capsys):
+    """On a torch below the range even ``memfit --help`` built its parser through memfit's
+    torch internals and died with a traceback; it says what is wrong in one line (exit 2)."""
+    import memfit._torch
+
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    monkeypatch.delitem(__import__("sys").modules, "memfit._torch")
+    monkeypatch.delitem(__import__("sys").modules, "memfit.profiling.optimizer", raising=False)
+    assert main(["--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memfit: error: memfit needs torch >=2.9,<2.16, but torch 2.8.0 is "
+                          "installed") and err.count("\n") == 1
+    assert memfit._torch  # the module imported before is untouched

@@ -30,7 +30,7 @@ from memfit.cli.exits import (
     error_object,
     exit_code_for,
 )
-from memfit.errors import InfeasibleBudget, ModelError
+from memfit.errors import InfeasibleBudget, ModelError, UnsupportedTorch
 
 __all__ = ["main", "build_parser", "exit_code_for", "error_object", "EXIT_CODES", "EXIT_OK",
            "EXIT_VERIFY_FAILED", "EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_INTERNAL", "EXIT_INTERRUPTED"]
@@ -103,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``memfit`` command line; returns the exit code."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except UnsupportedTorch as e:  # a torch outside the range: one line, not a traceback
+        print(f"memfit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args_in = attach_dash_values(list(sys.argv[1:] if argv is None else argv), parser)
     want_json = "--json" in args_in[: args_in.index("--")] if "--" in args_in else "--json" in args_in
     try:
