@@ -26,7 +26,7 @@ from torch import nn
 
 import memfit
 
-# the "v100" preset of memfit.profiling.costmodel (NVIDIA V100 SXM2 16GB datasheet)
+# the "v100" preset of memfit.timemodel.devices (NVIDIA V100 SXM2 16GB datasheet)
 TARGET = "v100"
 
 VGG19 = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",

@@ -88,7 +88,7 @@ def main() -> None:
 
 def _bound(prof: Any, budget: str, target: str, plan: Any) -> dict[str, float]:
     """The least recompute any offload plan can reach at ``budget`` (module docstring)."""
-    from memfit.profiling.costmodel import preset
+    from memfit.timemodel.devices import preset
     from memfit.units import parse_bytes
 
     link = preset(target).host_link_bytes_per_s

@@ -85,7 +85,7 @@ def _plan(planner: Any, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
 def _tune(case: Case, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
     """memfit's measured choice for ``spec`` (``memfit.measuring.tuning.tune``), on a copy of the model."""
     from memfit.measuring.tuning import tune
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     model = copy.deepcopy(case.model).train()
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Published figures are the papers' (their hardware, their frameworks); memfit's are predicted,
 from fake-mode profiles with the paper's GPU preset (``target="v100"`` for MONeT and
-Checkmate: NVIDIA V100 SXM2 16GB datasheet figures in ``memfit.profiling.costmodel``), so the
+Checkmate: NVIDIA V100 SXM2 16GB datasheet figures in ``memfit.timemodel.devices``), so the
 comparison is of plans, not of measured runs.
 
 - MONeT (Shah et al., ICLR 2021), ResNet-50 at 224x224, batch 184, fp32, SGD: the whole job in

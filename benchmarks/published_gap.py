@@ -46,7 +46,7 @@ from memfit.planning.hidden_host import device_only, plan_hides
 from memfit.planning.hosttime import HOST_OP_S, host_overhead
 from memfit.planning.rules import is_matmul
 from memfit.profiling.profile import OpRecord, Profile
-from memfit.timemodel import Calibration, CalibrationSource
+from memfit.timemodel.calibration import Calibration, CalibrationSource
 
 KINDS = ("conv", "batch norm", "relu", "add", "max pool", "other")
 

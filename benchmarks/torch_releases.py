@@ -9,7 +9,7 @@ a suite run). For each release: ``./run test-torch VERSION`` (the whole suite, e
 ``memfit doctor --json`` in the same venv. Writes ``benchmarks/results/torch-releases.json``
 (each release's pytest summary, wall seconds and capability rows) and the table of
 docs/torch-releases.md between its markers (NOTE [features by torch release] in
-``memfit.features``).
+``memfit.torch_support.capabilities``).
 """
 
 from __future__ import annotations

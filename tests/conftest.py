@@ -26,14 +26,14 @@ def _freeze_survivors() -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """NOTE [features by torch release] (memfit.features): a test marked
+    """NOTE [features by torch release] (memfit.torch_support.capabilities): a test marked
     ``torch_feature(name)`` tests a feature that some releases refuse; on those it must raise
     ``UnsupportedTorch`` (a strict xfail: a pass or another error fails the suite)."""
     marked = [(item, m.args[0]) for item in items for m in item.iter_markers("torch_feature")]
     if not marked:
         return
     from memfit.errors import UnsupportedTorch
-    from memfit.features import capabilities
+    from memfit.torch_support.capabilities import capabilities
 
     caps = capabilities()
     for item, feature in marked:

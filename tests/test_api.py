@@ -151,7 +151,7 @@ def test_fit_refuses_a_step_of_another_model(gpt_and_inputs):
     model, x = gpt_and_inputs
     other = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="step of another module"):
-        fit(model, step=memfit.step.Step.of(other, torch.ones(1, 2)), budget=0.5)
+        fit(model, step=memfit.step.harness.Step.of(other, torch.ones(1, 2)), budget=0.5)
 
 
 class _OrthogonalStack(torch.nn.Module):
@@ -178,7 +178,7 @@ def test_fit_keeps_an_absolute_budget_that_kernel_workspaces_decide():
     plan and the step ran 9% over it (issue #24, case 5). The planned step's peak is the
     predicted one, to the byte, under the budget."""
     from memfit.profiling.measure import measure
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     torch.manual_seed(0)
     model, x = _OrthogonalStack(), torch.randn(2048, 128)
@@ -197,7 +197,7 @@ def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_
     left exactly as it was: the same wrappers, their check counters untouched."""
     from memfit.profiling.measure import measure
     from memfit.runtime.marks import WRAP_ATTR
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     model, x = gpt_and_inputs
     plain = profile(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64), x, repeats=1)
@@ -228,7 +228,7 @@ def test_a_planned_model_called_on_other_shapes_or_dtypes_warns_once(gpt_and_inp
     call on other inputs warns, naming both; later ones, calls on the profiled shapes and calls
     without autograd do not."""
     from memfit.profiling.measure import measure
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     model, x = gpt_and_inputs
     fit(model, x, budget=0.6, on_new_shape="warn")

@@ -779,7 +779,7 @@ def test_an_older_torch_is_refused_naming_it_and_the_range(monkeypatch, version)
 @pytest.mark.parametrize("version", ["2.9.1", "2.11.0+cu130", "2.13.0+cpu", "2.15.0"])
 def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
+    with caplog.at_level(logging.WARNING, logger="memfit.torch_support.releases"):
         T.require_supported_torch()
     assert caplog.records == []
 
@@ -787,7 +787,7 @@ def test_a_supported_torch_passes_silently(monkeypatch, caplog, version):
 @pytest.mark.parametrize("version", ["2.16.0", "2.16.0.dev20260101+cpu", "3.0.0"])
 def test_a_newer_torch_is_let_through_with_a_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(torch, "__version__", version)
-    with caplog.at_level(logging.WARNING, logger="memfit.torch_range"):
+    with caplog.at_level(logging.WARNING, logger="memfit.torch_support.releases"):
         T.require_supported_torch()
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {version} is newer than the releases memfit is tested with ({T._TESTED}, "

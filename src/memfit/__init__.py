@@ -52,10 +52,10 @@ _LAZY = {
     "simulate": ("memfit.planning.hidden_host", "simulate_plan"),
     "Simulation": "memfit.planning.simulate",
     "plan": "memfit.api",
-    "Job": "memfit.device_memory",
-    "largest_batch": "memfit.capacity",
-    "capabilities": "memfit.features",
-    "Capabilities": "memfit.features",
+    "Job": "memfit.job.device_memory",
+    "largest_batch": "memfit.job.capacity",
+    "capabilities": "memfit.torch_support.capabilities",
+    "Capabilities": "memfit.torch_support.capabilities",
     "fit": "memfit.api",
     "verify": "memfit.measuring.verification",
     "VerifyReport": "memfit.measuring.verification",
@@ -63,8 +63,8 @@ _LAZY = {
     "Sweep": "memfit.measuring.report",
     "policies": "memfit.runtime.policies",
     "zoo": "memfit.zoo",
-    "distributed": "memfit.distributed",
-    "pipeline": "memfit.pipeline",
+    "distributed": "memfit.parallel.distributed",
+    "pipeline": "memfit.parallel.pipeline",
 }
 
 _SUBMODULES = {"policies", "zoo", "distributed", "pipeline"}

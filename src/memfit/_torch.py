@@ -6,7 +6,7 @@ NOTE [private torch APIs]
     entered and left in different functions. The rules:
 
     0. memfit supports the releases its suite has passed on (``SUPPORTED_TORCH``, as
-       ``pyproject.toml`` declares; ``memfit.torch_range``): an older torch is refused at this
+       ``pyproject.toml`` declares; ``memfit.torch_support.releases``): an older torch is refused at this
        module's first import (``UnsupportedTorch`` naming both), a newer one logged.
     1. Only this module imports ``torch._*`` or ``torch.utils._*``, reads a private attribute
        of a torch object (``._schema``, ``._cdata``...) or names an ``aten._*`` op; the rest
@@ -44,7 +44,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from memfit.errors import UnsupportedTorch
-from memfit.torch_range import (  # noqa: F401  (re-exported: rule 0)
+from memfit.torch_support.releases import (  # noqa: F401  (re-exported: rule 0)
     _TESTED,
     SUPPORTED_TORCH,
     require_supported_torch,

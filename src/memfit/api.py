@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from memfit.errors import InfeasibleBudget
-from memfit.fit_checks import refuse_fit_arguments
+from memfit.job.fit_checks import refuse_fit_arguments
 from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
 from memfit.runtime.divergence import CheckArg
-from memfit.step import Step
+from memfit.step.harness import Step
 
 if TYPE_CHECKING:
-    from memfit.device_memory import Job
+    from memfit.job.device_memory import Job
 
 __all__ = ["fit", "plan", "apply"]
 
@@ -72,7 +72,7 @@ def fit(
             [the job's memory] in ``memfit.planning.job``); the breakdown is
             ``model.memfit_plan.memory``. The keywords it replaces (``device_memory=``,
             ``optimizer=``, ...) still work for one release, with a ``DeprecationWarning``
-            (NOTE [the old job keywords] in ``memfit.device_memory``).
+            (NOTE [the old job keywords] in ``memfit.job.device_memory``).
         budget: the cap on peak activation memory: ``int`` bytes, a ``float`` fraction of the
             un-checkpointed peak (``0.6``), a string (``"6GiB"``, ``"60%"``), or ``"min"``:
             the smallest peak any plan reaches. A ``Job`` here is taken as ``job``; given
@@ -83,7 +83,7 @@ def fit(
             (``"every_block"``, ``"sqrt"``, ``"save_matmuls"``, ``"none"``).
         step: instead of ``example_inputs``: a callable taking no arguments that runs the
             forward and returns the scalar loss (``lambda: module.training_step(batch, 0)``),
-            or a ``memfit.step.Step`` of ``model``. It is profiled in place of
+            or a ``memfit.step.harness.Step`` of ``model``. It is profiled in place of
             ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
             way training will, and is run several times with the model's grads, buffers and
             RNG state put back after each run.
@@ -94,7 +94,7 @@ def fit(
             steps).
         src: in a distributed job, the global rank whose profile is planned (default 0);
             every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
-            ``memfit.distributed``): every rank of ``group`` must call ``fit``.
+            ``memfit.parallel.distributed``): every rank of ``group`` must call ``fit``.
         group: the ``torch.distributed`` process group to plan for (default the whole job).
         target: for a model on the meta device (profiled in fake mode), the device preset it
             is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
@@ -104,13 +104,13 @@ def fit(
             plan's does (NOTE [inputs other than the profiled ones] in
             ``memfit.runtime.shapes``): ``"replan"`` profiles that step once, plans it for the
             same budget in bytes and keeps the plan for later calls of that signature (NOTE
-            [re-planning inside a training call] in ``memfit.shape_plans``); ``"warn"`` warns
+            [re-planning inside a training call] in ``memfit.job.shape_plans``); ``"warn"`` warns
             once per new signature and keeps the plan; ``"raise"`` raises
             ``memfit.NewInputShape``. Default None: ``"replan"`` for ``example_inputs``
             (exact, and once per shape), ``"warn"`` for a callable ``step`` or in a
             distributed job, where a re-plan cannot run.
         shapes: the shapes training will use, planned now (NOTE [shape ranges] in
-            ``memfit.shape_plans``): each a size of the single input tensor (``(8, 128)``,
+            ``memfit.job.shape_plans``): each a size of the single input tensor (``(8, 128)``,
             sliced or tiled from ``example_inputs``) or full example inputs. Every one is
             profiled (and the midpoint of two given sizes); every shape in their range runs
             a plan whose predicted peak fits the budget at the range's ends, or ``fit``
@@ -122,8 +122,8 @@ def fit(
             training run] in ``memfit.runtime.monitor``). On CPU a monitored step runs under
             the profiler (+24% of a zoo GPT's step): N >= 25 keeps it within 1%. Default None.
         in_flight, kept_bytes: for a pipeline stage: the micro-batches whose activations it
-            holds at once (``memfit.pipeline.in_flight``) and the bytes its schedule keeps
-            besides (``memfit.pipeline.kept_by_sends``; default 0); ``example_inputs`` are one
+            holds at once (``memfit.parallel.pipeline.in_flight``) and the bytes its schedule keeps
+            besides (``memfit.parallel.pipeline.kept_by_sends``; default 0); ``example_inputs`` are one
             micro-batch's, ``budget`` caps the stage's peak over the schedule step (NOTE [pipeline
             stage memory model] in ``memfit.planning.stages``). Each rank plans its own stage.
         compress: also keep saved tensors outside the regions packed (NOTE [compress or
@@ -156,15 +156,15 @@ def fit(
         >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    from memfit.device_memory import resolve_job
-    from memfit.distributed import is_distributed, plan_once, warm_up_fsdp
+    from memfit.job.device_memory import resolve_job
+    from memfit.job.shape_plans import PlanForShape, resolve_on_new_shape
     from memfit.measuring.calibration import profile
+    from memfit.parallel.distributed import is_distributed, plan_once, warm_up_fsdp
     from memfit.planning.planner import plan as make_plan
     from memfit.planning.planner import refuse_over_budget
     from memfit.planning.stages import plan_stage
     from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
-    from memfit.shape_plans import PlanForShape, resolve_on_new_shape
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
@@ -188,7 +188,7 @@ def fit(
         with cache_off_for_training(model):
             mode = "fake" if _on_meta(model) else "measure"
             if mode == "measure":
-                warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.distributed
+                warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.parallel.distributed
             prof = profile(the_step, mode=mode, target=target or "cpu")
             if tune:
                 from memfit.measuring.tuning import tune as measure_plans
@@ -224,7 +224,7 @@ def fit(
                 except InfeasibleBudget as e:
                     if job is None or is_distributed() or step is not None:
                         raise
-                    from memfit.capacity import batch_of, sliced_maker, with_largest_batch
+                    from memfit.job.capacity import batch_of, sliced_maker, with_largest_batch
 
                     raise with_largest_batch(
                         e, sliced_maker(model, example_inputs), batch_of(example_inputs),
@@ -246,7 +246,7 @@ def fit(
         raise
     replan = None
     if new_shape.value == "replan":
-        from memfit.shape_plans import Replanner
+        from memfit.job.shape_plans import Replanner
 
         replan = Replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
                            around=cache_off_for_training)
@@ -265,11 +265,11 @@ def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: 
                  first_plan: Plan, plan_profile: Callable[[Profile], Plan], *, mode: str,
                  target: str) -> tuple[Plan, dict[str, Any]]:
     """``fit(shapes=...)``: profile every shape (the fit's own calibration reused) and plan the
-    range (NOTE [shape ranges] in ``memfit.shape_plans``); the plan to apply first and the
+    range (NOTE [shape ranges] in ``memfit.job.shape_plans``); the plan to apply first and the
     guard's ``plans`` and ``ranges``."""
+    from memfit.job.shape_plans import inputs_of_shape, plan_range
     from memfit.measuring.calibration import profile
     from memfit.runtime.shapes import signature_of
-    from memfit.shape_plans import inputs_of_shape, plan_range
 
     if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
         raise TypeError(f"shapes must be a non-empty list of sizes or example inputs, got "
@@ -295,7 +295,7 @@ def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: 
 
 
 def _normalized(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from memfit.profiling.inputs import normalize_inputs
+    from memfit.step.inputs import normalize_inputs
 
     return normalize_inputs(inputs)
 
@@ -377,7 +377,7 @@ def _no_carried_state(model: nn.Module, kwargs: dict[str, Any]) -> None:
 
 def _as_it_is(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """``cache_off_for_training`` of a model that is not Hugging Face's (module-level: a fitted
-    model's re-planner holds it, NOTE [a fitted model pickles] in ``memfit.shape_plans``)."""
+    model's re-planner holds it, NOTE [a fitted model pickles] in ``memfit.job.shape_plans``)."""
     return contextlib.nullcontext()
 
 
@@ -394,14 +394,14 @@ def plan(profile: Profile, job: Job | None = None, *, budget: int | float | str 
 
     ``options`` go to the planner (``time_limit_s``, ``offload``, ``host_budget``,
     ``target``); the old job keywords are deprecated (NOTE [the old job keywords] in
-    ``memfit.device_memory``). ``memfit.plan(profile, memfit.Job(device="80GiB",
+    ``memfit.job.device_memory``). ``memfit.plan(profile, memfit.Job(device="80GiB",
     optimizer="adamw"))``.
 
     Raises:
         InfeasibleBudget: nothing fits; with a job, its ``memory`` is the breakdown with the
             smallest plan and ``fits_with`` what would fit.
     """
-    from memfit.device_memory import OLD_KEYWORDS, resolve_job, with_state_dtype_hint
+    from memfit.job.device_memory import OLD_KEYWORDS, resolve_job, with_state_dtype_hint
     from memfit.planning.planner import plan as make_plan
 
     old = {k: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
@@ -422,7 +422,7 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
 
     In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
     rank must call it, and all raise ``PlansDiffer`` unless every rank holds the same plan
-    (NOTE [one plan per job] in ``memfit.distributed``).
+    (NOTE [one plan per job] in ``memfit.parallel.distributed``).
 
     Args:
         model, plan, check, host_budget, on_new_shape, replan, plans, ranges: as
@@ -441,7 +441,7 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
     Example:
         >>> memfit.apply(model, memfit.Plan.load("plan.json"))   # doctest: +SKIP
     """
-    from memfit.distributed import rank_agreement
+    from memfit.parallel.distributed import rank_agreement
     from memfit.runtime.apply import apply as apply_plan
 
     agree = rank_agreement() if check_ranks else None

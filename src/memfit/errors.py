@@ -87,7 +87,7 @@ class PlanMismatch(MemfitError):
 class PlansDiffer(PlanMismatch):
     """The ranks of a distributed job hold different plans (or some could not apply theirs).
 
-    Raised on every rank by ``apply`` (NOTE [one plan per job] in ``memfit.distributed``).
+    Raised on every rank by ``apply`` (NOTE [one plan per job] in ``memfit.parallel.distributed``).
 
     Attributes:
         ranks: for each distinct plan digest, the ranks holding it (``{"ab12...": (0, 2)}``);

@@ -10,7 +10,7 @@ from rank_common import batch, full_weights, gather, llama, same_weights, setup,
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
-from memfit.distributed import plan_digest
+from memfit.parallel.distributed import plan_digest
 
 order = sys.argv[1]
 rank = setup()

@@ -6,7 +6,7 @@ Run by ``torch.distributed.run`` (never collected by pytest: no ``test_`` prefix
     pipeline_ranks.py SCHEDULE N_MICROBATCHES [--layers L --d-model C --seq T --mb B]
 
 Each rank: counts the micro-batches its stage holds (hooks on the stage module, during a plain
-step) beside ``memfit.pipeline.in_flight``; profiles one micro-batch of its stage; gives every
+step) beside ``memfit.parallel.pipeline.in_flight``; profiles one micro-batch of its stage; gives every
 stage the same device memory ``M`` (static bytes + activation budget); plans its stage for its
 own in-flight count (per-stage) and for the largest count of any stage (uniform: one recipe
 for every stage, sized for the worst); measures each plan's peak over a schedule step
@@ -40,7 +40,7 @@ from torch.distributed.pipelining import (
 )
 
 import memfit
-from memfit.pipeline import (
+from memfit.parallel.pipeline import (
     format_stages,
     gather_stages,
     in_flight,

@@ -1,4 +1,4 @@
-"""One plan per job (NOTE [one plan per job] in ``memfit.distributed``), on 2 gloo ranks.
+"""One plan per job (NOTE [one plan per job] in ``memfit.parallel.distributed``), on 2 gloo ranks.
 
 Each test starts ``python -m torch.distributed.run --nproc_per_node 2 --standalone`` on a
 per-rank script of this folder (``--standalone``: a free port per launch, so pytest-xdist may

@@ -22,7 +22,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 pytest.importorskip("torch.distributed.pipelining")
 import torch  # noqa: E402
 
-from memfit.torch_range import torch_release  # noqa: E402
+from memfit.torch_support.releases import torch_release  # noqa: E402
 
 if torch_release(torch.__version__) < (2, 11):  # the "pipeline schedules" row of memfit.capabilities()
     pytest.skip("torch 2.9's own pipelining schedules fail over gloo before memfit runs (a send "
@@ -64,7 +64,7 @@ def test_four_stages_each_planned_for_what_it_holds(schedule: str, n: int, tmp_p
     # 4 processes, one block a stage: under 1F1B stage i holds 4 - i, and the end stages'
     # sends keep one boundary tensor (2 x 128 x 64 fp32 = 64 KiB), the middle ones two; with 5
     # micro-batches stage 0 runs one steady-state forward and keeps no output
-    # (memfit.pipeline.kept_by_sends); under GPipe every stage holds all n
+    # (memfit.parallel.pipeline.kept_by_sends); under GPipe every stage holds all n
     results = launch(schedule, tmp_path, ranks=4, n_microbatches=n)
     if schedule == "gpipe":
         check_stages(results, schedule, [n] * 4, kept=[0, 0, 0, 0])

@@ -31,11 +31,11 @@ from memfit.measuring.verification import verify
 from memfit.ops import KEPT_DRAW_OPS
 from memfit.planning.planner import plan as make_plan
 from memfit.planning.simulate import simulate
-from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply, unapply
-from memfit.step import Step
+from memfit.step.harness import Step
+from memfit.step.inputs import normalize_inputs
 
 # The checkpoint machinery keeps a few small tensors of its own (RNG state, bookkeeping)
 # and the profile sees a few the planned step does not; measured differences were 0-512 B

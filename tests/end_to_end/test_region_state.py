@@ -13,7 +13,7 @@ from memfit import verify, zoo
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile, region_state_bytes
-from memfit.step import Step
+from memfit.step.harness import Step
 
 # The measured peak of a small GPT's every-block step was 248 B under the prediction with
 # the states counted (4,808 B over without): allocator bookkeeping, not a tensor.
@@ -81,7 +81,7 @@ def test_a_replay_holds_the_forked_generator_state() -> None:
 
     from memfit.profiling.measure import allocator_peak
     from memfit.runtime.apply import apply, unapply
-    from memfit.step import ModelState
+    from memfit.step.harness import ModelState
 
     case = build_case("unet3d")
     step = Step.of(case.model, case.inputs, loss_fn=case.loss_fn)
@@ -111,7 +111,7 @@ def test_a_frame_lives_until_the_last_autograd_node_holding_its_saved_tensors() 
     from memfit.planning.plan import Region
     from memfit.profiling.measure import allocator_peak
     from memfit.runtime.apply import apply, unapply
-    from memfit.step import ModelState
+    from memfit.step.harness import ModelState
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512),

@@ -10,7 +10,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.step import Step
+from memfit.step.harness import Step
 
 
 def _gpt():

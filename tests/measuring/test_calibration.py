@@ -19,7 +19,7 @@ from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate, time_terms
 from memfit.profiling.tracer import profile as trace_profile
 from memfit.runtime.marks import applied_plan
-from memfit.timemodel import (
+from memfit.timemodel.calibration import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
     Calibration,

@@ -14,7 +14,7 @@ from memfit.measuring.dispatch_cost import (
     _checked,
     measure_dispatch_charges,
 )
-from memfit.timemodel import (
+from memfit.timemodel.calibration import (
     DEFAULT_KEEP_S_PER_ELEMENT,
     DEFAULT_OP_S,
     DEFAULT_REGION_S,

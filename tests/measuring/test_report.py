@@ -196,7 +196,7 @@ def test_sweep_keeps_the_spread_of_its_repeats():
 def test_sweep_of_a_step_measures_that_step_and_leaves_the_model_as_found():
     # a Step carries its autocast state: swept outside autocast, the bf16 step still runs in
     # bf16 (a smaller plain peak than the float32 step of the same inputs)
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     x = zoo.example_inputs(model, batch=2)

@@ -12,11 +12,11 @@ import torch
 
 from memfit import InfeasibleBudget, zoo
 from memfit.planning.planner import plan as make_plan
-from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply, unapply
-from memfit.step import Step
+from memfit.step.harness import Step
+from memfit.step.inputs import normalize_inputs
 
 # The tolerance: the meter sees allocator-level effects the profile does not (measured
 # here: within 0.6% on these models).

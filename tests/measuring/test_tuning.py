@@ -26,7 +26,7 @@ from memfit.measuring.tuning import (
 from memfit.planning.plan import Plan, Region, TunedCandidate, Tuning
 from memfit.planning.planner import plan as make_plan
 from memfit.profiling.tracer import profile
-from memfit.step import Step
+from memfit.step.harness import Step
 
 WIDTH = 16
 

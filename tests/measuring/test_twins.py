@@ -10,7 +10,7 @@ from memfit import zoo
 from memfit.measuring.twins import plain_copy, record_step, twin_step
 from memfit.planning.plan import Plan, Region
 from memfit.runtime.apply import apply
-from memfit.step import Step
+from memfit.step.harness import Step
 
 
 def _plan(*paths: str) -> Plan:

@@ -14,7 +14,7 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.tracer import profile
 from memfit.runtime.apply import apply
-from memfit.step import Step
+from memfit.step.harness import Step
 from memfit.units import format_bytes
 
 
@@ -233,7 +233,7 @@ def test_verify_runs_a_step_made_in_autocast_under_it():
     (lambda m, x: dict(step=Step.of(m, call=lambda: m(x).sum())), TypeError, "cannot run on a copy"),
     (lambda m, x: dict(step=Step.of(_small_gpt(), x)), ValueError, "a step of another model"),
     (lambda m, x: dict(example_inputs=x, step=Step.of(m, x)), TypeError, "pass no example_inputs"),
-    (lambda m, x: dict(step=(m, x)), TypeError, "step must be a memfit.step.Step, got tuple"),
+    (lambda m, x: dict(step=(m, x)), TypeError, "step must be a memfit.step.harness.Step, got tuple"),
 ], ids=["callable", "other-model", "inputs-too", "not-a-step"])
 def test_verify_refuses_a_step_it_cannot_run(planned_gpt, make, error, match):
     model, x, _ = planned_gpt

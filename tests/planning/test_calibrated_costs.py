@@ -12,7 +12,7 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate, time_terms
 from memfit.profiling.profile import Profile
-from memfit.timemodel import Calibration, CalibrationSource
+from memfit.timemodel.calibration import Calibration, CalibrationSource
 
 SOLVERS = ("auto", "chain", "milp", "greedy", "brute")
 

@@ -19,8 +19,8 @@ from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, chain, chain_offload
 from memfit.planning.solvers.chain_offload import d2h_excess, link_windows
-from memfit.profiling.costmodel import PRESETS
-from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.timemodel.calibration import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.timemodel.devices import PRESETS
 
 
 def _link(rate: float):

@@ -20,7 +20,7 @@ from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
-from memfit.timemodel import (
+from memfit.timemodel.calibration import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
     DEFAULT_SELECTIVE_OP_S,

@@ -24,8 +24,8 @@ from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, milp
-from memfit.profiling.costmodel import PRESETS, DevicePreset
-from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.timemodel.calibration import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
+from memfit.timemodel.devices import PRESETS, DevicePreset
 
 MM, GELU = "aten.mm.default#0", "aten.gelu.default#0"
 MIN_PEAK = 520  # the toy's smallest peak (hand-checked: layers.0 recompute-all)

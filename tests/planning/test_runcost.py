@@ -13,8 +13,8 @@ from memfit.planning.plan import Plan, Region
 from memfit.planning.planner import plan
 from memfit.planning.runcost import RunCost
 from memfit.planning.simulate import simulate
-from memfit.profiling.costmodel import PRESETS
 from memfit.profiling.tracer import profile
+from memfit.timemodel.devices import PRESETS
 
 CFG = {"n_layer": 3, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}
 

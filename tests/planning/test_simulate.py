@@ -18,7 +18,12 @@ from profile_builders import (
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import is_kept_draw, is_saveable, op_keys
 from memfit.planning.simulate import simulate
-from memfit.timemodel import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S, Calibration
+from memfit.timemodel.calibration import (
+    DEFAULT_OP_S,
+    DEFAULT_REGION_S,
+    DEFAULT_SELECTIVE_OP_S,
+    Calibration,
+)
 
 
 def _plan(*regions: Region) -> Plan:

@@ -23,9 +23,10 @@ import pytest
 import torch
 from profiling_models import TinyGPT, gpt_inputs
 
-from memfit.profiling.costmodel import PRESETS, calibrate_cpu, op_time_s, preset
+from memfit.profiling.cpu_rates import calibrate_cpu
 from memfit.profiling.profile import StorageKind
 from memfit.profiling.tracer import profile
+from memfit.timemodel.devices import PRESETS, op_time_s, preset
 
 
 def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:

@@ -10,7 +10,7 @@ from profiling_models import TinyGPT, gpt_inputs, mlp
 from memfit.errors import ProfileMismatch, SchemaError
 from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import check_profile_matches, profile
-from memfit.timemodel import Calibration, CalibrationSource, TimedPlan, TimeTerms
+from memfit.timemodel.calibration import Calibration, CalibrationSource, TimedPlan, TimeTerms
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.profiling.inputs import normalize_inputs
 from memfit.profiling.measure import measure
 from memfit.profiling.profile import Profile, StorageKind
 from memfit.profiling.tracer import profile
 from memfit.profiling.tracker import live_timeline
-from memfit.step import Step
+from memfit.step.harness import Step
+from memfit.step.inputs import normalize_inputs
 
 
 def _conv_net() -> nn.Module:

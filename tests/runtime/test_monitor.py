@@ -18,7 +18,7 @@ import memfit
 from memfit import zoo
 from memfit.profiling.measure import measure
 from memfit.runtime.monitor import Monitor, MonitorRecord, install_monitor, remove_monitor
-from memfit.step import Step
+from memfit.step.harness import Step
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from memfit.runtime.region_policy import RegionPolicy
 # Offload runs on the CPU here, which it cannot help (NOTE [offload on a CPU model]); the
 # warning that says so has a test of its own.
 # Offload needs torch 2.13's indexed selective-checkpoint cache: on an older torch each test
-# must raise UnsupportedTorch (NOTE [features by torch release] in memfit.features).
+# must raise UnsupportedTorch (NOTE [features by torch release] in memfit.torch_support.capabilities).
 pytestmark = [pytest.mark.filterwarnings("ignore:.*offloading frees nothing:UserWarning"),
               pytest.mark.torch_feature("offload")]
 

@@ -16,8 +16,8 @@ from typing import Any
 from memfit.cli.exits import EXIT_OK, EXIT_VERIFY_FAILED, error_object
 from memfit.cli.models import UsageError
 from memfit.cli.output import emit, say
-from memfit.models import load_model
 from memfit.units import format_bytes, format_seconds
+from memfit.zoo.specs import load_model
 
 __all__ = ["add_parser", "run", "DEMO_MODELS"]
 
@@ -58,7 +58,7 @@ def _tune(args: argparse.Namespace, lm: Any) -> Any:
     from memfit.errors import InfeasibleBudget
     from memfit.measuring.tuning import tune
     from memfit.profiling.tracer import profile
-    from memfit.step import Step
+    from memfit.step.harness import Step
 
     say(args, f"\n2/4 tune: time the solver's best plans for {DEMO_TUNE_BUDGET:.0%} and the baselines "
               "that fit on the model, interleaved, and keep the fastest")

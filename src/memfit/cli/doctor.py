@@ -20,7 +20,7 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.features import capabilities
+    from memfit.torch_support.capabilities import capabilities
 
     caps = capabilities()
     emit(args, str(caps), {"kind": "memfit.Capabilities", **caps.to_dict()})

@@ -15,7 +15,7 @@ from memfit.cli.output import emit
 from memfit.errors import InfeasibleBudget
 
 if TYPE_CHECKING:
-    from memfit.device_memory import Job
+    from memfit.job.device_memory import Job
 
 __all__ = ["add_job_arguments", "job_of", "plan_for_job", "run_max_batch"]
 
@@ -51,7 +51,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 def job_of(args: argparse.Namespace) -> Job | None:
     """The ``memfit.Job`` the command line describes (None without ``--device-memory``)."""
-    from memfit.device_memory import Job
+    from memfit.job.device_memory import Job
 
     if args.device_memory is None:
         given = [f"--{k.replace('_', '-')}" for k in ("optimizer", "optimizer_state_dtype",
@@ -84,7 +84,7 @@ def plan_for_job(args: argparse.Namespace, prof: Any, lm: Any) -> Any:
 
 
 def run_max_batch(args: argparse.Namespace) -> int:
-    from memfit.capacity import largest_batch
+    from memfit.job.capacity import largest_batch
 
     if args.budget is not None:
         raise UsageError("--max-batch searches for --device-memory; drop --budget")
@@ -104,7 +104,7 @@ def run_max_batch(args: argparse.Namespace) -> int:
 
 def _maker(args: argparse.Namespace) -> Any:
     """``n -> (model, inputs)`` of MODEL at batch ``n`` (one model, built once)."""
-    from memfit.models import load_model
+    from memfit.zoo.specs import load_model
 
     first = load_from_args(args)
 
@@ -123,7 +123,7 @@ def _maker(args: argparse.Namespace) -> Any:
 def _with_largest_batch(e: InfeasibleBudget, args: argparse.Namespace, lm: Any) -> InfeasibleBudget:
     """``e`` with the largest batch that fits with the smallest plan, when there is one below
     the batch asked for (computed by ``largest_batch``)."""
-    from memfit.capacity import batch_of, with_largest_batch
+    from memfit.job.capacity import batch_of, with_largest_batch
 
     try:
         make = _maker(args)

@@ -1,7 +1,7 @@
-"""MODEL on the command line: the argparse glue around ``memfit.models.load_model``.
+"""MODEL on the command line: the argparse glue around ``memfit.zoo.specs.load_model``.
 
 What a MODEL spec means (zoo names, ``module:factory``, Hugging Face configs) is
-``memfit.models``'s; this module adds the shared arguments and their parsers.
+``memfit.zoo.specs``'s; this module adds the shared arguments and their parsers.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memfit.models import (
+from memfit.zoo.specs import (
     LoadedModel,
     ModelSpecError,
     load_model,

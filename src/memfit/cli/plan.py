@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tune:
         from memfit.measuring.tuning import tune
-        from memfit.step import Step
+        from memfit.step.harness import Step
 
         step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
         p = tune(step, prof, args.budget, solver=args.solver, time_limit_s=args.tune_limit,

@@ -7,9 +7,9 @@ from typing import Any
 
 from memfit.cli.models import add_model_arguments, load_from_args, positive_int
 from memfit.cli.output import emit
-from memfit.models import LoadedModel
 from memfit.profiling.summary import summarize
 from memfit.units import format_bytes, format_seconds
+from memfit.zoo.specs import LoadedModel
 
 __all__ = ["add_parser", "run", "profile_model"]
 

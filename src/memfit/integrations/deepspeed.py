@@ -152,7 +152,7 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
 
 def _with_job(args: dict[str, Any]) -> dict[str, Any]:
     """``args`` with the job's keywords gathered into one ``memfit.Job`` as ``job``."""
-    from memfit.device_memory import OLD_KEYWORDS, Job
+    from memfit.job.device_memory import OLD_KEYWORDS, Job
 
     job = {OLD_KEYWORDS[k]: args.pop(k) for k in list(args) if k in OLD_KEYWORDS}
     if not job:

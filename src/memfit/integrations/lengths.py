@@ -7,7 +7,7 @@ NOTE [planning for dynamic padding]
     every step; a plan made for one length holds its budget for that length only (NOTE
     [inputs other than the profiled ones] in ``memfit.runtime.shapes``). So the step is
     planned for a range of lengths up front, with ``fit(shapes=...)`` (NOTE [shape ranges]
-    in ``memfit.shape_plans``):
+    in ``memfit.job.shape_plans``):
 
     1. the lengths are ``shapes`` (sequence lengths), and ``max_length``; with ``max_length``
        alone, ``1`` and ``max_length``. With two lengths their midpoint is profiled too

@@ -49,15 +49,15 @@ from typing import Any
 import torch
 
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import LossFn
 from memfit.profiling.measure import time_step
 from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import ProfileMode
 from memfit.profiling.tracer import profile as trace_profile
 from memfit.runtime.divergence import DivergenceCheck
 from memfit.runtime.marks import carries_plan, plans_suspended
-from memfit.step import ModelState, Step, model_device
-from memfit.timemodel import SEPARATE_SPREAD, Calibration, TimedPlan, fit_calibration
+from memfit.step.harness import ModelState, Step, model_device
+from memfit.step.inputs import LossFn
+from memfit.timemodel.calibration import SEPARATE_SPREAD, Calibration, TimedPlan, fit_calibration
 
 __all__ = ["profile", "calibrate", "STEADY_CHECK", "MIN_BLOCKS"]
 
@@ -196,7 +196,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
 
 def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
     """Step times of each plan (and of the plain step after the first round), interleaved."""
-    from memfit.distributed import rank_agreement
+    from memfit.parallel.distributed import rank_agreement
     from memfit.runtime.apply import apply, unapply
 
     model = step.model

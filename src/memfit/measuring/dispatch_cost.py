@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfit.timemodel import (
+from memfit.timemodel.calibration import (
     DEFAULT_KEEP_S_PER_ELEMENT,
     DEFAULT_OP_S,
     DEFAULT_REGION_S,

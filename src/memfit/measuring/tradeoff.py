@@ -9,7 +9,7 @@ NOTE [sweep leaves the model alone]
     that barely fits should not be doubled; peaks are metered on twins, NOTE [first step on a
     fresh copy]). Any plan the model carried is lifted first and re-applied at the end
     (``memfit.measuring.twins.lifted_plan``); gradients, buffers and the RNG state are put back
-    (``memfit.step.ModelState``).
+    (``memfit.step.harness.ModelState``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
 from memfit.runtime.divergence import CheckArg
-from memfit.step import ModelState, Step, model_device
+from memfit.step.harness import ModelState, Step, model_device
 from memfit.units import format_bytes
 
 __all__ = ["sweep", "budget_label", "progress_bar", "time_plan_step", "DEFAULT_BUDGETS", "DEFAULT_BASELINES"]
@@ -169,7 +169,7 @@ def sweep(
         solver: memfit's solver for the budget rows (default ``"auto"``).
         name: the model's name in tables and plots (default its class name).
         step: the step to measure instead of ``example_inputs`` and ``loss_fn``: a
-            ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included);
+            ``memfit.step.harness.Step`` of ``model`` made with inputs (its autocast state included);
             a step given as a callable cannot run on the twins peaks are metered on and
             raises ``TypeError``.
 

@@ -54,7 +54,7 @@ from memfit.measuring.twins import lifted_plan, repeatable
 from memfit.planning.plan import Plan, TunedCandidate, Tuning
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
-from memfit.step import ModelState, Step, model_device
+from memfit.step.harness import ModelState, Step, model_device
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["tune", "candidates", "time_candidates", "Candidate", "plan_key", "DEFAULT_LIMIT_STEPS",
@@ -271,7 +271,7 @@ def tune(step: Step, profile: Profile, budget: int | float | str, *, solver: Sol
     """The fastest measured of the plans that fit ``budget`` (NOTE [measured selection]).
 
     Args:
-        step: the step ``profile`` describes (``memfit.step.Step``), run on its model.
+        step: the step ``profile`` describes (``memfit.step.harness.Step``), run on its model.
         profile: the profile of ``step``.
         budget: bytes, a fraction of the plain peak, a string (``"60%"``, ``"6GiB"``) or
             ``"min"``.
@@ -292,7 +292,7 @@ def tune(step: Step, profile: Profile, budget: int | float | str, *, solver: Sol
         InfeasibleBudget: no plan fits the budget.
 
     Example:
-        >>> step = memfit.step.Step.of(model, x)                   # doctest: +SKIP
+        >>> step = memfit.step.harness.Step.of(model, x)                   # doctest: +SKIP
         >>> p = tune(step, memfit.profile(step), "60%"); print(p)  # doctest: +SKIP
     """
     cands, notes = candidates(profile, budget, solver=solver, baselines=baselines, max_plans=max_plans,

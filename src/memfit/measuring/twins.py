@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import iter_tensors
-from memfit.step import ModelState, Step, model_device
+from memfit.step.harness import ModelState, Step, model_device
+from memfit.step.inputs import iter_tensors
 
 __all__ = ["StepResult", "UncopyableModel", "no_twin_reason", "lifted_plan", "plain_copy", "step_of", "twin_step", "repeatable", "make_step",
            "measure_step", "record_step"]
@@ -127,7 +127,7 @@ def step_of(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torc
     if step is None:
         return Step.of(model, example_inputs, loss_fn=loss_fn)
     if not isinstance(step, Step):
-        raise TypeError(f"step must be a memfit.step.Step, got {type(step).__name__}")
+        raise TypeError(f"step must be a memfit.step.harness.Step, got {type(step).__name__}")
     step.for_model(model)  # a step given as a callable raises here: it cannot run on a twin
     if example_inputs is not None or loss_fn is not None:
         raise TypeError("a Step carries its inputs and loss: pass no example_inputs or loss_fn with step=")

@@ -67,7 +67,7 @@ from memfit.measuring.twins import (
     make_step as make_step,  # where tests and benchmarks have imported it from
 )
 from memfit.planning.plan import Plan
-from memfit.step import ModelState, Step, model_device
+from memfit.step.harness import ModelState, Step, model_device
 from memfit.units import format_bytes
 
 __all__ = ["Check", "Comparison", "VerifyReport", "verify", "check_plan_matches", "print_verify", "peak_tolerance", "rng_state_bytes",
@@ -181,7 +181,7 @@ def peak_tolerance(reference: int, n_regions: int, rtol: float = PEAK_RTOL,
 
 def _collective_job() -> bool:
     """Whether this process is a rank of an initialised ``torch.distributed`` job."""
-    from memfit.distributed import is_distributed
+    from memfit.parallel.distributed import is_distributed
 
     return is_distributed()
 
@@ -254,7 +254,7 @@ def verify(
         peak_atol_bytes: allowed absolute excess and error, bytes, when larger than
             ``peak_rtol``'s; default ``PEAK_ATOL_BYTES`` plus one CPU RNG state per region.
         step: the step to run instead of ``example_inputs`` and ``loss_fn``: a
-            ``memfit.step.Step`` of ``model`` made with inputs (its autocast state included);
+            ``memfit.step.harness.Step`` of ``model`` made with inputs (its autocast state included);
             a step given as a callable cannot run on the twins and raises ``TypeError``.
         comparison: ``"bitwise"`` or ``"within plain spread"`` (a ``Comparison``) to force
             one; default ``comparison_for(device)``: bitwise on CPU or with
@@ -442,7 +442,7 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
     each; the model keeps the plan it carried. In
     a distributed job a collective: the steps run the model's collectives, and ``apply``
     checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""
-    from memfit.distributed import rank_agreement
+    from memfit.parallel.distributed import rank_agreement
     from memfit.runtime.apply import apply
 
     state = ModelState(step.model, step.inputs)

@@ -10,7 +10,7 @@ from memfit.planning.cast_cache import CacheTails
 from memfit.planning.hosttime import host_overhead
 from memfit.planning.rules import buffer_writes, draw_bytes, is_kept_draw, is_matmul, is_saveable
 from memfit.profiling.profile import Profile, StorageKind
-from memfit.timemodel import Calibration
+from memfit.timemodel.calibration import Calibration
 
 __all__ = ["ProfileArrays", "dense", "NEVER"]
 

@@ -11,7 +11,7 @@ from memfit.planning.offload import OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan
 from memfit.planning.simulate import Simulation, simulate
 from memfit.profiling.profile import Profile
-from memfit.timemodel import Calibration, CalibrationSource
+from memfit.timemodel.calibration import Calibration, CalibrationSource
 
 __all__ = ["device_only", "plan_hides", "rule_4_applies", "simulate_plan"]
 

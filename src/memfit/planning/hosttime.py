@@ -61,9 +61,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memfit.profiling.costmodel import profile_preset
 from memfit.profiling.profile import Profile
-from memfit.timemodel import Calibration, CalibrationSource
+from memfit.timemodel.calibration import Calibration, CalibrationSource
+from memfit.timemodel.devices import profile_preset
 
 __all__ = ["HOST_OP_S", "OFFLOAD_TENSOR_S", "HostOverhead", "host_overhead", "max_disjoint"]
 

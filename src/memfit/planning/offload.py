@@ -19,7 +19,7 @@ NOTE [offload memory model]
 
 NOTE [offload time model]
     Copy seconds = bytes / the host link's rate, each way (``DevicePreset.host_link_bytes_per_s``,
-    NOTE [host link] in ``memfit.profiling.costmodel``). One link per direction, copies served
+    NOTE [host link] in ``memfit.timemodel.devices``). One link per direction, copies served
     one after another in op order:
     - D2H copies start when their op ends and should finish by the end of the forward; the
       time that does not hide is ``max(0, max_p (Σ_{c_j >= p} copy_j - Wf(p)))``, ``Wf(p)`` the
@@ -42,8 +42,8 @@ import numpy as np
 
 from memfit.planning.effects import Effect, ProfileArrays, RegionModel
 from memfit.planning.hosttime import OFFLOAD_TENSOR_S
-from memfit.profiling.costmodel import DevicePreset, preset, profile_preset
 from memfit.profiling.profile import Profile
+from memfit.timemodel.devices import DevicePreset, preset, profile_preset
 
 __all__ = ["OFFLOAD_TENSOR_S", "OffloadSpec", "Copy", "offload_effect", "offload_copies",
            "offload_replay_pieces", "link_exposed_s", "offload_time_s", "link_of"]

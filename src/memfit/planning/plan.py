@@ -162,7 +162,7 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     host_peak_bytes: int = 0  # peak host memory of offloaded outputs (0: nothing offloaded)
     # the inputs the profile was made on: (name, shape, dtype) per tensor and the parameters'
-    # dtype (NOTE [input signature] in memfit.profiling.inputs); the planned model warns once
+    # dtype (NOTE [input signature] in memfit.step.inputs); the planned model warns once
     # when called on others (memfit.runtime.shapes); () in plans made before the field
     input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # what measured selection timed (``memfit.tune``); a measurement, not part of the plan

@@ -24,8 +24,8 @@ from memfit.planning.rules import writes_buffers
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
 from memfit.planning.solvers.offload_route import offload_solver
-from memfit.profiling.costmodel import DevicePreset
 from memfit.profiling.profile import Profile
+from memfit.timemodel.devices import DevicePreset
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
 __all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]

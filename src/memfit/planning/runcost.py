@@ -16,7 +16,7 @@ NOTE [run cost]
        profile for it; a profile measured on a GPU no preset names (``"cuda:0"``) is taken as
        the ``target`` the caller names, and the figure says so.
     3. Energy is ``device-hours * board_power_w / 1000`` kWh: every extra second is charged at
-       the board's datasheet power (NOTE [board power] in ``memfit.profiling.costmodel``), an
+       the board's datasheet power (NOTE [board power] in ``memfit.timemodel.devices``), an
        assumption the figure states and ``board_power_w`` overrides. The CPU preset has no
        board power: a CPU run needs ``board_power_w``.
     4. Extra FLOPs are per step per device (``Plan.extra_flops``, NOTE [plan schema]); over
@@ -121,7 +121,7 @@ class RunCost:
 def run_cost(plan: Plan, steps: int, gpus: int = 1, *, target: str | None = None,
              board_power_w: float | None = None, price_per_gpu_hour: float | None = None) -> RunCost:
     """``Plan.cost``: see there (NOTE [run cost])."""
-    from memfit.profiling.costmodel import PRESETS, profile_preset
+    from memfit.timemodel.devices import PRESETS, profile_preset
 
     _positive_int("steps", steps, "the run's training steps, e.g. steps=100_000")
     _positive_int("gpus", gpus, "the devices running the step, e.g. gpus=8")

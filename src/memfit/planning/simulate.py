@@ -29,7 +29,7 @@ from memfit.planning.offload import (
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.rules import keys_to_ops
 from memfit.profiling.profile import Profile
-from memfit.timemodel import TimeTerms
+from memfit.timemodel.calibration import TimeTerms
 
 __all__ = ["Simulation", "simulate", "time_terms"]
 

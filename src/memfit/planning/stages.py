@@ -4,7 +4,7 @@ NOTE [pipeline stage memory model]
     A stage of a pipeline schedule runs the forward of several micro-batches before the
     backward of the first of them (GPipe: all of them; 1F1B: stage i of p holds up to p - i),
     so at its peak it holds ``k`` micro-batches' activations at once (``k`` = ``in_flight``,
-    ``memfit.pipeline.in_flight``). From one profile of one micro-batch's step (forward of the
+    ``memfit.parallel.pipeline.in_flight``). From one profile of one micro-batch's step (forward of the
     stage module, loss or a sum of its output, backward) and a plan, memfit predicts the
     stage's peak over the whole schedule step as
 
@@ -22,7 +22,7 @@ NOTE [pipeline stage memory model]
          kept by the Python reference to its finished send (``send_work``, ``bwd_sends`` in
          ``_step_microbatches``) while the next backward runs; ``ScheduleGPipe`` keeps its
          sends until the step ends too, but only outputs of micro-batches it holds anyway at
-         its peak (the first backward): 0 there (``memfit.pipeline.kept_by_sends``);
+         its peak (the first backward): 0 there (``memfit.parallel.pipeline.kept_by_sends``);
       4. weights, gradients and the stage's buffers (the receive buffers torch's
          ``PipelineStage`` allocates per micro-batch on its first step) are static: counted
          once, before the step, outside the budget, like every memfit budget. Gradients are
@@ -123,12 +123,12 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
             bytes, a float fraction (or ``"60%"``) of the un-checkpointed stage peak
             (``(in_flight - 1) * held + peak`` of the plain step), or a size (``"2GiB"``).
         in_flight: micro-batches whose activations the stage holds at once, >= 1
-            (``memfit.pipeline.in_flight``).
+            (``memfit.parallel.pipeline.in_flight``).
         solver, time_limit_s: as ``memfit.planning.planner.plan``.
         candidates: the plans to choose from (default :func:`stage_candidates`), to plan
             one profile for several counts or budgets without solving again.
         extra_bytes: bytes the schedule keeps besides the held micro-batches (default 0;
-            ``memfit.pipeline.kept_by_sends``), inside the budget.
+            ``memfit.parallel.pipeline.kept_by_sends``), inside the budget.
 
     Returns:
         The plan; its ``budget_bytes`` and ``predicted_peak_bytes`` are per micro-batch, and

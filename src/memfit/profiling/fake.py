@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from memfit._torch import FakeTensorMode
-from memfit.profiling.inputs import map_tensors
+from memfit.step.inputs import map_tensors
 
 __all__ = ["meta_like", "meta_state", "meta_inputs", "new_fake_mode", "fake_device"]
 

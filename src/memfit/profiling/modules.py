@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from memfit.profiling.inputs import (
+from memfit.profiling.profile import ModuleRecord
+from memfit.profiling.tracker import StorageTracker
+from memfit.step.inputs import (
     InputSignature,
     first_floating_parameter,
     input_signature,
     iter_tensors,
 )
-from memfit.profiling.profile import ModuleRecord
-from memfit.profiling.tracker import StorageTracker
 
 __all__ = ["ModuleRecorder", "param_owners"]
 
@@ -77,7 +77,7 @@ class ModuleRecorder:
         self._handles: list[RemovableHandle] = []
         self._mods: dict[str, _Mod] = {}
         self._model = model
-        self.root_signature: InputSignature = ()  # NOTE [input signature] in memfit.profiling.inputs
+        self.root_signature: InputSignature = ()  # NOTE [input signature] in memfit.step.inputs
         for path, mod in model.named_modules():
             pbytes = 0
             seen: set[int] = set()

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import SchemaError
-from memfit.timemodel import Calibration
+from memfit.timemodel.calibration import Calibration
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
@@ -243,7 +243,7 @@ class Profile:
     calibration: Calibration | None = None
     region_state_bytes: int = 0  # NOTE [region state bytes]
     # the root module's first call: (name, shape, dtype) of each tensor, the parameters' dtype
-    # (NOTE [input signature] in memfit.profiling.inputs); () in profiles written before it
+    # (NOTE [input signature] in memfit.step.inputs); () in profiles written before it
     input_signature: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     # the model's parameters and the bytes of its buffers (the weights the device holds
     # besides activations; NOTE [the job's memory]); () and 0 in profiles written before them

@@ -3,7 +3,7 @@
 One traced run records every aten op (a ``StorageTracker`` dispatch mode), the module running
 it (``ModuleRecorder``), and what autograd saved for backward (saved-tensor hooks); further
 runs only time ops (``OpTimer``), and plain runs time the step. The model, its gradients,
-buffers and the RNG state are left as they were (``memfit.step.ModelState``).
+buffers and the RNG state are left as they were (``memfit.step.harness.ModelState``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from typing import Any
 import torch
 
 from memfit.errors import ProfileMismatch
-from memfit.profiling.costmodel import op_time_s, preset
 from memfit.profiling.hf_masks import hf_causal_mask_skip
-from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.model_state import buffer_bytes, describe_parameters
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.profile import (
@@ -34,8 +32,10 @@ from memfit.profiling.profile import (
     op_signature,
 )
 from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
-from memfit.step import ModelState, Step
-from memfit.timemodel import Calibration
+from memfit.step.harness import ModelState, Step
+from memfit.step.inputs import LossFn, call_user, default_loss, iter_tensors
+from memfit.timemodel.calibration import Calibration
+from memfit.timemodel.devices import op_time_s, preset
 
 __all__ = ["ProfileMode", "profile", "check_profile_matches", "forward_signature", "region_state_bytes"]
 
@@ -171,7 +171,7 @@ def profile(
 
     Args:
         model: the module, left unchanged (grads, buffers and RNG state restored); or a
-            ``memfit.step.Step`` (then no inputs or loss_fn).
+            ``memfit.step.harness.Step`` (then no inputs or loss_fn).
         example_inputs: a tensor, a tuple of positional args or a dict of keyword args.
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` if present, else the
             sum of ``t.sum()`` over the output tensors.

@@ -27,7 +27,7 @@ from memfit.runtime.marks import APPLIED_ATTR, applied_plan
 from memfit.runtime.segment import SegmentHandle, checkpoint_segment
 from memfit.runtime.shapes import InputGuard, OnNewShape, ShapeRange, Signature
 from memfit.runtime.wrap import unwrap, wrap
-from memfit.step import model_device
+from memfit.step.harness import model_device
 from memfit.units import parse_bytes
 
 __all__ = ["apply", "unapply", "host_pool", "input_guard", "compressor"]
@@ -174,7 +174,7 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
     """Apply ``plan`` to ``model`` in place (unapplying a plan applied before).
 
     The public ``memfit.apply`` (``memfit.api.apply``) is this function made a collective in
-    a distributed job (its ``agree``: NOTE [one plan per job] in ``memfit.distributed``); here
+    a distributed job (its ``agree``: NOTE [one plan per job] in ``memfit.parallel.distributed``); here
     nothing knows a process group.
 
     Args:
@@ -191,7 +191,7 @@ def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
             ``host_pool(model)`` returns the pool.
         agree: called once the plan is checked against the model and before anything
             changes, with this model's ``PlanMismatch`` (re-raised after it returns) or None;
-            it raises to refuse the plan (``memfit.distributed.rank_agreement``: every rank
+            it raises to refuse the plan (``memfit.parallel.distributed.rank_agreement``: every rank
             must hold the same plan). Default None: no one else to agree with.
         on_new_shape: what a call on inputs without a plan does (NOTE [inputs other than the
             profiled ones] in ``memfit.runtime.shapes``): ``"warn"`` (default: once per new

@@ -143,7 +143,7 @@ class Compressor:
             ValueError: a module path ``model`` does not have.
         """
         # hooks are objects, not closures: a fitted model pickles (NOTE [a fitted model
-        # pickles] in memfit.shape_plans)
+        # pickles] in memfit.job.shape_plans)
         handles = [model.register_forward_pre_hook(_Begin(self)),
                    model.register_forward_hook(_End(self), always_call=True)]
         for path, ops in self.by_module.items():

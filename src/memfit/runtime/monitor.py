@@ -39,7 +39,7 @@ NOTE [monitoring a training run]
        zoo models on CPU were within 0.01% of the prediction; CUDA kernels' workspaces are
        not modelled) away from the prediction, warns (``warnings.warn``) once per input
        signature and kind; the drift only on the plan's own input signature (a plan covering a
-       range of shapes, NOTE [shape ranges] in ``memfit.shape_plans``, predicts its largest
+       range of shapes, NOTE [shape ranges] in ``memfit.job.shape_plans``, predicts its largest
        shape's peak, a bound for the others).
     Cost: a monitored step on CPU runs under the profiler (slower; ``step_s`` includes it)
     and its events are read when it stops; other calls cost one counter increment. Measured
@@ -59,10 +59,10 @@ import torch
 from torch import nn
 
 from memfit._torch import profiler_active, profiler_marker
-from memfit.profiling.inputs import call_signature, first_floating_parameter
 from memfit.profiling.meters import AllocatorMeter, defer_end
 from memfit.runtime.marks import suspended
 from memfit.runtime.shapes import describe
+from memfit.step.inputs import call_signature, first_floating_parameter
 
 __all__ = ["MonitorRecord", "MonitorRecords", "Monitor", "install_monitor", "remove_monitor",
            "log_values", "DRIFT_TOLERANCE"]
@@ -159,7 +159,7 @@ class Monitor:
     def __getstate__(self) -> dict[str, Any]:
         """A copy (pickle, deepcopy) of a model mid-step starts with no meter open: the open
         one is ended and recorded first, as reading the records does (NOTE [a fitted model
-        pickles] in ``memfit.shape_plans``)."""
+        pickles] in ``memfit.job.shape_plans``)."""
         self.flush()
         return dict(self.__dict__)
 

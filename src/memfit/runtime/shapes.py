@@ -3,7 +3,7 @@
 NOTE [inputs other than the profiled ones]
     A plan's peak is predicted for one step: the shapes and dtypes of the inputs it was
     profiled on (``Plan.input_signature``, NOTE [input signature] in
-    ``memfit.profiling.inputs``). Twice the sequence length ran a plan at 259% of its budget,
+    ``memfit.step.inputs``). Twice the sequence length ran a plan at 259% of its budget,
     twice the batch at 190%, ``.to(float64)`` at 197%, silently. So ``apply`` puts a forward
     pre-hook on the planned model (:class:`InputGuard`) that compares each call's signature
     with the one of the plan in effect. A call on another signature is never silent:
@@ -54,8 +54,8 @@ from torch import nn
 
 from memfit.errors import NewInputShape
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import PARAMETERS_KEY, call_signature, first_floating_parameter
 from memfit.runtime.marks import suspended
+from memfit.step.inputs import PARAMETERS_KEY, call_signature, first_floating_parameter
 
 __all__ = ["OnNewShape", "ShapeRange", "InputGuard", "Signature", "signature_of", "describe"]
 

@@ -20,7 +20,7 @@ NOTE [in-flight micro-batches per schedule]
 
 Example:
     >>> schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss)   # doctest: +SKIP
-    >>> k = memfit.pipeline.in_flight(schedule, stage.stage_index)         # doctest: +SKIP
+    >>> k = memfit.parallel.pipeline.in_flight(schedule, stage.stage_index)         # doctest: +SKIP
     >>> memfit.fit(stage.submod, micro_batch, budget="3MiB", in_flight=k)  # doctest: +SKIP
 """
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from memfit.distributed import is_distributed
+from memfit.parallel.distributed import is_distributed
 
 __all__ = ["refuse_fit_arguments"]
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memfit.profiling.tracer import profile
-from memfit.step import Autocast, ModelState, Step
+from memfit.step.harness import Autocast, ModelState, Step
 
 
 def _net() -> nn.Module:

@@ -1,5 +1,5 @@
 """``memfit.capabilities()``: one row per feature the installed torch decides (NOTE [features
-by torch release] in ``memfit.features``), and ``memfit doctor`` printing the same rows."""
+by torch release] in ``memfit.torch_support.capabilities``), and ``memfit doctor`` printing the same rows."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ NOTE [one plan per job]
 
 Example:
     >>> prof = memfit.profile(model, x)                                   # doctest: +SKIP
-    >>> plan = memfit.distributed.plan_once(lambda: memfit.plan(prof, budget=0.6))  # doctest: +SKIP
+    >>> plan = memfit.parallel.distributed.plan_once(lambda: memfit.plan(prof, budget=0.6))  # doctest: +SKIP
     >>> memfit.apply(model, plan)   # every rank: a collective            # doctest: +SKIP
 """
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from memfit.errors import MemfitError, PlansDiffer
 from memfit.planning.plan import Plan
 from memfit.runtime.fsdp import is_fsdp_unit_class
-from memfit.step import ModelState, Step
+from memfit.step.harness import ModelState, Step
 
 __all__ = ["is_distributed", "is_fsdp_unit_class", "warm_up_fsdp", "plan_once", "plan_digest",
            "check_same_plan", "rank_agreement"]
@@ -167,7 +167,7 @@ def check_same_plan(plan: Plan, *, local_error: Exception | None = None, group: 
         f"apply was given {len(by_digest)} different plan{'s' if len(by_digest) != 1 else ''} "
         f"across the job's ranks ({held}){failed}. Every rank must run the same plan: under "
         "FSDP different recomputation means different collectives, a deadlock. Plan on one "
-        "rank and broadcast it (memfit.fit does; or memfit.distributed.plan_once around "
+        "rank and broadcast it (memfit.fit does; or memfit.parallel.distributed.plan_once around "
         "memfit.plan), or pass check_ranks=False to apply if the ranks train different models",
         ranks=ranks)
 

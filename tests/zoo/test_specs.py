@@ -1,4 +1,4 @@
-"""memfit.models: a model spec (zoo name, module:factory, Hugging Face config) as a Python API,
+"""memfit.zoo.specs: a model spec (zoo name, module:factory, Hugging Face config) as a Python API,
 the same one the command line's MODEL argument goes through."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.models import LoadedModel, ModelSpecError, load_model
+from memfit.zoo.specs import LoadedModel, ModelSpecError, load_model
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ NOTE [a job's device]
     ``Job.device`` is the memory the whole job must fit on one device, given as:
 
     1. a device preset's name (``"v100"``, ``"a100"``, ``"h100"``, ``"h200"``, any case): that
-       preset's ``memory_bytes`` in ``memfit.profiling.costmodel.PRESETS``, the datasheet's
+       preset's ``memory_bytes`` in ``memfit.timemodel.devices.PRESETS``, the datasheet's
        figure in decimal units (``"h100"``: 80 GB = 80,000,000,000 B, 74.5 GiB). A card
        reports somewhat more (an H200's 141 GB datasheet figure against the 150,109,880,320 B
        torch reported on the H200 of NOTE [reserve]), so a preset errs on the small side;
@@ -152,7 +152,7 @@ class Job:
                                master_weights=self.master_weights, cuda=cuda)
         world_size = self.world_size
         if world_size is None:
-            from memfit.distributed import is_distributed
+            from memfit.parallel.distributed import is_distributed
 
             world_size = torch.distributed.get_world_size() if is_distributed() else 1
         reserve_bytes = (default_reserve_bytes(memory, profile.device) if self.reserve is None
@@ -269,7 +269,7 @@ def _refuse_nonsense(profile: Profile, world_size: int | None, sharding: str,
                      master_weights: bool) -> None:
     """Raise for job options that would be accepted and silently mean nothing on ``profile``."""
     if sharding != "none" and world_size is None:
-        from memfit.distributed import is_distributed
+        from memfit.parallel.distributed import is_distributed
 
         if not is_distributed():
             raise ValueError(
@@ -286,7 +286,7 @@ def _refuse_nonsense(profile: Profile, world_size: int | None, sharding: str,
 
 def device_bytes(device: int | str) -> int:
     """The memory of a job's ``device`` in bytes (NOTE [a job's device])."""
-    from memfit.profiling.costmodel import PRESETS
+    from memfit.timemodel.devices import PRESETS
 
     key = _preset_key(device)
     if key is not None:
@@ -304,7 +304,7 @@ def device_bytes(device: int | str) -> int:
 
 def _preset_key(device: Any) -> str | None:
     """The preset ``device`` names (``"H100"`` -> ``"h100"``); None for a size or bytes."""
-    from memfit.profiling.costmodel import PRESETS
+    from memfit.timemodel.devices import PRESETS
 
     key = device.strip().lower() if isinstance(device, str) else None
     return key if key in PRESETS else None

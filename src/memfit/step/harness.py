@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from memfit.profiling.inputs import (
+from memfit.step.inputs import (
     LossFn,
     call_user,
     check_differentiable,
@@ -92,7 +92,7 @@ class Step:
     Attributes:
         model: the module whose step this is (its parameters get the gradients).
         args, kwargs: what the forward is called with (``model(*args, **kwargs)``).
-        loss_fn: output -> scalar loss; ``None``: ``memfit.profiling.inputs.default_loss``.
+        loss_fn: output -> scalar loss; ``None``: ``memfit.step.inputs.default_loss``.
         call: a callable returning the loss, used instead of ``model(...)`` + ``loss_fn``
             (e.g. ``lambda: module.training_step(batch, 0)``).
         autocast: the autocast states the step runs under (NOTE [autocast is part of the step]).

@@ -1,6 +1,6 @@
 """fit's plans for other input shapes (issue #28): a range planned up front, a re-plan per new
 shape, and the guard's warn and raise, on the zoo GPT (NOTE [shape ranges], NOTE
-[re-planning inside a training call] in memfit.shape_plans)."""
+[re-planning inside a training call] in memfit.job.shape_plans)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 import memfit
 from memfit import zoo
 from memfit.errors import MemfitError
+from memfit.job.shape_plans import inputs_of_shape, resolve_on_new_shape
 from memfit.profiling.measure import measure
 from memfit.runtime.apply import input_guard
 from memfit.runtime.marks import applied_plan
 from memfit.runtime.shapes import OnNewShape
-from memfit.shape_plans import inputs_of_shape, resolve_on_new_shape
-from memfit.step import Step
+from memfit.step.harness import Step
 
 BUDGET = 12 * 2**20  # 12 MiB: seq 64 fits plainly (5.9 MiB), 128 (16.4 MiB) and 256 need plans
 
@@ -236,8 +236,8 @@ def test_a_range_gets_one_plan_where_it_fits_everywhere_else_a_plan_per_shape(
     """NOTE [shape ranges] on hand-made numbers (budget 100): activation memory not monotone
     in the sequence (seq 80 peaks highest)."""
     import memfit.planning.simulate as simulate_module
+    from memfit.job.shape_plans import plan_range
     from memfit.runtime.shapes import signature_of
-    from memfit.shape_plans import plan_range
 
     profiles = {t: _fake_profile(t, peak) for t, peak in ((32, 150), (80, 300), (128, 200))}
     plans = {t: f"P{t}" for t in profiles}
@@ -260,7 +260,7 @@ def test_a_range_gets_one_plan_where_it_fits_everywhere_else_a_plan_per_shape(
 
 def test_a_shape_no_plan_fits_is_named():
     from memfit.errors import InfeasibleBudget
-    from memfit.shape_plans import plan_range
+    from memfit.job.shape_plans import plan_range
 
     def infeasible(p):
         raise InfeasibleBudget("budget too small", budget_bytes=100, min_feasible_bytes=120)
@@ -333,7 +333,7 @@ def test_a_loss_fn_pickle_cannot_save_is_left_out_and_named_at_the_re_plan(caplo
     plain = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
     memfit.fit(model, x, budget="min", loss_fn=lambda out: out.float().mean())
-    with caplog.at_level(logging.WARNING, logger="memfit.shape_plans"):
+    with caplog.at_level(logging.WARNING, logger="memfit.job.shape_plans"):
         loaded = _saved_and_loaded(model)
     assert "cannot be pickled" in caplog.text
     got, want = _step(loaded, x), _step(plain, x)  # the loss_fn is the test's own here

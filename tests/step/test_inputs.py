@@ -12,9 +12,9 @@ from torch import nn
 
 import memfit
 from memfit.errors import ModelError
-from memfit.profiling.inputs import default_loss, iter_tensors
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.tracer import profile
+from memfit.step.inputs import default_loss, iter_tensors
 
 A, B, C = torch.ones(2), torch.full((3,), 2.0), torch.arange(4.0)
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from memfit import _torch as T
-from memfit.torch_range import SUPPORTED_TORCH
+from memfit.torch_support.releases import SUPPORTED_TORCH
 
 __all__ = ["Capability", "Capabilities", "capabilities"]
 

@@ -1,4 +1,4 @@
-"""A roofline cost model for op times, with device presets.
+"""Device presets and the roofline cost model for op times (torch-free: the planner reads it).
 
 An op takes ``max(flops / peak_flops, bytes_moved / bandwidth) + overhead`` seconds, where
 ``bytes_moved`` is what it reads plus what it writes; an op that only makes a view (moves no
@@ -9,12 +9,9 @@ the meta device for a target it does not run on here).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
 
-import torch
-
-__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "calibrate_cpu", "profile_preset"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "profile_preset"]
 
 
 class Target(str, enum.Enum):
@@ -166,32 +163,3 @@ def op_time_s(flops: int, bytes_moved: int, dtype: str, device: DevicePreset) ->
     compute = flops / device.peak_for(dtype)
     memory = bytes_moved / device.bandwidth_bytes_per_s
     return max(compute, memory) + device.op_overhead_s
-
-
-def calibrate_cpu(n: int = 1024, copy_bytes: int = 64 * 2**20, repeats: int = 5) -> DevicePreset:
-    """Measure this CPU's matmul FLOP/s (fp32 and bf16) and copy bandwidth (best of repeats).
-
-    Example:
-        >>> calibrate_cpu(n=128, copy_bytes=2**20, repeats=1).name
-        'cpu-calibrated'
-    """
-
-    def best(fn: object) -> float:
-        ts = []
-        for _ in range(repeats + 1):  # first run warms up
-            t0 = time.perf_counter()
-            fn()  # type: ignore[operator]
-            ts.append(time.perf_counter() - t0)
-        return min(ts[1:]) if len(ts) > 1 else ts[0]
-
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    fp32 = 2 * n**3 / best(lambda: torch.mm(a, b))
-    ah, bh = a.bfloat16(), b.bfloat16()
-    bf16 = 2 * n**3 / best(lambda: torch.mm(ah, bh))
-    src = torch.empty(copy_bytes // 4)
-    dst = torch.empty_like(src)
-    bw = 2 * copy_bytes / best(lambda: dst.copy_(src))
-    return DevicePreset("cpu-calibrated", flops_per_s=bf16, fp32_flops_per_s=fp32,
-                        bandwidth_bytes_per_s=bw, memory_bytes=0, op_overhead_s=5e-6,
-                        source=f"calibrate_cpu() with {torch.get_num_threads()} threads")

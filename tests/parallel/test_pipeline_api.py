@@ -1,4 +1,4 @@
-"""``memfit.pipeline``: in-flight counts from action orders, the stage table, and
+"""``memfit.parallel.pipeline``: in-flight counts from action orders, the stage table, and
 ``fit(in_flight=...)`` on one process."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.pipeline import (
+from memfit.parallel.pipeline import (
     StageReport,
     count_in_flight,
     format_stages,

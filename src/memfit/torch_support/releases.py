@@ -1,6 +1,6 @@
 """The torch releases memfit supports: the range its test suite has passed on (NOTE [private
 torch APIs] in ``memfit._torch``, rule 0); what memfit can do on the installed one is
-``memfit.features`` (NOTE [features by torch release] there)."""
+``memfit.torch_support.capabilities`` (NOTE [features by torch release] there)."""
 
 from __future__ import annotations
 

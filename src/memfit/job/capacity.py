@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from memfit.device_memory import Job, resolve_job
 from memfit.errors import InfeasibleBudget, ModelError
+from memfit.job.device_memory import Job, resolve_job
 from memfit.planning.plan import Plan
 from memfit.profiling.profile import Profile
 from memfit.profiling.tracer import ProfileMode
@@ -146,7 +146,7 @@ def largest_batch(make: Callable[[int], tuple[Any, ...]], job: Job | None = None
         job: the job on its device, a ``memfit.Job`` (``memfit.Job(device="80GiB",
             optimizer="adamw")``), as in ``memfit.fit``; the old keywords
             (``device_memory=``, ``optimizer=``, ...) are deprecated (NOTE [the old job
-            keywords] in ``memfit.device_memory``).
+            keywords] in ``memfit.job.device_memory``).
         max_overhead: the most predicted recompute allowed, a fraction of the plain step
             (``0.2``: +20%); default None: any.
         target: plan for a device preset in fake mode (``"h100"``); default: where the
@@ -388,7 +388,7 @@ def with_largest_batch(e: InfeasibleBudget, make: Callable[[int], tuple[Any, ...
 
 def batch_of(inputs: Any) -> int | None:
     """The batch of example inputs: the leading size their tensors share (None: none)."""
-    from memfit.profiling.inputs import iter_tensors
+    from memfit.step.inputs import iter_tensors
 
     sizes = {int(t.shape[0]) for t in iter_tensors(inputs) if t.dim()}
     return sizes.pop() if len(sizes) == 1 else None
@@ -396,6 +396,6 @@ def batch_of(inputs: Any) -> int | None:
 
 def sliced_maker(model: torch.nn.Module, inputs: Any) -> Callable[[int], tuple[torch.nn.Module, Any]]:
     """``n -> (model, the first n rows of every input tensor)``, for sizes below the batch."""
-    from memfit.profiling.inputs import map_tensors
+    from memfit.step.inputs import map_tensors
 
     return lambda n: (model, map_tensors(lambda t: t[:n] if t.dim() else t, inputs))

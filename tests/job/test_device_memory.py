@@ -11,7 +11,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.device_memory import Job
+from memfit.job.device_memory import Job
 from memfit.planning.job import OptimizerMemory
 
 

@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 
-from memfit.device_memory import Job
 from memfit.errors import InfeasibleBudget, MemfitError
+from memfit.job.device_memory import Job
 from memfit.planning.plan import Plan
-from memfit.profiling.inputs import call_signature, first_floating_parameter, normalize_inputs
 from memfit.profiling.profile import Profile
 from memfit.runtime.shapes import OnNewShape, ShapeRange, Signature, describe, signature_of
-from memfit.step import Step
+from memfit.step.harness import Step
+from memfit.step.inputs import call_signature, first_floating_parameter, normalize_inputs
 
 __all__ = ["resolve_on_new_shape", "PlanForShape", "Replanner", "inputs_of_shape",
            "plan_range"]

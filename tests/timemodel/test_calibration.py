@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from memfit.timemodel import (
+from memfit.timemodel.calibration import (
     DEFAULT_OP_S,
     DEFAULT_REGION_S,
     DEFAULT_SELECTIVE_OP_S,
