@@ -279,16 +279,14 @@ class _FlaggedLayer(torch.nn.Module):
         return self.lin(x)
 
 
-def test_fit_looks_up_the_hf_hooks_only_for_a_model_that_looks_like_one():
-    from memfit import api
+def test_fit_finds_the_hugging_face_family_through_the_registry_for_a_model_that_looks_like_one():
     from memfit.integrations import hf_state
+    from memfit.step.families import NO_FAMILY, family_of, registered_families
 
-    assert api._CARRIED_STATE_KWARGS == hf_state.CARRIED_STATE_KWARGS
-    plain = api._hf_hooks(torch.nn.Linear(8, 8), {})
-    assert hf_state.refuse_carried_state not in plain and hf_state.cache_off_for_training not in plain
+    assert hf_state.FAMILY in registered_families()  # the entry point in pyproject.toml
+    assert family_of(torch.nn.Linear(8, 8), {}) is NO_FAMILY
     for model, kwargs in [(_FlaggedLayer(), {}), (torch.nn.Linear(8, 8), {"past_key_values": ()})]:
-        assert api._hf_hooks(model, kwargs) == (hf_state.refuse_carried_state,
-                                                 hf_state.cache_off_for_training)
+        assert family_of(model, kwargs) is hf_state.FAMILY
 
 
 def test_fit_refuses_hf_checkpointing_on_a_duck_typed_layer():

@@ -10,7 +10,6 @@ NOTE [re-fitting]
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
 from memfit.runtime.divergence import CheckArg
+from memfit.step.families import family_of
 from memfit.step.harness import Step
 
 if TYPE_CHECKING:
@@ -175,8 +175,9 @@ def fit(
                          lossy_codec=lossy_codec, job=job, on_meta=_on_meta(model))
     new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
                                      distributed=is_distributed() or in_flight is not None)
-    refuse_carried_state, cache_off_for_training = _hf_hooks(model, the_step.kwargs)
-    refuse_carried_state(model, the_step.kwargs)  # NOTE [Hugging Face models in fit]
+    family = family_of(model, the_step.kwargs)  # NOTE [model families] in memfit.step.families
+    family.refuse_carried_state(model, the_step.kwargs)
+    cache_off_for_training = family.cache_off_for_training
     previous = [(path, m, old_plan, _guard_settings(m)) for path, m in model.named_modules()
                 if (old_plan := applied_plan(m)) is not None]
     for path, m, _, _ in previous:  # NOTE [re-fitting]
@@ -339,46 +340,6 @@ def _the_step(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], to
         raise TypeError(f"step must be a function returning the loss or a Step, got "
                         f"{type(step).__name__}")
     return Step.of(model, call=step)
-
-
-# Instance attributes a Hugging Face model sets: ``PreTrainedModel.config``, and each layer's
-# checkpointing flag; and the inputs that pass state from an earlier call
-# (``memfit.integrations.hf_state.CARRIED_STATE_KWARGS``, held equal by a test).
-_HF_ATTRIBUTES = ("config", "gradient_checkpointing")
-_CARRIED_STATE_KWARGS = ("past_key_values", "cache", "layer_past")
-
-
-def _hf_hooks(model: nn.Module, kwargs: dict[str, Any]) -> tuple[Callable[..., None], Callable[..., Any]]:
-    """``fit``'s two Hugging Face hooks for ``model`` (``refuse_carried_state``,
-    ``cache_off_for_training``): those of ``memfit.integrations.hf_state`` when the model or its
-    inputs look like Hugging Face's, else two that do nothing.
-
-    NOTE [Hugging Face models in fit]
-        ``fit`` refuses a model whose Hugging Face checkpointing is on and inputs that carry
-        state from an earlier call (``past_key_values``: recomputation would update it twice),
-        and profiles and plans a model that caches keys and values with ``use_cache=False``
-        for its calls with grad (NOTE [the KV cache under checkpointing] in
-        ``memfit.integrations.hf_state``). Those hooks are duck-typed; the integration is
-        imported only when a module has one of ``_HF_ATTRIBUTES`` (the hooks read nothing
-        else) or the inputs pass one of ``_CARRIED_STATE_KWARGS``, so that ``fit`` on any other
-        model imports no integration and behaves exactly as if it had run them.
-    """
-    if (any(hasattr(m, a) for m in model.modules() for a in _HF_ATTRIBUTES)
-            or any(kwargs.get(k) is not None for k in _CARRIED_STATE_KWARGS)):
-        from memfit.integrations.hf_state import cache_off_for_training, refuse_carried_state
-
-        return refuse_carried_state, cache_off_for_training
-    return _no_carried_state, _as_it_is
-
-
-def _no_carried_state(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """``refuse_carried_state`` of a model that is not Hugging Face's: nothing to refuse."""
-
-
-def _as_it_is(model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """``cache_off_for_training`` of a model that is not Hugging Face's (module-level: a fitted
-    model's re-planner holds it, NOTE [a fitted model pickles] in ``memfit.job.shape_plans``)."""
-    return contextlib.nullcontext()
 
 
 def _on_meta(model: nn.Module) -> bool:

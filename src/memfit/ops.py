@@ -25,6 +25,15 @@ NOTE [random ops]
     The answer depends on the call, so the profiler asks with the op's arguments; asked
     without them, :func:`is_random` answers for the worst call (a tagged op is random).
 
+NOTE [torch-free facts]
+    The planner reads these facts and imports no torch (a JAX profile plans without it), so
+    this module imports torch only where a fact needs it: inside the functions that take
+    torch's op objects, and the tables keyed by them (:data:`STATISTICS_UPDATES`,
+    :data:`IGNORED_OPS`, :data:`IGNORED_OP_NAMES`), built on first access. The facts by name
+    (:data:`MATMUL_PACKETS`, :data:`KEPT_DRAW_OPS`, :func:`is_matmul`) need no torch;
+    :func:`ignored_op_names` and :func:`is_update` answer for a torch-free process as for a
+    profile without aten ops.
+
 NOTE [ignored ops]
     torch's selective checkpoint never consults a policy about ``SAC_IGNORED_OPS`` (detach and
     the tensor-metadata queries), and checkpointing itself adds a different number of
@@ -38,10 +47,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from typing import Any
-
-import torch
-
-from memfit._torch import OpOverload, OpOverloadPacket, is_view_tensor, op_schema
 
 __all__ = [
     "RandomKind",
@@ -87,11 +92,7 @@ MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.con
 # Ops that update batch norm's running statistics (these argument positions) when
 # ``training`` (argument STATISTICS_TRAINING_ARG) is true, without marking them written
 # (``(a!)``) in their schema; their outputs do not depend on the statistics.
-STATISTICS_UPDATES: dict[Any, tuple[int, ...]] = {
-    torch.ops.aten.native_batch_norm.default: (3, 4),
-    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
-    torch.ops.aten.miopen_batch_norm.default: (3, 4),
-}
+STATISTICS_UPDATES: dict[Any, tuple[int, ...]]  # built on first use (NOTE [torch-free facts])
 STATISTICS_TRAINING_ARG = 5
 
 # Random ops whose draws a plan may keep instead of drawing again in the replay (NOTE [kept
@@ -100,12 +101,45 @@ STATISTICS_TRAINING_ARG = 5
 KEPT_DRAW_OPS: frozenset[str] = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
 
 # NOTE [ignored ops]
-IGNORED_OPS: frozenset[Any] = frozenset({
-    torch.ops.aten.detach.default,
-    torch.ops.prim.device.default,
-    *getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()),
-})
-IGNORED_OP_NAMES: frozenset[str] = frozenset(str(op) for op in IGNORED_OPS)
+IGNORED_OPS: frozenset[Any]  # built on first use (NOTE [torch-free facts])
+IGNORED_OP_NAMES: frozenset[str]
+
+
+def _torch_tables() -> dict[str, Any]:
+    """The facts keyed by torch's op objects, built on first use (NOTE [torch-free facts])."""
+    import torch
+
+    ignored = frozenset({
+        torch.ops.aten.detach.default,
+        torch.ops.prim.device.default,
+        *getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ()),
+    })
+    return {
+        "STATISTICS_UPDATES": {
+            torch.ops.aten.native_batch_norm.default: (3, 4),
+            torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+            torch.ops.aten.miopen_batch_norm.default: (3, 4),
+        },
+        "IGNORED_OPS": ignored,
+        "IGNORED_OP_NAMES": frozenset(str(op) for op in ignored),
+    }
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("STATISTICS_UPDATES", "IGNORED_OPS", "IGNORED_OP_NAMES"):
+        globals().update(_torch_tables())
+        return globals()[name]
+    raise AttributeError(f"module 'memfit.ops' has no attribute {name!r}")
+
+
+def ignored_op_names() -> frozenset[str]:
+    """:data:`IGNORED_OP_NAMES` for a torch-free caller (the planner): empty where torch is not
+    installed, since a profile made without torch (another framework's) has no aten op."""
+    try:
+        names: frozenset[str] = __getattr__("IGNORED_OP_NAMES")
+    except ImportError:
+        return frozenset()
+    return names
 
 _random_kinds: dict[Any, RandomKind] = {}
 _writes: dict[Any, bool] = {}
@@ -123,6 +157,10 @@ def random_kind(op: Any) -> RandomKind:
         >>> random_kind(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
         <RandomKind.WITH_DROPOUT: 'with_dropout'>
     """
+    import torch
+
+    from memfit._torch import op_schema
+
     kind = _random_kinds.get(op)
     if kind is None:
         schema = op_schema(op)
@@ -151,6 +189,8 @@ def is_random(op: Any, args: Any = None, kwargs: dict[str, Any] | None = None) -
         >>> is_random(sdpa, (q, q, q, 0.0)), is_random(sdpa, (q, q, q, 0.1)), is_random(sdpa)
         (False, True, True)
     """
+    from memfit._torch import op_schema
+
     kind = random_kind(op)
     if kind is not RandomKind.WITH_DROPOUT:
         return kind is RandomKind.ALWAYS
@@ -185,6 +225,8 @@ def writes_input(op: Any) -> bool:
         >>> writes_input(torch.ops.aten.add_.Tensor), writes_input(torch.ops.aten.add.Tensor)
         (True, False)
     """
+    from memfit._torch import op_schema
+
     hit = _writes.get(op)
     if hit is None:
         schema = op_schema(op)
@@ -203,6 +245,8 @@ def written_returns(op: Any) -> tuple[int, ...] | None:
         >>> written_returns(torch.ops.aten.add_.Tensor), written_returns(torch.ops.aten.add.Tensor)
         ((0,), None)
     """
+    from memfit._torch import op_schema
+
     if op in _written_returns:
         return _written_returns[op]
     schema = op_schema(op)
@@ -246,6 +290,8 @@ def is_update(name: str) -> bool:
 
 def overload_named(name: str) -> Any | None:
     """The overload named ``name`` (``"aten.add_.Tensor"``); None where torch has none."""
+    import torch
+
     parts = name.split(".")
     if len(parts) != 3 or not all(parts):
         return None
@@ -263,6 +309,8 @@ def is_view(op: Any) -> bool:
         >>> is_view(torch.ops.aten.transpose.int), is_view(torch.ops.aten.add_.Tensor)
         (True, False)
     """
+    from memfit._torch import op_schema
+
     hit = _views.get(op)
     if hit is None:
         schema = op_schema(op)
@@ -285,6 +333,10 @@ def is_cached_cast(op: Any, args: Any, out: Any, autocast_devices: frozenset[str
         >>> is_cached_cast("aten._to_copy.default", (w,), out, frozenset({"cpu"}))  # or the overload
         True
     """
+    import torch
+
+    from memfit._torch import is_view_tensor
+
     if not args or not isinstance(out, torch.Tensor) or op_name(op) != "aten._to_copy.default":
         return False
     src = args[0]
@@ -314,7 +366,7 @@ def is_matmul(name: str) -> bool:
 def updates_statistics(op: Any, args: tuple, kwargs: dict) -> bool:
     """Whether this call updates batch norm's running statistics (:data:`STATISTICS_UPDATES`
     in training mode, with statistics given)."""
-    positions = STATISTICS_UPDATES.get(op)
+    positions = __getattr__("STATISTICS_UPDATES").get(op)
     if positions is None:
         return False
     i = STATISTICS_TRAINING_ARG
@@ -327,12 +379,16 @@ def without_statistics(op: Any, args: tuple, kwargs: dict) -> tuple:
     the same outputs, bitwise, and no write."""
     if not updates_statistics(op, args, kwargs):
         return args
-    positions = STATISTICS_UPDATES[op]
+    positions = __getattr__("STATISTICS_UPDATES")[op]
     return tuple(None if i in positions else a for i, a in enumerate(args))
 
 
 def aten_overloads() -> Iterator[Any]:
     """Every overload of every ``torch.ops.aten`` op packet (about 2,100 in torch 2.13)."""
+    import torch
+
+    from memfit._torch import OpOverloadPacket
+
     for packet_attr in dir(torch.ops.aten):
         try:
             packet = getattr(torch.ops.aten, packet_attr)
@@ -346,6 +402,10 @@ def aten_overloads() -> Iterator[Any]:
 
 def resolve_op_name(name: Any) -> tuple[str, str]:
     """Return ("overload"|"packet", canonical name) or raise ValueError naming the bad name."""
+    import torch
+
+    from memfit._torch import OpOverload, OpOverloadPacket
+
     if isinstance(name, OpOverload):
         return "overload", str(name)
     if isinstance(name, OpOverloadPacket):

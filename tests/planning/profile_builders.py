@@ -30,9 +30,9 @@ from memfit.profiling.profile import (
     StorageKind,
     StorageRecord,
     TensorMeta,
+    live_timeline,
     op_signature,
 )
-from memfit.profiling.storages import live_timeline
 
 __all__ = ["StepBuilder", "OpSpec", "chain_profile", "residual_block", "unet_profile", "decoder_profile",
            "random_chain", "random_unet", "TICK"]

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from memfit._torch import forward_pre_hooks, remove_forward_pre_hook
+from memfit.step.families import ModelFamily
 
 __all__ = [
     "CARRIED_STATE_KWARGS",
@@ -56,6 +57,8 @@ __all__ = [
     "suspend_hf_checkpointing",
     "restore_hf_checkpointing",
     "refuse_carried_state",
+    "claims",
+    "FAMILY",
 ]
 
 log = logging.getLogger(__name__)
@@ -239,3 +242,21 @@ def refuse_carried_state(model: nn.Module, kwargs: dict[str, Any]) -> None:
                 "earlier call, which a checkpointed layer would update twice (forward and "
                 f"recomputation). Train without it ({name}=None), as Hugging Face's "
                 "checkpointing does")
+
+
+#: Instance attributes a Hugging Face model sets: ``PreTrainedModel.config``, and each layer's
+#: checkpointing flag (the hooks above read nothing else).
+HF_ATTRIBUTES = ("config", "gradient_checkpointing")
+
+
+def claims(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether ``fit`` should run this module's hooks for ``model`` called with ``kwargs``: a
+    module has one of :data:`HF_ATTRIBUTES`, or the inputs pass one of
+    :data:`CARRIED_STATE_KWARGS` (duck-typed: transformers is not imported)."""
+    return (any(hasattr(m, a) for m in model.modules() for a in HF_ATTRIBUTES)
+            or any(kwargs.get(k) is not None for k in CARRIED_STATE_KWARGS))
+
+
+#: Hugging Face's models as ``fit`` treats them (NOTE [model families] in
+#: ``memfit.step.families``; registered in pyproject.toml's ``memfit.model_families``).
+FAMILY = ModelFamily("Hugging Face", claims, refuse_carried_state, cache_off_for_training)

@@ -53,11 +53,11 @@ from memfit.planning.effects import (
 from memfit.planning.offload import Copy, OffloadSpec, offload_copies, offload_effect
 from memfit.planning.plan import OpPolicy, Region
 from memfit.planning.rules import (
-    UNKEYED_OPS,
     clobbered_inputs,
     draws_into_region,
     in_place_writes,
     op_keys,
+    unkeyed_ops,
 )
 from memfit.profiling.profile import ModuleRecord, Profile
 
@@ -224,8 +224,8 @@ class PlanningContext:
 
     def parent_ops_between(self, prev_last: int, next_first: int) -> bool:
         """Whether an op other than torch's ignored ones ran between two sibling blocks."""
-        return any(self.profile.ops[i].name not in UNKEYED_OPS
-                   for i in range(prev_last + 1, next_first))
+        unkeyed = unkeyed_ops()
+        return any(self.profile.ops[i].name not in unkeyed for i in range(prev_last + 1, next_first))
 
     @cached_property
     def _writes(self) -> dict[int, int]:

@@ -82,6 +82,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from memfit.profiling.profile import OptimizerMemory
 from memfit.units import format_bytes
 
 __all__ = ["OptimizerMemory", "JobSpec", "JobMemory", "SHARDINGS", "model_memory", "activation_budget",
@@ -89,25 +90,6 @@ __all__ = ["OptimizerMemory", "JobSpec", "JobMemory", "SHARDINGS", "model_memory
 
 SHARDINGS = ("none", "optimizer", "gradients", "full")
 _GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class OptimizerMemory:
-    """What an optimizer keeps and allocates on the device (NOTE [the job's memory]).
-
-    Attributes:
-        name: what was measured, e.g. ``"AdamW (foreach, bfloat16 states)"``.
-        state_bytes: kept between steps: states, and master weights where there are any.
-        step_bytes: allocated and freed inside ``optimizer.step()``, on top of the states.
-    """
-
-    name: str
-    state_bytes: int
-    step_bytes: int
-
-    @classmethod
-    def none(cls) -> OptimizerMemory:
-        return cls("no optimizer", 0, 0)
 
 
 @dataclass(frozen=True)

@@ -71,17 +71,20 @@ import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 
-from memfit.ops import IGNORED_OP_NAMES, KEPT_DRAW_OPS, MATMUL_PACKETS
+from memfit.ops import KEPT_DRAW_OPS, MATMUL_PACKETS, ignored_op_names
 from memfit.ops import is_matmul as _is_matmul_name
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
-__all__ = ["UNKEYED_OPS", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
+__all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "collective_writes", "COLLECTIVE_NAMESPACES"]
 
-# Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by name:
-# the runtime skips the same ones (NOTE [ignored ops] in memfit.ops).
-UNKEYED_OPS = IGNORED_OP_NAMES
+
+def unkeyed_ops() -> frozenset[str]:
+    """Ops the selective-checkpoint policy is never consulted for (NOTE [saveable ops]), by
+    name: the runtime skips the same ones (NOTE [ignored ops] in memfit.ops); torch's, read on
+    first use (NOTE [torch-free facts] there)."""
+    return ignored_op_names()
 
 
 def is_saveable(profile: Profile, op: OpRecord) -> bool:
@@ -91,7 +94,7 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
         >>> is_saveable(profile, profile.ops[3])   # doctest: +SKIP
         True
     """
-    if op.index >= profile.n_forward or op.inplace or op.random or op.name in UNKEYED_OPS:
+    if op.index >= profile.n_forward or op.inplace or op.random or op.name in unkeyed_ops():
         return False
     if not op.outputs:
         return False
@@ -257,9 +260,10 @@ def op_keys(profile: Profile, first_op: int, last_op: int) -> dict[int, str]:
     """
     counts: dict[str, int] = {}
     out: dict[int, str] = {}
+    unkeyed = unkeyed_ops()
     for i in range(first_op, last_op + 1):
         name = profile.ops[i].name
-        if name in UNKEYED_OPS:
+        if name in unkeyed:
             continue
         k = counts.get(name, 0)
         counts[name] = k + 1

@@ -45,7 +45,7 @@ NOTE [states made before the first step]
     grows with each iteration (how many depends on the values), up to ``history_size``
     pairs. An optimizer whose twin cannot be made or stepped on fake tensors is refused too,
     naming it; give its bytes as ``optimizer=OptimizerMemory(name, state_bytes,
-    step_bytes)`` (``memfit.planning.job``), or name a torch optimizer.
+    step_bytes)`` (``memfit.profiling.profile``), or name a torch optimizer.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ import torch
 
 from memfit._torch import TorchDispatchMode
 from memfit.ops import op_name
-from memfit.planning.job import OptimizerMemory
 from memfit.profiling.fake import new_fake_mode
 from memfit.profiling.model_state import dtype_name, local_part
-from memfit.profiling.profile import ParameterRecord, StorageKind
+from memfit.profiling.profile import OptimizerMemory, ParameterRecord, StorageKind
 from memfit.profiling.storages import LiveStorages, storage_of
 
 __all__ = ["optimizer_memory", "OPTIMIZER_NAMES", "UNCOUNTABLE", "parse_dtype"]
@@ -167,7 +166,7 @@ def _uncountable(label: str, why: str) -> ValueError:
     """The one-line refusal of an optimizer memfit cannot count."""
     return ValueError(
         f"memfit cannot count the memory of optimizer {label}: {why}; give your own count as "
-        "optimizer=memfit.planning.job.OptimizerMemory(name, state_bytes, step_bytes), or a name "
+        "optimizer=memfit.profiling.profile.OptimizerMemory(name, state_bytes, step_bytes), or a name "
         f"({'|'.join(OPTIMIZER_NAMES)}) with state_dtype=")
 
 

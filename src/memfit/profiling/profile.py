@@ -65,7 +65,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,8 @@ __all__ = [
     "ModuleRecord",
     "ParameterRecord",
     "Profile",
+    "OptimizerMemory",
+    "live_timeline",
     "op_signature",
 ]
 
@@ -375,3 +377,40 @@ def _to_jsonable(obj: Any) -> Any:
         return [_to_jsonable(v) for v in obj]
     return obj
 
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What an optimizer keeps and allocates on the device (NOTE [the job's memory] in ``memfit.planning.job``;
+    measured by ``memfit.profiling.optimizer``, read by the planner).
+
+    Attributes:
+        name: what was measured, e.g. ``"AdamW (foreach, bfloat16 states)"``.
+        state_bytes: kept between steps: states, and master weights where there are any.
+        step_bytes: allocated and freed inside ``optimizer.step()``, on top of the states.
+    """
+
+    name: str
+    state_bytes: int
+    step_bytes: int
+
+    @classmethod
+    def none(cls) -> OptimizerMemory:
+        return cls("no optimizer", 0, 0)
+
+
+def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:
+    """Bytes of activation/gradient storages live at each op: ``created_by <= i`` and not
+    ``freed_after < i``, plus ``workspace[i]`` (the Profile's ``live_bytes`` contract, NOTE
+    [storage lifetimes]). Takes ``StorageRecord``s or ``TracedStorage``s."""
+    delta = [0] * (n_ops + 1)
+    for s in storages:
+        if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
+            continue
+        delta[min(s.created_by, n_ops)] += s.nbytes
+        end = n_ops if s.freed_after is None else min(s.freed_after + 1, n_ops)
+        delta[end] -= s.nbytes
+    out, live = [], 0
+    for i in range(n_ops):
+        live += delta[i]
+        out.append(live + (workspace[i] if workspace is not None and i < len(workspace) else 0))
+    return out

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from memfit._torch import TorchDispatchMode, op_namespace, storage_key
-from memfit.profiling.profile import StorageKind, StorageRecord
+from memfit.profiling.profile import StorageKind, StorageRecord, live_timeline
 
 __all__ = ["LiveStorages", "TracedStorage", "live_timeline", "iter_arg_tensors", "out_tensors",
            "storage_of", "storage_key"]
@@ -98,24 +98,6 @@ class TracedStorage:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["saves"] = tuple((int(op), u, r) for op, u, r in self.saves)  # type: ignore[arg-type]
         return StorageRecord(id=sid, **values)
-
-
-def live_timeline(storages: Any, n_ops: int, workspace: Sequence[int] | None = None) -> list[int]:
-    """Bytes of activation/gradient storages live at each op: ``created_by <= i`` and not
-    ``freed_after < i``, plus ``workspace[i]`` (the Profile's ``live_bytes`` contract, NOTE
-    [storage lifetimes]). Takes ``StorageRecord``s or ``TracedStorage``s."""
-    delta = [0] * (n_ops + 1)
-    for s in storages:
-        if s.created_by is None or s.kind not in (StorageKind.ACTIVATION, StorageKind.GRADIENT):
-            continue
-        delta[min(s.created_by, n_ops)] += s.nbytes
-        end = n_ops if s.freed_after is None else min(s.freed_after + 1, n_ops)
-        delta[end] -= s.nbytes
-    out, live = [], 0
-    for i in range(n_ops):
-        live += delta[i]
-        out.append(live + (workspace[i] if workspace is not None and i < len(workspace) else 0))
-    return out
 
 
 class LiveStorages(TorchDispatchMode):
