@@ -63,10 +63,10 @@ def run_model(name: str, *, seed: int = 0, rounds: int = 5) -> dict[str, Any]:
     import memfit
     from benchmarks.models import build_case
     from memfit.errors import InfeasibleBudget
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import simulate
     from memfit.profiling.measure import measure
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     case = build_case(name)
     t0 = time.perf_counter()
@@ -80,14 +80,14 @@ def run_model(name: str, *, seed: int = 0, rounds: int = 5) -> dict[str, Any]:
         try:
             if budget in (MIDWAY, SMALLEST):
                 try:
-                    make_plan(prof, budget=1, solver=solver)
+                    plan_for_budget(prof, budget=1, solver=solver)
                 except InfeasibleBudget as e:
                     low = int(e.min_feasible_bytes)
                     rec["budget"] = (low + prof.peak_bytes) // 2 if budget == MIDWAY else low
-            plan = make_plan(prof, budget=rec["budget"], solver=solver)
+            plan = plan_for_budget(prof, budget=rec["budget"], solver=solver)
             predicted = simulate(prof, plan).peak_bytes
             model = copy.deepcopy(case.model).train()
-            apply(model, plan)
+            apply_plan(model, plan)
 
             def step(model: Any = model) -> None:
                 case.loss_fn(model(*case.inputs)).backward()

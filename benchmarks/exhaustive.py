@@ -124,7 +124,7 @@ def run(name: str, budget_spec: str, rounds: int) -> dict[str, Any]:
     from benchmarks.peers import every_block, plain
     from memfit.planning.plan import Plan, Region
     from memfit.planning.simulate import simulate
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     torch.set_num_threads(2)
     case = build_case(name)
@@ -142,7 +142,7 @@ def run(name: str, budget_spec: str, rounds: int) -> dict[str, Any]:
     models = {}
     for label, p in plans.items():
         model = copy.deepcopy(case.model).train()
-        apply(model, p)
+        apply_plan(model, p)
         models[label] = model
     def step_of(model: Any) -> Any:
         def step() -> Any:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 TARGET_S = {2: 30.0, 32: 60.0}
 
@@ -50,7 +50,7 @@ def main() -> None:
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            profile(model, inputs, mode="fake", target="h100")
+            trace(model, inputs, mode="fake", target="h100")
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         target = TARGET_S.get(n)

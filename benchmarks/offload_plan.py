@@ -32,8 +32,8 @@ import torch
 def main() -> None:
     import transformers
 
-    from memfit.planning.planner import plan
-    from memfit.profiling.tracer import profile
+    from memfit.planning.planner import plan_for_budget
+    from memfit.profiling.tracer import trace
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -53,7 +53,7 @@ def main() -> None:
     model.train()
     ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
-    prof = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target=args.target)
+    prof = trace(model, {"input_ids": ids, "labels": ids}, mode="fake", target=args.target)
     rows = {"profile_s": time.perf_counter() - t0, "plain_peak_bytes": prof.peak_bytes}
     runs = (("recompute_only", args.budget, False), ("offload", args.budget, True),
             ("offload_at_peak", None, True))  # None: the recompute-only plan's predicted peak
@@ -61,12 +61,12 @@ def main() -> None:
         if budget is None:
             budget = rows["recompute_only"]["predicted_peak_bytes"]  # type: ignore[index]
         t0 = time.perf_counter()
-        p = plan(prof, budget=budget, offload=off, host_budget=args.host_budget if off else None)
+        p = plan_for_budget(prof, budget=budget, offload=off, host_budget=args.host_budget if off else None)
         rows[key] = {"plan_s": time.perf_counter() - t0, "solver": p.solver, "budget_bytes": p.budget_bytes,
                      "predicted_peak_bytes": p.predicted_peak_bytes, "recompute_s": p.recompute_s,
                      "host_peak_bytes": p.host_peak_bytes, "notes": list(p.notes)}
         print(p)
-    rows["bound"] = _bound(prof, args.budget, args.target, plan)
+    rows["bound"] = _bound(prof, args.budget, args.target, plan_for_budget)
     a = rows["recompute_only"]
     for key, what in (("offload", f"same budget {args.budget}"),
                       ("offload_at_peak", "budget = the recompute-only plan's predicted peak")):

@@ -12,7 +12,7 @@ import memfit
 from memfit import zoo
 from memfit.api import fit
 from memfit.errors import InfeasibleBudget
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 
 @pytest.fixture()
@@ -31,7 +31,7 @@ def test_fit_returns_the_same_model_planned(gpt_and_inputs):
     assert isinstance(plan, memfit.Plan) and plan.regions
     assert plan.budget_bytes == int(0.7 * plan.plain_peak_bytes)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert plan.profile_signature == profile(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64),
+    assert plan.profile_signature == trace(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64),
                                              x, repeats=1).signature
     # weights and buffers untouched, state_dict keys unchanged
     assert state.keys() == model.state_dict().keys()
@@ -200,7 +200,7 @@ def test_profile_of_a_fitted_model_is_of_its_plain_step_and_leaves_the_plan(gpt_
     from memfit.step.harness import Step
 
     model, x = gpt_and_inputs
-    plain = profile(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64), x, repeats=1)
+    plain = trace(zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64), x, repeats=1)
     fit(model, x, budget=0.6)
     old = model.memfit_plan
     states = {path: m.__dict__[WRAP_ATTR] for path, m in model.named_modules() if WRAP_ATTR in m.__dict__}

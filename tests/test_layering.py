@@ -130,9 +130,9 @@ def test_the_planner_imports_and_plans_without_torch():
         import memfit.planning
         for m in pkgutil.walk_packages(memfit.planning.__path__, "memfit.planning."):
             importlib.import_module(m.name)
-        from memfit.planning.planner import plan
+        from memfit.planning.planner import plan_for_budget
         from profile_builders import gpt_like
-        p = plan(gpt_like(6, d=256), budget=0.5)
+        p = plan_for_budget(gpt_like(6, d=256), budget=0.5)
         print(len(p.regions), p.predicted_peak_bytes <= p.budget_bytes,
               "torch" in sys.modules)
     """)

@@ -15,10 +15,10 @@ from memfit.planning import rules
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.profiling.profile import OpRecord, Phase
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.profiling.tracker import op_flags
 from memfit.runtime import divergence, policies
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.zoo.gpt import CausalSelfAttention
 
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -136,7 +136,7 @@ def test_rand_like_is_profiled_random():
             return h + torch.rand_like(h)
 
     torch.manual_seed(0)
-    prof = profile(Noisy(), torch.randn(4, 8), loss_fn=lambda out: out.sum(), repeats=1)
+    prof = trace(Noisy(), torch.randn(4, 8), loss_fn=lambda out: out.sum(), repeats=1)
     (op,) = [o for o in prof.ops if o.name == "aten.rand_like.default"]
     assert op.random
     assert not rules.is_saveable(prof, op)
@@ -161,7 +161,7 @@ def test_plan_saving_attention_is_predicted_by_verify():
     for block in model.blocks:
         block.attn.__class__ = _SdpaAttention
     x = zoo.example_inputs(model, batch=4)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     key = f"{SDPA_CPU}#0"
     plans = {}
     for save in ((key,), ()):
@@ -175,7 +175,7 @@ def test_plan_saving_attention_is_predicted_by_verify():
     saving = plans[(key,)]
     # saving SDPA costs memory, so a runtime that recomputed it would be visibly off
     assert saving.predicted_peak_bytes > plans[()].predicted_peak_bytes * (1 + 2 * PEAK_RTOL)
-    apply(model, saving)
+    apply_plan(model, saving)
     report = verify(model, x)
     assert report.bitwise, str(report)
     assert report.predicted_peak_bytes == saving.predicted_peak_bytes

@@ -124,11 +124,11 @@ def test_format_seconds():
 def test_numpy_budgets_reach_plan_and_fit():
     import memfit
     from memfit import zoo
-    from memfit.profiling.tracer import profile
+    from memfit.profiling.tracer import trace
 
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     x = zoo.example_inputs(model, batch=2)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     by_bytes = memfit.plan(prof, budget=np.int64(prof.peak_bytes))
     assert by_bytes.budget_bytes == prof.peak_bytes and type(by_bytes.budget_bytes) is int
     memfit.fit(model, x, budget=np.float32(0.9))

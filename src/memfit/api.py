@@ -160,8 +160,7 @@ def fit(
     from memfit.job.shape_plans import PlanForShape, resolve_on_new_shape
     from memfit.measuring.calibration import profile
     from memfit.parallel.distributed import is_distributed, plan_once, warm_up_fsdp
-    from memfit.planning.planner import plan as make_plan
-    from memfit.planning.planner import refuse_over_budget
+    from memfit.planning.planner import plan_for_budget, refuse_over_budget
     from memfit.planning.stages import plan_stage
     from memfit.runtime.apply import unapply
     from memfit.runtime.marks import applied_plan
@@ -206,7 +205,7 @@ def fit(
                                     "(memfit.Job(device='80GiB', ...): the device the whole job "
                                     "must fit)")
                 def solve(b: Any) -> Plan:
-                    return make_plan(prof, budget=b, solver=solver, job=spec)
+                    return plan_for_budget(prof, budget=b, solver=solver, job=spec)
 
                 def first_plan() -> Plan:
                     if compress is None:
@@ -350,7 +349,7 @@ def _on_meta(model: nn.Module) -> bool:
 
 def plan(profile: Profile, job: Job | None = None, *, budget: int | float | str | Job | None = None,
          solver: SolverName = "auto", **options: Any) -> Plan:
-    """The fastest plan for ``budget`` (``memfit.planning.planner.plan``), or for a device the
+    """The fastest plan for ``budget`` (``memfit.planning.planner.plan_for_budget``), or for a device the
     whole job must fit: ``job``, a ``memfit.Job``, as in ``fit``.
 
     ``options`` go to the planner (``time_limit_s``, ``offload``, ``host_budget``,
@@ -363,13 +362,13 @@ def plan(profile: Profile, job: Job | None = None, *, budget: int | float | str 
             smallest plan and ``fits_with`` what would fit.
     """
     from memfit.job.device_memory import OLD_KEYWORDS, resolve_job, with_state_dtype_hint
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
 
     old = {k: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
     budget, job = resolve_job("plan", job, old, budget)
     spec = None if job is None else job.spec(profile)
     try:
-        return make_plan(profile, budget=budget, solver=solver, job=spec, **options)
+        return plan_for_budget(profile, budget=budget, solver=solver, job=spec, **options)
     except InfeasibleBudget as e:
         raise with_state_dtype_hint(e, profile, job, spec, budget, solver, options) from None
 
@@ -378,7 +377,7 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
           check_ranks: bool = True, on_new_shape: str = "warn",
           replan: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Plan] | None = None,
           plans: dict[Any, Plan] | None = None, ranges: tuple[Any, ...] = ()) -> M:
-    """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply``; a plan applied
+    """Apply ``plan`` to ``model`` in place (``memfit.runtime.apply.apply_plan``; a plan applied
     before is removed first).
 
     In a distributed job (``torch.distributed`` initialised) ``apply`` is a collective: every
@@ -387,7 +386,7 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
 
     Args:
         model, plan, check, host_budget, on_new_shape, replan, plans, ranges: as
-            ``memfit.runtime.apply.apply``.
+            ``memfit.runtime.apply.apply_plan``.
         check_ranks: in a distributed job, gather every rank's plan digest and raise unless
             all agree (default True); False skips the collective, for ranks that train
             different models.
@@ -396,14 +395,14 @@ def apply(model: M, plan: Plan, *, check: CheckArg = True, host_budget: int | st
         ``model``, with ``model.memfit_plan`` set to ``plan``.
 
     Raises:
-        As ``memfit.runtime.apply.apply``; and ``PlansDiffer`` (distributed): the ranks hold
+        As ``memfit.runtime.apply.apply_plan``; and ``PlansDiffer`` (distributed): the ranks hold
         different plans, or another rank's plan does not fit its model.
 
     Example:
         >>> memfit.apply(model, memfit.Plan.load("plan.json"))   # doctest: +SKIP
     """
     from memfit.parallel.distributed import rank_agreement
-    from memfit.runtime.apply import apply as apply_plan
+    from memfit.runtime.apply import apply_plan
 
     agree = rank_agreement() if check_ranks else None
     apply_plan(model, plan, check=check, host_budget=host_budget, agree=agree,

@@ -10,13 +10,13 @@ from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import milp
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 
 @pytest.fixture(scope="module")
 def tiny_gpt_profile():
     model = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
-    return profile(model, zoo.example_inputs(model, batch=2), repeats=1)
+    return trace(model, zoo.example_inputs(model, batch=2), repeats=1)
 
 
 def test_block_options_are_the_four_hand_choices(tiny_gpt_profile):

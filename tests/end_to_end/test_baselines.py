@@ -13,9 +13,9 @@ from memfit.api import fit
 from memfit.errors import InfeasibleBudget
 from memfit.measuring.report import RowKind
 from memfit.measuring.tradeoff import sweep
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.solvers.baselines import NoBlocks
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 D, N_BLOCKS, BATCH = 16, 4, 8
 BLOCKS = [(f"blocks.{i}",) for i in range(N_BLOCKS)]
@@ -78,26 +78,26 @@ def _x() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def residual_profile():
-    return profile(ResidualLoop(), _x(), repeats=1)
+    return trace(ResidualLoop(), _x(), repeats=1)
 
 
 @pytest.mark.parametrize("solver", ["every_block", "sqrt", "save_matmuls"])
 def test_baselines_find_the_blocks_of_a_residual_loop_as_of_a_sequential(residual_profile, solver):
-    p = plan(residual_profile, budget=1.0, solver=solver)
+    p = plan_for_budget(residual_profile, budget=1.0, solver=solver)
     assert p.solver == solver
     # a segment cannot span the residual adds between blocks: sqrt checkpoints them one by one
     assert [r.modules for r in p.regions] == BLOCKS
-    seq = plan(profile(SequentialStack(), _x(), repeats=1), budget=1.0, solver=solver)
+    seq = plan_for_budget(trace(SequentialStack(), _x(), repeats=1), budget=1.0, solver=solver)
     assert len(seq.regions) == (N_BLOCKS // 2 if solver == "sqrt" else N_BLOCKS)  # 2 segments of 2
 
 
 def test_save_matmuls_on_a_residual_loop_keeps_both_matmuls_of_each_block(residual_profile):
-    p = plan(residual_profile, budget=1.0, solver="save_matmuls")
+    p = plan_for_budget(residual_profile, budget=1.0, solver="save_matmuls")
     assert [r.save for r in p.regions] == [("aten.addmm.default#0", "aten.addmm.default#1")] * N_BLOCKS
 
 
 def test_sqrt_is_titled_sqrt_and_says_why_it_cut_no_segment(residual_profile):
-    p = plan(residual_profile, budget=1.0, solver="sqrt")
+    p = plan_for_budget(residual_profile, budget=1.0, solver="sqrt")
     assert str(p).startswith("memfit plan (sqrt) for ResidualLoop:")
     assert "baseline: 4 regions for 4 blocks, segments of up to 2 blocks" in p.notes
     assert any(n.startswith("4 blocks checkpointed one by one: the parent's code runs between them")
@@ -106,16 +106,16 @@ def test_sqrt_is_titled_sqrt_and_says_why_it_cut_no_segment(residual_profile):
 
 @pytest.mark.parametrize("solver", ["every_block", "sqrt", "save_matmuls"])
 def test_a_baseline_that_finds_no_blocks_says_so(solver):
-    prof = profile(NoChildren(), _x(), repeats=1)
+    prof = trace(NoChildren(), _x(), repeats=1)
     with pytest.raises(NoBlocks, match=rf"baseline '{solver}' found no blocks to checkpoint in NoChildren"):
-        plan(prof, budget=1.0, solver=solver)
-    assert plan(prof, budget=1.0, solver="none").regions == ()  # "no checkpointing" is a plan
+        plan_for_budget(prof, budget=1.0, solver=solver)
+    assert plan_for_budget(prof, budget=1.0, solver="none").regions == ()  # "no checkpointing" is a plan
 
 
 @pytest.mark.slow
 def test_fit_refuses_a_baseline_plan_over_the_budget():
     model, x = ResidualLoop(), _x()
-    p = plan(profile(ResidualLoop(), x, repeats=1), budget=0.5, solver="every_block")
+    p = plan_for_budget(trace(ResidualLoop(), x, repeats=1), budget=0.5, solver="every_block")
     assert p.predicted_peak_bytes > p.budget_bytes  # planned for comparison, with a note
     assert any(n.startswith("exceeds the budget") for n in p.notes)
     with pytest.raises(InfeasibleBudget, match=r"solver 'every_block' gives a fixed plan \(4 regions\) "

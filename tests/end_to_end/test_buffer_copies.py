@@ -17,7 +17,7 @@ from memfit.planning import effects
 from memfit.planning.effects import ProfileArrays
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import region_models, simulate
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 C = 16384  # channels: each BatchNorm's statistics are 2 x 64 KiB, far above allocator noise
 
@@ -50,7 +50,7 @@ def _plan(prof, regions) -> Plan:  # type: ignore[no-untyped-def]
 
 def test_a_batchnorm_regions_copies_live_only_while_its_forward_runs() -> None:
     model, x = _case()
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     (rm, _, _), = region_models(prof, ProfileArrays(prof), (Region(("1",)),))[0]
     ids, first, kept = rm.copies
     nbytes = sorted(int(prof.storages[s].nbytes) for s in ids.tolist())
@@ -65,7 +65,7 @@ def test_a_batchnorm_regions_copies_live_only_while_its_forward_runs() -> None:
 
 def test_a_buffer_read_after_its_update_keeps_its_copy_to_backward() -> None:
     model, x = _case(ema=True)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     (rm, _, _), = region_models(prof, ProfileArrays(prof), (Region(("1",)),))[0]
     ids, _, kept = rm.copies
     copies = [(int(prof.storages[s].nbytes), bool(k))
@@ -85,7 +85,7 @@ def test_a_plan_over_written_buffers_peaks_as_predicted(ema: bool, blocks, monke
     workspace at the peak: the single block 3 and blocks 1-3 peaked 131,072 B and 5,056 B
     over their predictions before it was measured."""
     model, x = _case(ema=ema)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     p = _plan(prof, tuple(Region((m,)) for m in blocks))
     report = verify(model, x, plan=p)
     assert report.bitwise

@@ -29,11 +29,11 @@ from memfit import InfeasibleBudget, OpPolicy, Plan, Region, zoo
 from memfit.api import fit
 from memfit.measuring.verification import verify
 from memfit.ops import KEPT_DRAW_OPS
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.profiling.measure import measure
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply, unapply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan, unapply
 from memfit.step.harness import Step
 from memfit.step.inputs import normalize_inputs
 
@@ -96,7 +96,7 @@ def _seen_by_dispatch(plan: Plan) -> Plan:
 def _smallest_peak(p) -> int:
     """The chain DP's smallest peak (no time limit: the same on a busy machine)."""
     with pytest.raises(InfeasibleBudget) as err:
-        make_plan(p, budget=1, solver="chain")
+        plan_for_budget(p, budget=1, solver="chain")
     return err.value.min_feasible_bytes
 
 
@@ -140,7 +140,7 @@ def _plans(p, blocks: list[str], name: str = "") -> dict[str, Plan]:
     plans = {
         "none": hand([]),
         "every_block": hand([Region((b,)) for b in blocks]),
-        "planned_midway": make_plan(fixed, budget=(_smallest_peak(fixed) + p.peak_bytes) // 2,
+        "planned_midway": plan_for_budget(fixed, budget=(_smallest_peak(fixed) + p.peak_bytes) // 2,
                                     solver="chain"),
     }
     if name in KEPT_DRAWS:
@@ -158,7 +158,7 @@ def test_measured_peak_is_the_predicted_peak(name):
     factory, batch, size = CASES[name]
     model = factory()
     x = zoo.example_inputs(model, batch=batch, size=size)
-    p = profile(model, x, repeats=1)
+    p = trace(model, x, repeats=1)
     tensors_only = _without_workspaces(p)
     tracked, _ = _measured_peaks(model, x)
     assert tracked == tensors_only.peak_bytes  # the plain step: exact
@@ -166,7 +166,7 @@ def test_measured_peak_is_the_predicted_peak(name):
         predicted = simulate(p, plan).peak_bytes
         predicted_tensors = simulate(tensors_only, _seen_by_dispatch(plan)).peak_bytes
         if plan.regions:
-            apply(model, plan)
+            apply_plan(model, plan)
         try:
             tracked, allocated = _measured_peaks(model, x)
         finally:
@@ -187,13 +187,13 @@ def test_an_inner_call_replayed_by_its_outer_region_holds_a_generator_state():
     torch.manual_seed(0)
     model = zoo.gpt(n_layer=2, d_model=32, n_head=4, seq_len=128, vocab_size=64, dropout=0.1)
     x = zoo.example_inputs(model, batch=2)
-    p = profile(model, x, repeats=1)
+    p = trace(model, x, repeats=1)
     regions = ("blocks.0", "blocks.0.attn.attn_drop", "blocks.1", "blocks.1.attn.attn_drop")
     plan = Plan(regions=tuple(Region((r,)) for r in regions), predicted_peak_bytes=0, recompute_s=0.0,
                 budget_bytes=None, solver="hand", profile_signature=p.signature)
     sim = simulate(p, plan)
     assert sim.peak_at >= p.n_forward and sim.positions.count(sim.peak_at) > 1  # in a replay
-    apply(model, plan, check=False)
+    apply_plan(model, plan, check=False)
     try:
         allocated = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     finally:
@@ -229,11 +229,11 @@ def test_a_tensor_passed_to_a_region_and_never_read_is_held_with_its_frame():
     allocator's peak without it."""
     torch.manual_seed(0)
     model, x = _Stack(), torch.randn(256, 64)
-    p = profile(model, x, repeats=1)
+    p = trace(model, x, repeats=1)
     plan = Plan(regions=tuple(Region((f"layers.{i}",)) for i in range(3)), predicted_peak_bytes=0,
                 recompute_s=0.0, budget_bytes=None, solver="hand", profile_signature=p.signature)
     predicted = simulate(p, plan).peak_bytes
-    apply(model, plan, check=False)
+    apply_plan(model, plan, check=False)
     try:
         allocated = measure(Step.of(model, x).run, model=model, meter="allocator").peak_bytes
     finally:
@@ -284,12 +284,12 @@ def test_a_region_whose_output_its_own_activation_saved_replays_at_that_activati
     DynUNet: 17% over)."""
     torch.manual_seed(0)
     model, x = _Decoder(), _decoder_inputs()
-    p = profile(model, x, repeats=1)
+    p = trace(model, x, repeats=1)
     plan = Plan(regions=(Region(("up",)),), predicted_peak_bytes=0, recompute_s=0.0,
                 budget_bytes=None, solver="hand", profile_signature=p.signature)
     predicted = simulate(p, plan).peak_bytes
     predicted_tensors = simulate(_without_workspaces(p), plan).peak_bytes
-    apply(model, plan, check=False)
+    apply_plan(model, plan, check=False)
     try:
         tracked, allocated = _measured_peaks(model, x)
     finally:

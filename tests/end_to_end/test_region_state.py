@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from memfit import verify, zoo
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile, region_state_bytes
+from memfit.profiling.tracer import region_state_bytes, trace
 from memfit.step.harness import Step
 
 # The measured peak of a small GPT's every-block step was 248 B under the prediction with
@@ -23,7 +23,7 @@ PEAK_ATOL_BYTES = 512
 def test_cpu_profile_records_the_generator_state_and_a_gpu_target_does_not() -> None:
     model = zoo.gpt(n_layer=2, d_model=16, n_head=2, seq_len=8, vocab_size=32)
     x = zoo.example_inputs(model, batch=1)
-    assert profile(model, x, repeats=1).region_state_bytes == torch.get_rng_state().nbytes == 5056
+    assert trace(model, x, repeats=1).region_state_bytes == torch.get_rng_state().nbytes == 5056
     assert region_state_bytes("h100") == 0
 
 
@@ -31,8 +31,8 @@ def test_every_block_prediction_counts_the_state_held_through_a_blocks_backward(
     torch.manual_seed(0)
     model = zoo.gpt(n_layer=6, d_model=64, n_head=4, seq_len=64, vocab_size=128, dropout=0.1)
     x = zoo.example_inputs(model, batch=2, seed=0)
-    prof = profile(model, x, repeats=1)
-    p = plan(prof, budget=1.0, solver="every_block")
+    prof = trace(model, x, repeats=1)
+    p = plan_for_budget(prof, budget=1.0, solver="every_block")
     without = simulate(dataclasses.replace(prof, region_state_bytes=0), p).peak_bytes
     # the peak is in block 0's backward, after its recompute: its own state is still held
     assert p.predicted_peak_bytes - without == prof.region_state_bytes
@@ -54,7 +54,7 @@ def test_inputs_are_held_until_the_regions_backward_ends() -> None:
 
     case = build_case("llama")
     step = Step.of(case.model, case.inputs, loss_fn=case.loss_fn)
-    prof = profile(step, repeats=1)
+    prof = trace(step, repeats=1)
     paths = ("layers.0", "layers.1", "layers.2", "layers.3.input_layernorm",
              "layers.3.post_attention_layernorm", "layers.3.mlp", "norm")
     p = Plan(tuple(Region((f"llama.model.{m}",)) for m in paths), 0, 0.0, None, "hand", prof.signature,
@@ -80,20 +80,20 @@ def test_a_replay_holds_the_forked_generator_state() -> None:
     from benchmarks.models import build_case
 
     from memfit.profiling.measure import allocator_peak
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply_plan, unapply
     from memfit.step.harness import ModelState
 
     case = build_case("unet3d")
     step = Step.of(case.model, case.inputs, loss_fn=case.loss_fn)
-    prof = profile(step, repeats=1)
-    p = plan(prof, budget="min")
+    prof = trace(step, repeats=1)
+    p = plan_for_budget(prof, budget="min")
     sim = simulate(prof, p)
     k = max(range(len(sim.live_bytes)), key=sim.live_bytes.__getitem__)
     at = prof.ops[sim.positions[k]]
     in_replay = sim.positions[k] == sim.positions[k + 1]  # a replay step, before the op it serves
     assert in_replay or (at.name == "aten.convolution_backward.default" and at.module == "up.2.conv1"), at
     with ModelState(case.model, step.inputs) as keep:
-        apply(case.model, p, check=False)
+        apply_plan(case.model, p, check=False)
         try:
             gc.collect()
             measured = allocator_peak(lambda: keep.run(step))
@@ -110,7 +110,7 @@ def test_a_frame_lives_until_the_last_autograd_node_holding_its_saved_tensors() 
     prediction when the frame was taken to end with the last free of the dropped storages."""
     from memfit.planning.plan import Region
     from memfit.profiling.measure import allocator_peak
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply_plan, unapply
     from memfit.step.harness import ModelState
 
     torch.manual_seed(0)
@@ -118,8 +118,8 @@ def test_a_frame_lives_until_the_last_autograd_node_holding_its_saved_tensors() 
                               torch.nn.Tanh(), torch.nn.Linear(512, 32))
     model = torch.nn.Sequential(mlp)
     step = Step.of(model, torch.randn(4, 32))
-    prof = profile(step, repeats=1)
-    p = dataclasses.replace(plan(prof, budget=1.0, solver="every_block"), regions=(Region(("0",)),))
+    prof = trace(step, repeats=1)
+    p = dataclasses.replace(plan_for_budget(prof, budget=1.0, solver="every_block"), regions=(Region(("0",)),))
     sim = simulate(prof, p)
     k = max(range(len(sim.live_bytes)), key=sim.live_bytes.__getitem__)
     at = prof.ops[sim.positions[k]]
@@ -129,7 +129,7 @@ def test_a_frame_lives_until_the_last_autograd_node_holding_its_saved_tensors() 
     without = simulate(dataclasses.replace(prof, region_state_bytes=0), p).peak_bytes
     assert sim.peak_bytes - without == prof.region_state_bytes
     with ModelState(model, step.inputs) as keep:
-        apply(model, p, check=False)
+        apply_plan(model, p, check=False)
         try:
             measured = allocator_peak(lambda: keep.run(step))
         finally:

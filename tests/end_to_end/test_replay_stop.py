@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.planning.effects import ProfileArrays
 from memfit.planning.plan import Region
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import region_models, simulate
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply, unapply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan, unapply
 
 _WATCHED = ("aten.gelu.default", "aten.bernoulli_.float", "aten.div_.Scalar", "aten.empty_like.default")
 
@@ -67,8 +67,8 @@ def test_the_replay_runs_dropouts_in_place_ops_up_to_the_op_that_saves_the_mask(
     measured)."""
     torch.manual_seed(0)
     model, x = _Net(), torch.randn(16, 32)
-    prof = profile(model, x, repeats=1)
-    base = make_plan(prof, budget=1.0, solver="every_block")
+    prof = trace(model, x, repeats=1)
+    base = plan_for_budget(prof, budget=1.0, solver="every_block")
     region = Region.saving(("mlp",), ["aten.addmm.default#0", "aten.addmm.default#1"])
     p = dataclasses.replace(base, regions=(region,))
     (rm, saved, _), = region_models(prof, ProfileArrays(prof), p.regions)[0]
@@ -77,7 +77,7 @@ def test_the_replay_runs_dropouts_in_place_ops_up_to_the_op_that_saves_the_mask(
     predicted = collections.Counter(prof.ops[i].name for i in idx if prof.ops[i].name in _WATCHED)
     assert predicted == collections.Counter(dict.fromkeys(_WATCHED, 1))
 
-    apply(model, p, check=False)
+    apply_plan(model, p, check=False)
     try:
         measured = _reruns_in_backward(model, x)
     finally:
@@ -108,8 +108,8 @@ def test_a_save_of_the_regions_output_by_a_later_op_does_not_extend_the_replay()
     end). Profiled as ``next_packs``: saves made while another module ran."""
     torch.manual_seed(0)
     model, x = _Gated(), torch.randn(16, 32)
-    prof = profile(model, x, repeats=1)
-    p = dataclasses.replace(make_plan(prof, budget=1.0, solver="every_block"),
+    prof = trace(model, x, repeats=1)
+    p = dataclasses.replace(plan_for_budget(prof, budget=1.0, solver="every_block"),
                             regions=(Region(("mlp",)),))
     (rm, _, _), = region_models(prof, ProfileArrays(prof), p.regions)[0]
     last = prof.modules[[m.path for m in prof.modules].index("mlp")].last_op
@@ -117,7 +117,7 @@ def test_a_save_of_the_regions_output_by_a_later_op_does_not_extend_the_replay()
     assert rm.stop == last - 1  # div_: the mask is saved before the mul runs
     predicted = collections.Counter(prof.ops[i].name for i in range(rm.a, rm.stop + 1))
     plain = _backward_ops(model, x)
-    apply(model, p, check=False)
+    apply_plan(model, p, check=False)
     try:
         checkpointed = _backward_ops(model, x)
     finally:

@@ -8,7 +8,7 @@ import pytest
 from memfit.errors import InfeasibleBudget, SolverTimeout
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import OpPolicy, Plan
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import milp
 
@@ -21,10 +21,10 @@ def test_milp_meets_its_own_smallest_peak_on_a_real_profile():
     # Regression: the compressed rows once called the smallest peak infeasible on this model
     # while the dense model met it (NOTE [compression fallback] in solvers/milp.py).
     from memfit import zoo
-    from memfit.profiling.tracer import profile
+    from memfit.profiling.tracer import trace
 
     model = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
-    prof = profile(model, zoo.example_inputs(model, batch=4), repeats=1)
+    prof = trace(model, zoo.example_inputs(model, batch=4), repeats=1)
     low, proven = milp.min_peak(PlanningContext(prof))
     assert proven
     sol = milp.solve(PlanningContext(prof), low)
@@ -36,7 +36,7 @@ def t5_profile():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from memfit.profiling.tracer import profile
+    from memfit.profiling.tracer import trace
 
     torch.manual_seed(0)
     cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
@@ -46,7 +46,7 @@ def t5_profile():
     g = torch.Generator().manual_seed(0)
     x = {"input_ids": torch.randint(1, 64, (2, 16), generator=g),
          "labels": torch.randint(1, 64, (2, 8), generator=g)}
-    return profile(model, x, repeats=1)
+    return trace(model, x, repeats=1)
 
 
 @pytest.mark.hf
@@ -54,14 +54,14 @@ def test_t5_smallest_plan_with_a_milp_out_of_time(t5_profile):
     """The reported failure: budget "min" on a T5 raised TimeoutError from the MILP."""
     prof = t5_profile
     with pytest.raises(InfeasibleBudget) as info:
-        plan(prof, budget=1, time_limit_s=TINY_S)
+        plan_for_budget(prof, budget=1, time_limit_s=TINY_S)
     low = info.value.min_feasible_bytes
     assert low < prof.peak_bytes
-    p = plan(prof, budget=low, time_limit_s=TINY_S)
+    p = plan_for_budget(prof, budget=low, time_limit_s=TINY_S)
     assert p.solver == "greedy" and 0 < p.predicted_peak_bytes <= low
     assert "milp found no plan within its time limit" in p.notes[0]
     with pytest.raises(SolverTimeout, match="solver='auto'"):
-        plan(prof, budget=low, solver="milp", time_limit_s=TINY_S)
+        plan_for_budget(prof, budget=low, solver="milp", time_limit_s=TINY_S)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def llama2():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from memfit.profiling.tracer import profile
+    from memfit.profiling.tracer import trace
 
     cfg = transformers.LlamaConfig(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32,
@@ -81,7 +81,7 @@ def llama2():
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.train()
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
-    return profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
+    return trace(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
 
 
 def test_fake_llama_offload_plan_is_faster_at_the_same_budget(llama2):
@@ -90,11 +90,11 @@ def test_fake_llama_offload_plan_is_faster_at_the_same_budget(llama2):
     written); simulate agrees. The full 7B (32 layers) is measured by
     benchmarks/offload_plan.py."""
     prof = llama2
-    lo = plan(prof, budget="min", solver="milp").predicted_peak_bytes
+    lo = plan_for_budget(prof, budget="min", solver="milp").predicted_peak_bytes
     budget = lo + (prof.peak_bytes - lo) // 2
-    without = plan(prof, budget=budget, solver="milp")
-    no_host = plan(prof, budget=budget, solver="milp", offload=True, host_budget=0)
-    with_ = plan(prof, budget=budget, solver="milp", offload=True, host_budget="64GiB")
+    without = plan_for_budget(prof, budget=budget, solver="milp")
+    no_host = plan_for_budget(prof, budget=budget, solver="milp", offload=True, host_budget=0)
+    with_ = plan_for_budget(prof, budget=budget, solver="milp", offload=True, host_budget="64GiB")
     assert max(p.predicted_peak_bytes for p in (without, no_host, with_)) <= budget
     assert with_.recompute_s < min(without.recompute_s, no_host.recompute_s)
     assert no_host.host_peak_bytes == 0
@@ -111,9 +111,9 @@ def test_fake_llama_chain_dp_offloads_saved_ops_at_no_higher_peak(llama2):
     budget, moves ops that plan saves on the device to the host and predicts less recompute
     (5.088 -> 4.575 ms when written); simulate agrees."""
     prof = llama2
-    lo = plan(prof, budget="min", solver="chain").predicted_peak_bytes
-    without = plan(prof, budget=lo + (prof.peak_bytes - lo) // 4, solver="chain")
-    with_ = plan(prof, budget=without.predicted_peak_bytes, solver="chain", offload=True)
+    lo = plan_for_budget(prof, budget="min", solver="chain").predicted_peak_bytes
+    without = plan_for_budget(prof, budget=lo + (prof.peak_bytes - lo) // 4, solver="chain")
+    with_ = plan_for_budget(prof, budget=without.predicted_peak_bytes, solver="chain", offload=True)
     assert with_.predicted_peak_bytes <= without.predicted_peak_bytes
     assert with_.recompute_s < without.recompute_s
     saved = {(r.name, k) for r in without.regions for k in r.keys_with(OpPolicy.SAVE)}

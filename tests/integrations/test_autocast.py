@@ -70,17 +70,17 @@ def test_checkpointed_blocks_in_autocast_peak_as_predicted(bf16, blocks):
     import dataclasses
 
     from memfit.planning.plan import Region
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import simulate
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply_plan, unapply
 
     model = _gpt()
     x = zoo.example_inputs(model, batch=4)
     prof = memfit.profile(model, x, repeats=1)
-    plan = dataclasses.replace(make_plan(prof, budget=1.0, solver="every_block"),
+    plan = dataclasses.replace(plan_for_budget(prof, budget=1.0, solver="every_block"),
                                regions=tuple(Region((f"blocks.{i}",)) for i in blocks))
     predicted = simulate(prof, plan).peak_bytes
-    apply(model, plan, check=False)
+    apply_plan(model, plan, check=False)
     try:
         got = memfit.measure(Step.of(model, x).run, model=model).peak_bytes
     finally:

@@ -18,8 +18,7 @@ import torch
 import memfit
 from memfit import InfeasibleBudget, zoo
 from memfit.profiling.meters import AllocatorMeter
-from memfit.profiling.tracer import ProfileMode
-from memfit.profiling.tracer import profile as trace
+from memfit.profiling.tracer import ProfileMode, trace
 
 
 def _gpt() -> torch.nn.Module:

@@ -15,9 +15,9 @@ import torch
 
 from memfit.measuring.calibration import MIN_BLOCKS, STEADY_CHECK
 from memfit.measuring.calibration import profile as calibrated_profile
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate, time_terms
-from memfit.profiling.tracer import profile as trace_profile
+from memfit.profiling.tracer import trace
 from memfit.runtime.marks import applied_plan
 from memfit.timemodel.calibration import (
     DEFAULT_OP_S,
@@ -40,7 +40,7 @@ def test_fake_mode_keeps_the_constants() -> None:
     assert prof.calibration.source is CalibrationSource.DEFAULT
     assert "fake mode" in prof.calibration.reason
     assert np.array_equal(prof.calibration.params(), Calibration().params())
-    eb = plan(prof, budget=1.0, solver="every_block")
+    eb = plan_for_budget(prof, budget=1.0, solver="every_block")
     terms = time_terms(prof, eb)
     expected = (terms.matmul_s + terms.other_s + DEFAULT_REGION_S * terms.regions
                 + DEFAULT_OP_S * terms.ops)
@@ -56,7 +56,7 @@ def test_measured_profile_is_calibrated_and_leaves_the_model_alone() -> None:
     assert cal is not None
     names = [m.name for m in cal.measurements]
     assert names == ["every_block", "save_matmuls"]
-    eb = plan(prof, budget=1.0, solver="every_block")
+    eb = plan_for_budget(prof, budget=1.0, solver="every_block")
     assert cal.measurements[0].terms == time_terms(prof, eb)
     assert cal.measurements[0].terms.regions == 4
     # the planners' recompute seconds come from this calibration, whatever it fitted
@@ -114,9 +114,9 @@ def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, s
 
     model = _blocks(4)
     x = torch.randn(16, 32)
-    trace = trace_profile(model, x, repeats=1)
-    t_eb = time_terms(trace, plan(trace, budget=1.0, solver="every_block"))
-    t_sm = time_terms(trace, plan(trace, budget=1.0, solver="save_matmuls"))
+    traced = trace(model, x, repeats=1)
+    t_eb = time_terms(traced, plan_for_budget(traced, budget=1.0, solver="every_block"))
+    t_sm = time_terms(traced, plan_for_budget(traced, budget=1.0, solver="save_matmuls"))
     c = measure_dispatch_charges("cpu")
     truth = Calibration(matmul_scale=1.2, other_scale=0.8, region_s=c.region_s, op_s=c.op_s,
                         selective_op_s=c.selective_op_s)
@@ -125,7 +125,7 @@ def test_scales_are_separated_only_from_repeated_steps_that_agree(monkeypatch, s
     # round 0 warms up (9 s, not counted); counted rounds 1 and 2 differ by ``spread``
     import memfit.measuring.calibration
 
-    monkeypatch.setattr(memfit.measuring.calibration, "trace_profile", lambda *a, **k: trace)  # the same op times
+    monkeypatch.setattr(memfit.measuring.calibration, "trace", lambda *a, **k: traced)  # the same op times
     # ... and the same charges: measured again, they differ by timing noise, which the fit of
     # this small step's 1 ms of recompute would read as a scale (4.26 seen)
     monkeypatch.setattr(memfit.measuring.dispatch_cost, "measure_dispatch_charges", lambda *a, **k: c)

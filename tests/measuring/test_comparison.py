@@ -22,8 +22,8 @@ from memfit.measuring.twins import StepResult
 from memfit.measuring.verification import verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan
 
 BITWISE, SPREAD = Comparison.BITWISE, Comparison.WITHIN_PLAIN_SPREAD
 
@@ -137,12 +137,12 @@ def test_the_spread_mode_needs_the_second_plain_run():
 def planned_gpt():
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     x = zoo.example_inputs(model, batch=2)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     plan = Plan(regions=(Region(("blocks.0",)), Region(("blocks.1",))), predicted_peak_bytes=0, recompute_s=0.0,
                 budget_bytes=None, solver="hand", profile_signature=prof.signature,
                 plain_peak_bytes=prof.peak_bytes, plain_step_s=prof.step_time_s, model="GPT")
     plan = dataclasses.replace(plan, predicted_peak_bytes=simulate(prof, plan).peak_bytes)
-    apply(model, plan)
+    apply_plan(model, plan)
     return model, x
 
 

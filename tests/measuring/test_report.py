@@ -142,10 +142,10 @@ def test_sweep_measures_budgets_and_baselines(tmp_path):
 
     from memfit.measuring.twins import make_step
     from memfit.profiling.measure import measure
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     for r in (row70, rowmin, every):
-        twin = apply(copy.deepcopy(model), r.plan)
+        twin = apply_plan(copy.deepcopy(model), r.plan)
         again = measure(make_step(twin, x)).peak_bytes
         assert r.measured_peak_bytes == again, (r.label, r.measured_peak_bytes, again)
         assert r.measured_peak_bytes < 0.8 * plain.measured_peak_bytes, r.label

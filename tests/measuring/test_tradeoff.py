@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from memfit import InfeasibleBudget, zoo
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.profiling.measure import measure
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply, unapply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan, unapply
 from memfit.step.harness import Step
 from memfit.step.inputs import normalize_inputs
 
@@ -55,17 +55,17 @@ def _case(name: str):
 @pytest.mark.parametrize("name", ["gpt", "unet3d", "resnet", "llama"])
 def test_measured_peak_within_budget_and_monotone(name):
     model, x = _case(name)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     with pytest.raises(InfeasibleBudget) as err:
-        make_plan(prof, budget=1)
+        plan_for_budget(prof, budget=1)
     low, plain = err.value.min_feasible_bytes, prof.peak_bytes
     args, kwargs = normalize_inputs(x)
     measured = []
     for frac in (1.0, 0.75, 0.5, 0.25, 0.0):
         budget = int(low + frac * (plain - low))
-        plan = make_plan(prof, budget=budget)
+        plan = plan_for_budget(prof, budget=budget)
         assert plan.predicted_peak_bytes <= budget
-        apply(model, plan)
+        apply_plan(model, plan)
         try:
             peak = measure(Step(model, args, kwargs).run, model=model).peak_bytes
         finally:

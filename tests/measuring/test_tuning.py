@@ -24,8 +24,8 @@ from memfit.measuring.tuning import (
     tune,
 )
 from memfit.planning.plan import Plan, Region, TunedCandidate, Tuning
-from memfit.planning.planner import plan as make_plan
-from memfit.profiling.tracer import profile
+from memfit.planning.planner import plan_for_budget
+from memfit.profiling.tracer import trace
 from memfit.step.harness import Step
 
 WIDTH = 16
@@ -171,7 +171,7 @@ def test_a_candidate_that_fails_is_dropped_not_chosen():
 def gpt_profile():
     m = zoo.gpt(n_layer=4, d_model=64, n_head=2, seq_len=64, vocab_size=128)
     x = zoo.example_inputs(m, batch=2)
-    return m, x, profile(m, x, repeats=1)
+    return m, x, trace(m, x, repeats=1)
 
 
 def test_candidates_are_distinct_and_name_every_source(gpt_profile):
@@ -219,7 +219,7 @@ def test_baselines_over_the_budget_are_left_out(gpt_profile):
     cands, notes = candidates(prof, 0.5)
     budget = cands[0].plan.budget_bytes
     assert budget is not None
-    peaks = {b: make_plan(prof, budget=prof.peak_bytes, solver=b).predicted_peak_bytes
+    peaks = {b: plan_for_budget(prof, budget=prof.peak_bytes, solver=b).predicted_peak_bytes
              for b in ("every_block", "sqrt", "save_matmuls")}
     over = {b for b, peak in peaks.items() if peak > budget}
     assert over and over != set(peaks)  # the case tests both sides

@@ -9,7 +9,7 @@ from torch import nn
 from memfit import zoo
 from memfit.measuring.twins import plain_copy, record_step, twin_step
 from memfit.planning.plan import Plan, Region
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.step.harness import Step
 
 
@@ -25,7 +25,7 @@ def _gpt() -> nn.Module:
 def test_plain_copy_of_a_planned_model_carries_no_plan_and_leaves_the_plan_on():
     model = _gpt()
     plan = _plan("blocks.0")
-    apply(model, plan)
+    apply_plan(model, plan)
     twin = plain_copy(model)
     assert "memfit_plan" not in twin.__dict__ and model.memfit_plan is plan
     for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):

@@ -12,8 +12,8 @@ from memfit import zoo
 from memfit.measuring.verification import PEAK_ATOL_BYTES, peak_tolerance, rng_state_bytes, verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan
 from memfit.step.harness import Step
 from memfit.units import format_bytes
 
@@ -24,7 +24,7 @@ def _small_gpt(n_layer: int = 2) -> nn.Module:
 
 def _hand_plan(model: nn.Module, x, paths: tuple[str, ...], loss_fn=None) -> Plan:
     """A plan checkpointing ``paths`` (one region each), with the simulator's prediction."""
-    prof = profile(model, x, loss_fn=loss_fn, repeats=1)
+    prof = trace(model, x, loss_fn=loss_fn, repeats=1)
     p = Plan(regions=tuple(Region((q,)) for q in paths), predicted_peak_bytes=0, recompute_s=0.0,
              budget_bytes=None, solver="hand", profile_signature=prof.signature,
              plain_peak_bytes=prof.peak_bytes, plain_step_s=prof.step_time_s, model=type(model).__name__)
@@ -37,7 +37,7 @@ def planned_gpt():
     model = _small_gpt()
     x = zoo.example_inputs(model, batch=2)
     plan = _hand_plan(model, x, ("blocks.0", "blocks.1"))
-    apply(model, plan)
+    apply_plan(model, plan)
     return model, x, plan
 
 
@@ -163,7 +163,7 @@ def planned_tiny_gpt():
     x = zoo.example_inputs(model, batch=1)
     plan = _hand_plan(model, x, ("blocks.0", "blocks.1"))
     plan = dataclasses.replace(plan, predicted_peak_bytes=plan.predicted_peak_bytes - 2 * rng_state_bytes())
-    apply(model, plan)
+    apply_plan(model, plan)
     return model, x, plan
 
 
@@ -216,7 +216,7 @@ def test_verify_runs_a_step_made_in_autocast_under_it():
     x = zoo.example_inputs(model, batch=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         step = Step.of(model, x)
-    prof = profile(step, repeats=1)
+    prof = trace(step, repeats=1)
     p = Plan(regions=(Region(("blocks.0",)),), predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
              solver="hand", profile_signature=prof.signature, plain_peak_bytes=prof.peak_bytes)
     p = dataclasses.replace(p, predicted_peak_bytes=simulate(prof, p).peak_bytes)

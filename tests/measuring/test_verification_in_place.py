@@ -18,21 +18,21 @@ from memfit.measuring.twins import UncopyableModel, no_twin_reason, plain_copy
 from memfit.measuring.verification import verify
 from memfit.planning.plan import Plan, Region
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile
-from memfit.runtime.apply import apply
+from memfit.profiling.tracer import trace
+from memfit.runtime.apply import apply_plan
 from memfit.runtime.marks import applied_plan
 
 
 def _uncopyable_planned_gpt(paths: tuple[str, ...]) -> tuple[nn.Module, torch.Tensor, Plan]:
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     x = zoo.example_inputs(model, batch=2)
-    prof = profile(model, x, repeats=1)
+    prof = trace(model, x, repeats=1)
     plan = Plan(regions=tuple(Region((q,)) for q in paths), predicted_peak_bytes=0, recompute_s=0.0,
                 budget_bytes=None, solver="hand", profile_signature=prof.signature,
                 plain_peak_bytes=prof.peak_bytes, plain_step_s=prof.step_time_s, model="GPT")
     sim = simulate(prof, plan)
     plan = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, recompute_s=sim.recompute_s)
-    apply(model, plan)
+    apply_plan(model, plan)
     model.lock = threading.Lock()  # type: ignore[assignment]  # deepcopy: "cannot pickle '_thread.lock'"
     return model, x, plan
 

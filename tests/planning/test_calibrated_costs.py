@@ -9,7 +9,7 @@ import pytest
 from profile_builders import TICK, OpSpec, chain_profile
 
 from memfit.planning.plan import Plan, Region
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate, time_terms
 from memfit.profiling.profile import Profile
 from memfit.timemodel.calibration import Calibration, CalibrationSource
@@ -53,7 +53,7 @@ CALIBRATIONS = {
 def test_calibration_changes_the_chosen_plan(name: str, solver: str) -> None:
     cal, expected = CALIBRATIONS[name]
     prof = dataclasses.replace(_two_blocks(), calibration=cal)
-    got = plan(prof, budget=_budget(prof), solver=solver)
+    got = plan_for_budget(prof, budget=_budget(prof), solver=solver)
     assert [r.modules for r in got.regions] == [(expected,)]
     assert [r.save for r in got.regions] == [()]
     model = cal if cal is not None else Calibration()

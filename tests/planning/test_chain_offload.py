@@ -15,7 +15,7 @@ from profile_builders import TICK, chain_profile, random_chain, residual_block
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, chain, chain_offload
 from memfit.planning.solvers.chain_offload import d2h_excess, link_windows
@@ -94,8 +94,8 @@ def test_chain_dp_moves_a_saved_op_to_the_host_to_save_another():
     at the same budget. Exact seconds: the add reruns (1 tick) plus the fixed charges of 4
     forward ops with selective mode, and the two copies' per-storage charges."""
     prof = chain_profile([residual_block([16, 256, 16], times=[8 * TICK, 7 * TICK, TICK])] * 2)
-    without = plan(prof, budget=_TRADE_BUDGET, solver="chain")
-    with_ = plan(prof, budget=_TRADE_BUDGET, solver="chain", offload=True, target=_link(2.0**12))
+    without = plan_for_budget(prof, budget=_TRADE_BUDGET, solver="chain")
+    with_ = plan_for_budget(prof, budget=_TRADE_BUDGET, solver="chain", offload=True, target=_link(2.0**12))
     assert [(r.name, r.decisions) for r in without.regions] == [
         ("layers.0", {MM0: OpPolicy.SAVE, MM1: OpPolicy.SAVE})]
     assert [(r.name, r.decisions) for r in with_.regions] == [

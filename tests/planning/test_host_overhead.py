@@ -18,7 +18,7 @@ from memfit.planning.effects import ProfileArrays
 from memfit.planning.hidden_host import device_only, plan_hides
 from memfit.planning.hosttime import HOST_OP_S, OFFLOAD_TENSOR_S, max_disjoint
 from memfit.planning.plan import OpPolicy, Plan, Region
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.timemodel.calibration import (
     DEFAULT_OP_S,
@@ -64,7 +64,7 @@ def test_fixed_charges_hide_only_on_a_device_bound_async_step(device, cost_model
     assert sel == 2 * TICK * scale + charged * (DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S))
     host = ProfileArrays(prof).host
     assert host.hidden is hidden
-    p = plan(prof, budget=0.9, solver="milp")
+    p = plan_for_budget(prof, budget=0.9, solver="milp")
     assert any("host overhead on an async device hidden" in n for n in p.notes) is hidden
 
 
@@ -93,7 +93,7 @@ def test_a_plan_whose_own_host_work_hides_costs_its_device_seconds():
     prof = _toy("h100", "roofline:h100", DEFAULT, scale)
     host = ProfileArrays(prof).host
     assert (host.hidden, host.device_s) == (False, 69 * TICK * scale) and host.host_bound_s > host.device_s
-    p = plan(prof, budget=0.9, solver="milp")
+    p = plan_for_budget(prof, budget=0.9, solver="milp")
     assert p.regions == (Region(("layers.0",), (("aten.gelu.default#0", OpPolicy.SAVE),),
                                 9 * TICK * scale, 128, False),)
     assert p.recompute_s == 9 * TICK * scale == simulate(device_only(prof), p).recompute_s
@@ -114,7 +114,7 @@ def test_a_baseline_plan_is_costed_by_rule_4_too(scale, charged):
     shorter its host work (18 + 6 launches, 6 checked ops, 2 regions) hides behind its 69 + 20
     ticks; at 256x it does not, and its 2 regions and 6 ops are charged."""
     prof = _toy("h100", "roofline:h100", DEFAULT, scale)
-    p = plan(prof, budget=0.9, solver="every_block")
+    p = plan_for_budget(prof, budget=0.9, solver="every_block")
     assert [r.modules for r in p.regions] == [("layers.0",), ("layers.1",)]
     assert p.recompute_s == 20 * TICK * scale + charged * (2 * DEFAULT_REGION_S + 6 * DEFAULT_OP_S)
     assert plan_hides(prof, p, 20 * TICK * scale) == (
@@ -127,7 +127,7 @@ def test_a_plan_whose_own_host_work_does_not_hide_keeps_the_charges():
     region, 3 ops checked), as without rule 4."""
     scale = 2.0**-8
     prof = _toy("h100", "roofline:h100", DEFAULT, scale)
-    p = plan(prof, budget=0.9, solver="milp")
+    p = plan_for_budget(prof, budget=0.9, solver="milp")
     assert p.regions == (Region(("layers.0",), (), 10 * TICK * scale + DEFAULT_REGION_S + 3 * DEFAULT_OP_S,
                                 64, False),)
     assert p.recompute_s == simulate(prof, p).recompute_s == 10 * TICK * scale + DEFAULT_REGION_S + 3 * DEFAULT_OP_S

@@ -166,7 +166,7 @@ def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
     pytest.importorskip("transformers")
     from pathlib import Path
 
-    from memfit.profiling.tracer import profile as trace
+    from memfit.profiling.tracer import trace
     from memfit.zoo.specs import load_model
 
     config = Path(__file__).resolve().parent.parent / "examples" / "llama-7b.json"

@@ -11,7 +11,7 @@ from torch import nn
 import memfit
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.solvers.chain import ChainModel
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 LAYERS = [16, 16, 16, 16, 16, 16, "M", 32, 32]  # 8 convolutions, each with an in-place ReLU
 
@@ -33,7 +33,7 @@ def _cnn() -> tuple[nn.Module, torch.Tensor]:
 @pytest.fixture(scope="module")
 def case():  # type: ignore[no-untyped-def]
     model, x = _cnn()
-    return model, x, profile(model, x, repeats=1)
+    return model, x, trace(model, x, repeats=1)
 
 
 def test_a_flat_sequential_is_a_chain_of_merged_blocks(case) -> None:
@@ -81,7 +81,7 @@ def test_zoo_chains_keep_their_single_module_blocks(name: str) -> None:
     from memfit import zoo
 
     model = zoo.build(name)
-    prof = profile(model, zoo.example_inputs(model, batch=2), repeats=1)
+    prof = trace(model, zoo.example_inputs(model, batch=2), repeats=1)
     ctx = PlanningContext(prof)
     main = ctx.chains[0]
     assert main.parent == ("blocks" if name == "gpt" else "layers")

@@ -9,7 +9,7 @@ from profile_builders import gpt_like
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import auto, chain, milp, milp_rows
 
@@ -52,8 +52,8 @@ def test_auto_runs_milp_on_a_gpt_and_keeps_the_faster_plan():
     n_vars, n_points = auto.milp_cells(ctx)
     assert n_vars * n_points <= auto.BOTH_MAX_CELLS
     budget = int(0.5 * prof.peak_bytes)
-    p = plan(prof, budget=budget)
-    c = plan(prof, budget=budget, solver="chain")
+    p = plan_for_budget(prof, budget=budget)
+    c = plan_for_budget(prof, budget=budget, solver="chain")
     assert p.solver == "milp" and "faster" in p.notes[0]
     assert p.recompute_s < c.recompute_s
     assert simulate(prof, p).peak_bytes <= budget

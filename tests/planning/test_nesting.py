@@ -9,7 +9,7 @@ from profile_builders import gpt_like
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import chain
 
@@ -43,7 +43,7 @@ def test_planner_reaches_the_nested_floor():
     prof = gpt_like(4)
     ctx = PlanningContext(prof)
     lo = chain.min_peak(ctx)
-    p = make_plan(prof, budget=lo)
+    p = plan_for_budget(prof, budget=lo)
     assert p.predicted_peak_bytes == lo
     inner = [r for r in p.regions if r.name.count(".") >= 2]
     assert inner and all(r.save == () for r in inner)

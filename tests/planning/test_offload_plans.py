@@ -21,7 +21,7 @@ from memfit.planning.candidates import PlanningContext
 from memfit.planning.costs import LinearModel
 from memfit.planning.offload import OFFLOAD_TENSOR_S, OffloadSpec
 from memfit.planning.plan import OpPolicy, Plan, Region
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, milp
 from memfit.timemodel.calibration import DEFAULT_OP_S, DEFAULT_REGION_S, DEFAULT_SELECTIVE_OP_S
@@ -61,7 +61,7 @@ _OFFLOAD_BOTH_S = DEFAULT_REGION_S + 3 * (DEFAULT_OP_S + DEFAULT_SELECTIVE_OP_S)
 ], ids=["fast-link-offloads", "slow-link-recomputes"])
 def test_offload_chosen_exactly_when_it_beats_recompute(rate, decisions, expect_s):
     prof = _toy()
-    p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True, target=_link(rate))
+    p = plan_for_budget(prof, budget=MIN_PEAK, solver="milp", offload=True, target=_link(rate))
     assert _ops(p) == [("layers.0", decisions)]
     assert p.predicted_peak_bytes == MIN_PEAK
     assert p.recompute_s == expect_s
@@ -79,7 +79,7 @@ def test_offload_choice_follows_the_modelled_cost_across_link_rates():
     seen = set()
     for k in range(8, 21):
         rate = 2.0**k
-        p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True, target=_link(rate))
+        p = plan_for_budget(prof, budget=MIN_PEAK, solver="milp", offload=True, target=_link(rate))
         times = {}
         for pols in itertools.product((None, OpPolicy.OFFLOAD), repeat=2):
             dec = {key: pol for key, pol in zip((MM, GELU), pols, strict=True) if pol}
@@ -153,7 +153,7 @@ def test_host_cap_holds(cap, decisions, host):
     prof = _toy()
     if cap == "0":
         cap = 0
-    p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True, host_budget=cap, target=_link(2.0**20))
+    p = plan_for_budget(prof, budget=MIN_PEAK, solver="milp", offload=True, host_budget=cap, target=_link(2.0**20))
     assert _ops(p) == [("layers.0", decisions)]
     assert p.host_peak_bytes == host
     sim = _sim(prof, *p.regions, rate=2.0**20)
@@ -161,7 +161,7 @@ def test_host_cap_holds(cap, decisions, host):
 
 
 def test_plan_json_round_trip_with_offload(tmp_path):
-    p = plan(_toy(), budget=MIN_PEAK, solver="milp", offload=True, target=_link(2.0**20))
+    p = plan_for_budget(_toy(), budget=MIN_PEAK, solver="milp", offload=True, target=_link(2.0**20))
     path = tmp_path / "plan.json"
     p.save(path)
     back = Plan.load(path)
@@ -176,8 +176,8 @@ def test_plan_json_round_trip_with_offload(tmp_path):
 
 def test_offload_on_a_cpu_profile_is_a_noted_no_op():
     prof = _toy()  # measured on "cpu": the CPU preset has no host link
-    p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True)
-    assert p.regions == plan(prof, budget=MIN_PEAK, solver="milp").regions
+    p = plan_for_budget(prof, budget=MIN_PEAK, solver="milp", offload=True)
+    assert p.regions == plan_for_budget(prof, budget=MIN_PEAK, solver="milp").regions
     assert not any(r.keys_with(OpPolicy.OFFLOAD) for r in p.regions) and p.host_peak_bytes == 0
     assert any("offload=True ignored" in n and "cpu" in n for n in p.notes)
 
@@ -185,12 +185,12 @@ def test_offload_on_a_cpu_profile_is_a_noted_no_op():
 def test_offload_on_a_gpu_measured_profile_needs_a_target():
     prof = dataclasses.replace(_toy(), device="cuda:0")
     with pytest.raises(ValueError, match=r"measured on 'cuda:0'.*target='a100', 'h100' or 'h200'"):
-        plan(prof, budget=MIN_PEAK, offload=True)
-    p = plan(prof, budget=MIN_PEAK, solver="milp", offload=True, target="h100")
+        plan_for_budget(prof, budget=MIN_PEAK, offload=True)
+    p = plan_for_budget(prof, budget=MIN_PEAK, solver="milp", offload=True, target="h100")
     assert p.host_peak_bytes == 320  # 51.2 GB/s: copies of 320 B hide
     assert p.extra["target"] == "h100"  # NOTE [offload on a CPU model] in memfit.runtime.apply
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).extra["target"] == "h100"
-    assert "target" not in plan(prof, budget=MIN_PEAK, solver="milp").extra  # no offload, no target
+    assert "target" not in plan_for_budget(prof, budget=MIN_PEAK, solver="milp").extra  # no offload, no target
 
 
 @pytest.mark.parametrize(("kw", "err", "match"), [
@@ -203,16 +203,16 @@ def test_offload_on_a_gpu_measured_profile_needs_a_target():
 ], ids=["percent", "float", "garbage", "negative", "no-offload", "not-bool"])
 def test_bad_offload_arguments_say_what_was_wrong(kw, err, match):
     with pytest.raises(err, match=match):
-        plan(_toy(), budget=MIN_PEAK, target=_link(2.0**20), **kw)
+        plan_for_budget(_toy(), budget=MIN_PEAK, target=_link(2.0**20), **kw)
 
 
 def test_chain_solver_plans_without_offload_then_offloads():
     """NOTE [chain and offload]: the chain DP plans, the offload pass turns recomputed ops into
     offloaded ones; simulate's figures are the plan's."""
     prof = chain_profile([residual_block([256, 64], times=[8 * TICK, TICK])] * 4)
-    budget = plan(prof, budget="min", solver="chain").predicted_peak_bytes
-    base = plan(prof, budget=budget, solver="chain")
-    p = plan(prof, budget=budget, solver="chain", offload=True, target=_link(2.0**20))
+    budget = plan_for_budget(prof, budget="min", solver="chain").predicted_peak_bytes
+    base = plan_for_budget(prof, budget=budget, solver="chain")
+    p = plan_for_budget(prof, budget=budget, solver="chain", offload=True, target=_link(2.0**20))
     assert any(r.keys_with(OpPolicy.OFFLOAD) for r in p.regions)
     assert [r.modules for r in p.regions] == [r.modules for r in base.regions]
     assert p.predicted_peak_bytes <= budget and p.recompute_s < base.recompute_s

@@ -16,7 +16,7 @@ from profile_builders import _run_block as run_block
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import brute, chain
 
@@ -67,9 +67,9 @@ def test_the_floor_answers_without_a_search_when_gradients_set_the_peak(monkeypa
 
     monkeypatch.setattr(chain.ChainModel, "__init__", no_search)
     with pytest.raises(InfeasibleBudget, match="what no plan drops") as e:
-        make_plan(prof, budget=0.6)
+        plan_for_budget(prof, budget=0.6)
     assert e.value.min_feasible_bytes == prof.peak_bytes
-    smallest = make_plan(prof, budget="min")
+    smallest = plan_for_budget(prof, budget="min")
     assert smallest.regions == () and smallest.predicted_peak_bytes == prof.peak_bytes
 
 
@@ -101,10 +101,10 @@ def test_min_is_one_state_search_and_the_fastest_plan_at_its_peak(monkeypatch):
         return real(model, budget_bytes)
 
     monkeypatch.setattr(chain, "run_dp", counting)
-    smallest = make_plan(prof, budget="min", solver="chain")
+    smallest = plan_for_budget(prof, budget="min", solver="chain")
     assert searched == [1, smallest.predicted_peak_bytes]
     monkeypatch.setattr(chain, "run_dp", real)
-    at_peak = make_plan(prof, budget=smallest.predicted_peak_bytes, solver="chain")
+    at_peak = plan_for_budget(prof, budget=smallest.predicted_peak_bytes, solver="chain")
     assert at_peak.regions == smallest.regions
     assert at_peak.recompute_s == smallest.recompute_s
 
@@ -112,10 +112,10 @@ def test_min_is_one_state_search_and_the_fastest_plan_at_its_peak(monkeypatch):
 @pytest.mark.parametrize("frac", [0.6, 0.7, 0.85])
 def test_the_state_cap_keeps_plans_that_fit_and_close_to_the_optimum(monkeypatch, frac):
     prof = decoder_profile(24)
-    exact = make_plan(prof, budget=frac)
+    exact = plan_for_budget(prof, budget=frac)
     assert not any("NOTE [state cap]" in n for n in exact.notes)
     monkeypatch.setattr(chain, "STATE_CAP", 256)
-    capped = make_plan(prof, budget=frac)
+    capped = plan_for_budget(prof, budget=frac)
     assert capped.predicted_peak_bytes <= capped.budget_bytes == exact.budget_bytes
     assert capped.recompute_s >= exact.recompute_s
     # 256 bands of kept bytes (this decoder's frontier reaches some 1,500 states) lose little:
@@ -128,9 +128,9 @@ def test_the_state_cap_keeps_plans_that_fit_and_close_to_the_optimum(monkeypatch
 def test_plans_of_chains_under_the_cap_are_exact(monkeypatch):
     # 32 decoder layers never reach the cap: the plan equals the uncapped DP's
     prof = decoder_profile(32)
-    default = [make_plan(prof, budget=f) for f in (0.6, 0.8)]
+    default = [plan_for_budget(prof, budget=f) for f in (0.6, 0.8)]
     monkeypatch.setattr(chain, "STATE_CAP", 10**9)
-    exact = [make_plan(prof, budget=f) for f in (0.6, 0.8)]
+    exact = [plan_for_budget(prof, budget=f) for f in (0.6, 0.8)]
     for d, e in zip(default, exact, strict=True):
         assert d.regions == e.regions and d.recompute_s == e.recompute_s
 
@@ -160,10 +160,10 @@ def test_a_126_layer_decoder_plans_within_the_state_cap(monkeypatch):
         return out
 
     monkeypatch.setattr(chain, "_prune", watched)
-    p = make_plan(prof, budget="min")
+    p = plan_for_budget(prof, budget="min")
     assert p.solver == "chain" and p.predicted_peak_bytes == p.budget_bytes
     assert len(built) == 1
     assert len(capped) == len(over) and max(capped, default=0) <= chain.STATE_CAP + 1
-    q = make_plan(prof, budget=0.7)
+    q = plan_for_budget(prof, budget=0.7)
     assert q.predicted_peak_bytes <= q.budget_bytes
     assert len(built) == 2  # one per plan call

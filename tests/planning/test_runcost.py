@@ -10,10 +10,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memfit import zoo
 from memfit.planning.plan import Plan, Region
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.runcost import RunCost
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.timemodel.devices import PRESETS
 
 CFG = {"n_layer": 3, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}
@@ -49,8 +49,8 @@ def test_every_block_recomputes_one_forward_of_the_blocks(mode, target):
     """The issue's acceptance number: every-block checkpointing's extra FLOPs are one more
     forward of the blocks, as torch's FlopCounterMode counts it."""
     model, x = _gpt_and_inputs()
-    prof = profile(model, x, mode=mode, target=target)
-    p = plan(prof, budget=1.0, solver="every_block")
+    prof = trace(model, x, mode=mode, target=target)
+    p = plan_for_budget(prof, budget=1.0, solver="every_block")
     assert [r.modules for r in p.regions] == [(f"blocks.{i}",) for i in range(CFG["n_layer"])]
     want = _forward_flops(model, x, list(model.blocks))
     assert want > 0
@@ -63,7 +63,7 @@ def test_a_nested_region_is_recomputed_twice():
     """NOTE [nested regions]: an attention checkpointed inside its checkpointed block reruns in
     the block's replay and again in its own."""
     model, x = _gpt_and_inputs()
-    prof = profile(model, x)
+    prof = trace(model, x)
     nested = Plan((Region(("blocks.1",)), Region(("blocks.1.attn",))), 0, 0.0, None, "manual", "")
     sim = simulate(prof, nested)
     block = _forward_flops(model, x, [model.blocks[1]])
@@ -76,11 +76,11 @@ def test_a_nested_region_is_recomputed_twice():
 def test_saved_matmuls_are_not_recomputed():
     """save_matmuls keeps every matmul's output: what reruns has no FLOP formula."""
     model, x = _gpt_and_inputs()
-    prof = profile(model, x)
-    every = plan(prof, budget=1.0, solver="every_block")
-    saving = plan(prof, budget=1.0, solver="save_matmuls")
+    prof = trace(model, x)
+    every = plan_for_budget(prof, budget=1.0, solver="every_block")
+    saving = plan_for_budget(prof, budget=1.0, solver="save_matmuls")
     assert every.extra_flops > 0 and saving.extra_flops == 0
-    assert plan(prof, budget=1.0).extra_flops == 0  # nothing to checkpoint
+    assert plan_for_budget(prof, budget=1.0).extra_flops == 0  # nothing to checkpoint
 
 
 # ---- cost arithmetic on a hand-built plan ----------------------------------------------------
@@ -183,7 +183,7 @@ def test_a_plan_written_before_the_fields_loads_and_asks_for_a_target():
 
 def test_a_planned_profile_json_round_trip():
     model, x = _gpt_and_inputs()
-    p = plan(profile(model, x, mode="fake", target="a100"), budget="min")
+    p = plan_for_budget(trace(model, x, mode="fake", target="a100"), budget="min")
     back = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
     assert back == p and back.extra_flops == p.extra_flops > 0 and back.profile_device == "a100"
     assert back.cost(1000, 4).board_power_w == 400

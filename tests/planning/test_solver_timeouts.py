@@ -8,7 +8,7 @@ from profile_builders import chain_profile, decoder_profile, residual_block, une
 
 from memfit.errors import InfeasibleBudget, MemfitError, SolverTimeout
 from memfit.planning.candidates import PlanningContext
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import milp
 
@@ -36,7 +36,7 @@ def case(request):
 
 def test_auto_returns_a_fitting_plan_when_milp_runs_out_of_time(case):
     name, prof, budget = case
-    p = plan(prof, budget=budget, solver="auto", time_limit_s=TINY_S)
+    p = plan_for_budget(prof, budget=budget, solver="auto", time_limit_s=TINY_S)
     assert p.solver == FALLBACK[name]
     assert p.predicted_peak_bytes == simulate(prof, p).peak_bytes <= budget
     assert len(p.regions) > 0
@@ -46,7 +46,7 @@ def test_auto_returns_a_fitting_plan_when_milp_runs_out_of_time(case):
 def test_explicit_milp_timeout_is_a_memfit_error_saying_what_to_do(case):
     _, prof, budget = case
     with pytest.raises(SolverTimeout) as info:
-        plan(prof, budget=budget, solver="milp", time_limit_s=TINY_S)
+        plan_for_budget(prof, budget=budget, solver="milp", time_limit_s=TINY_S)
     e = info.value
     assert isinstance(e, MemfitError) and isinstance(e, TimeoutError)
     assert e.solver == "milp" and e.time_limit_s == TINY_S
@@ -57,8 +57,8 @@ def test_explicit_milp_timeout_is_a_memfit_error_saying_what_to_do(case):
 def test_auto_reports_greedys_smaller_minimum_when_milp_runs_out_of_time():
     prof = PROFILES["unet"]()
     with pytest.raises(InfeasibleBudget) as info:
-        plan(prof, budget=1, solver="auto", time_limit_s=TINY_S)
+        plan_for_budget(prof, budget=1, solver="auto", time_limit_s=TINY_S)
     low = info.value.min_feasible_bytes
     assert low < prof.peak_bytes  # a real plan's peak, not the un-checkpointed one
-    p = plan(prof, budget=low, solver="auto", time_limit_s=TINY_S)  # and a plan reaches it
+    p = plan_for_budget(prof, budget=low, solver="auto", time_limit_s=TINY_S)  # and a plan reaches it
     assert p.predicted_peak_bytes == simulate(prof, p).peak_bytes <= low

@@ -21,7 +21,7 @@ from profile_builders import (
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan
-from memfit.planning.planner import plan as make_plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import Infeasible, brute, chain, get_solver, greedy, milp, milp_rows
 
@@ -113,7 +113,7 @@ def test_greedy_plans_fit(seed, kind, ws):
             assert sol.recompute_s >= t_opt  # over it may cost less (seed 7782, unet: 1472 B
             # simulated at budget 1408, 0.0124 s against the optimum's 0.0143 s)
         try:
-            planned = make_plan(prof, budget=budget, solver="greedy")
+            planned = plan_for_budget(prof, budget=budget, solver="greedy")
         except InfeasibleBudget as e:
             assert e.min_feasible_bytes > budget
             continue

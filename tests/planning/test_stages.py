@@ -6,7 +6,7 @@ import pytest
 from profile_builders import chain_profile, residual_block
 
 from memfit.errors import InfeasibleBudget
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan_for_budget
 from memfit.planning.simulate import simulate
 from memfit.planning.stages import held_bytes, plan_stage, stage_candidates, stage_peak
 
@@ -18,13 +18,13 @@ def chain6():
 
 
 def test_held_bytes_are_the_live_bytes_at_the_end_of_forward(chain6):
-    none = plan(chain6, budget=chain6.peak_bytes, solver="none")
+    none = plan_for_budget(chain6, budget=chain6.peak_bytes, solver="none")
     assert held_bytes(chain6, simulate(chain6, none)) == chain6.live_bytes[chain6.n_forward - 1]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4], ids=lambda k: f"in_flight={k}")
 def test_stage_peak_is_k_minus_one_helds_plus_one_step(chain6, k):
-    p = plan(chain6, budget=0.7)
+    p = plan_for_budget(chain6, budget=0.7)
     sim = simulate(chain6, p)
     sp = stage_peak(chain6, p, k)
     assert sp.step_peak_bytes == sim.peak_bytes == p.predicted_peak_bytes

@@ -25,7 +25,7 @@ from profiling_models import TinyGPT, gpt_inputs
 
 from memfit.profiling.cpu_rates import calibrate_cpu
 from memfit.profiling.profile import StorageKind
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.timemodel.devices import PRESETS, op_time_s, preset
 
 
@@ -33,8 +33,8 @@ def test_fake_mode_matches_measure_mode_byte_for_byte() -> None:
     # target "cpu": the CPU's kernels, as measured here (a GPU target traces a GPU's dropout:
     # test_fake_gpu.py)
     model, x = TinyGPT(), gpt_inputs()
-    real = profile(model, x, loss_fn=lambda out: out, repeats=1)
-    fake = profile(model, x, loss_fn=lambda out: out, mode="fake", target="cpu")
+    real = trace(model, x, loss_fn=lambda out: out, repeats=1)
+    fake = trace(model, x, loss_fn=lambda out: out, mode="fake", target="cpu")
     assert [o.name for o in fake.ops] == [o.name for o in real.ops]
     assert fake.signature == real.signature
     key = lambda s: (s.nbytes, s.kind, s.created_by, s.freed_after, s.saved,  # noqa: E731
@@ -52,8 +52,8 @@ def test_fake_mode_under_autocast_matches_measure_mode_byte_for_byte() -> None:
     profiled 22% over in fake mode, in float32 and 52 ops short)."""
     model, x = TinyGPT(), gpt_inputs()
     with torch.autocast("cpu", torch.bfloat16):
-        real = profile(model, x, loss_fn=lambda out: out.float(), repeats=1)
-        fake = profile(model, x, loss_fn=lambda out: out.float(), mode="fake", target="h100")
+        real = trace(model, x, loss_fn=lambda out: out.float(), repeats=1)
+        fake = trace(model, x, loss_fn=lambda out: out.float(), mode="fake", target="h100")
     assert [o.name for o in fake.ops] == [o.name for o in real.ops]
     assert sum(o.name == "aten._to_copy.default" for o in fake.ops) > 0
     key = lambda s: (s.nbytes, s.kind, s.created_by, s.freed_after, s.saved,  # noqa: E731
@@ -69,7 +69,7 @@ def test_fake_mode_under_autocast_matches_measure_mode_byte_for_byte() -> None:
     assert fake_tensors == tensors
     assert sum(op.workspace_bytes > 0 for op in fake.ops) == 2  # the two softmax backwards
     assert fake.peak_bytes == max(fake.live_bytes)
-    plain = profile(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
+    plain = trace(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
     assert plain.peak_bytes > fake.peak_bytes  # float32 activations, as before the fix
 
 
@@ -92,7 +92,7 @@ def _check_llama(n_layer: int, seq: int) -> None:
     (``python -m benchmarks.fake_speed``), not asserted: a unit test's wall clock moves with
     the machine's load."""
     model, inputs = _llama(n_layer, seq)
-    p = profile(model, inputs, mode="fake", target="h100")
+    p = trace(model, inputs, mode="fake", target="h100")
     s, h, i, n, V, L = seq, 4096, 11008, 32, 32000, n_layer
     param_bytes = 2 * (2 * V * h + L * (4 * h * h + 3 * h * i + 2 * h) + h)
     assert sum(r.nbytes for r in p.storages if r.kind == StorageKind.PARAMETER) == param_bytes

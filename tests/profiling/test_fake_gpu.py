@@ -51,7 +51,7 @@ from memfit.profiling.sdpa_rules import (
     select_backend,
 )
 from memfit.profiling.sdpa_rules import SdpBackend as Backend
-from memfit.profiling.tracer import check_profile_matches, profile
+from memfit.profiling.tracer import check_profile_matches, trace
 
 BF16 = torch.bfloat16
 FLASH = "aten._scaled_dot_product_flash_attention.default"
@@ -93,7 +93,7 @@ def _stack(n: int, h: int, a: int, s: int, attention: str) -> nn.Module:
 
 def _profiles(h: int, a: int, s: int, b: int, attention: str, target: str) -> tuple[Profile, Profile]:
     x = torch.zeros(b, s, h, dtype=BF16, device="meta")
-    one, two = (profile(_stack(n, h, a, s, attention), x, mode="fake", target=target)
+    one, two = (trace(_stack(n, h, a, s, attention), x, mode="fake", target=target)
                 for n in (1, 2))
     return one, two
 
@@ -154,7 +154,7 @@ def _sdpa_profile(q_shape: tuple[int, ...], dtype: torch.dtype = BF16, *, kv_hea
 
     qkv = tuple(torch.zeros(shape, dtype=dtype, device="meta", requires_grad=True)
                 for shape in (q_shape, kv, kv))
-    return profile(Attention(), qkv, mode="fake", target=target)
+    return trace(Attention(), qkv, mode="fake", target=target)
 
 
 @pytest.mark.parametrize(("case", "kwargs", "op", "backend"), [
@@ -236,7 +236,7 @@ def test_sdpa_kernel_inside_the_forward_is_followed() -> None:
             return slow + F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
     q = torch.zeros(2, 8, 128, 64, dtype=BF16, device="meta", requires_grad=True)
-    p = profile(Pinned(), q, mode="fake", target="a100")
+    p = trace(Pinned(), q, mode="fake", target="a100")
     assert p.extra["cuda_kernels"] == {"sdpa:flash": 1, "sdpa:math": 1}
 
 
@@ -253,12 +253,12 @@ def test_only_the_dropout_cuda_fuses_is_rewritten() -> None:
             return F.dropout2d(y.view(2, 4, 4, 4), 0.1).sum()                # bernoulli_
 
     x = torch.zeros(2, 64, device="meta", requires_grad=True)
-    gpu = profile(Drops(), x, mode="fake", target="h200")
+    gpu = trace(Drops(), x, mode="fake", target="h200")
     names = [o.name for o in gpu.forward_ops]
     assert gpu.extra["cuda_kernels"] == {"native_dropout": 2}
     assert names.count("aten.native_dropout.default") == 2
     assert names.count("aten.bernoulli_.float") == 2
-    cpu = profile(Drops(), x, mode="fake", target="cpu")
+    cpu = trace(Drops(), x, mode="fake", target="cpu")
     assert [o.name for o in cpu.forward_ops].count("aten.bernoulli_.float") == 4
 
 
@@ -327,8 +327,8 @@ def test_gpu_target_swaps_each_cpu_dropout_for_the_fused_one() -> None:
     ``native_dropout`` and its backward ``mul`` a ``native_dropout_backward``; each mask keeps
     1 byte per element instead of 4."""
     model, x = TinyGPT(), gpt_inputs()
-    cpu = profile(model, x, loss_fn=lambda out: out, mode="fake", target="cpu")
-    gpu = profile(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
+    cpu = trace(model, x, loss_fn=lambda out: out, mode="fake", target="cpu")
+    gpu = trace(model, x, loss_fn=lambda out: out, mode="fake", target="h100")
     cpu_names = " ".join(o.name for o in cpu.ops)
     fused = cpu_names.replace("aten.empty_like.default aten.bernoulli_.float aten.div_.Scalar "
                               "aten.mul.Tensor", "aten.native_dropout.default")
@@ -349,7 +349,7 @@ def test_gpu_target_swaps_each_cpu_dropout_for_the_fused_one() -> None:
 def test_plans_on_a_gpu_profile_recompute_its_fused_ops(attention: str) -> None:
     h, a, s, b = 512, 8, 512, 4
     x = torch.zeros(b, s, h, dtype=BF16, device="meta")
-    prof = profile(_stack(4, h, a, s, attention), x, mode="fake", target="a100")
+    prof = trace(_stack(4, h, a, s, attention), x, mode="fake", target="a100")
     plan = memfit.plan(prof, budget="50%")
     assert plan.predicted_peak_bytes <= plan.budget_bytes == prof.peak_bytes // 2
     assert memfit.simulate(prof, plan).peak_bytes == plan.predicted_peak_bytes
@@ -375,8 +375,8 @@ def test_softmax_backward_holds_its_measured_cuda_temporary(dtype: torch.dtype) 
     with torch.device("meta"):
         model = nn.Sequential(MegatronLayer(h, a, s), MegatronLayer(h, a, s)).to(dtype)
     x = torch.zeros(b, s, h, dtype=dtype, device="meta")
-    gpu = profile(model, x, mode="fake", target="h200")
-    cpu = profile(model, x, mode="fake", target="cpu")
+    gpu = trace(model, x, mode="fake", target="h200")
+    cpu = trace(model, x, mode="fake", target="cpu")
     name = "aten._softmax_backward_data.default"
     ops = [o for o in gpu.ops if o.name == name]
     assert len(ops) == 2
@@ -409,8 +409,8 @@ def test_hf_llama_without_position_ids_runs_flash_as_on_a_gpu() -> None:
         model = transformers.LlamaForCausalLM(cfg).to(BF16)
     ids = torch.zeros(2, 256, dtype=torch.long, device="meta")
     before = (mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa)
-    plain = profile(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
-    given = profile(model, {"input_ids": ids, "labels": ids,
+    plain = trace(model, {"input_ids": ids, "labels": ids}, mode="fake", target="h100")
+    given = trace(model, {"input_ids": ids, "labels": ids,
                             "position_ids": torch.zeros(2, 256, dtype=torch.long, device="meta")},
                     mode="fake", target="h100")
     assert (mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa) == before  # put back

@@ -9,13 +9,13 @@ from profiling_models import TinyGPT, gpt_inputs, mlp
 
 from memfit.errors import ProfileMismatch, SchemaError
 from memfit.profiling.profile import Profile
-from memfit.profiling.tracer import check_profile_matches, profile
+from memfit.profiling.tracer import check_profile_matches, trace
 from memfit.timemodel.calibration import Calibration, CalibrationSource, TimedPlan, TimeTerms
 
 
 @pytest.fixture(scope="module")
 def gpt_profile() -> Profile:
-    return profile(TinyGPT(), gpt_inputs(), loss_fn=lambda out: out, repeats=1)
+    return trace(TinyGPT(), gpt_inputs(), loss_fn=lambda out: out, repeats=1)
 
 
 def test_round_trip_equality(gpt_profile: Profile, tmp_path: Path) -> None:
@@ -79,7 +79,7 @@ FITTED = Calibration(matmul_scale=1.5, other_scale=2.25, region_s=2.0**-11, op_s
 def test_profile_json_round_trip_keeps_the_calibration(tmp_path, cal: Calibration | None) -> None:
     import dataclasses
 
-    prof = dataclasses.replace(profile(_blocks(2), torch.randn(4, 32), repeats=1), calibration=cal)
+    prof = dataclasses.replace(trace(_blocks(2), torch.randn(4, 32), repeats=1), calibration=cal)
     path = tmp_path / "p.json"
     prof.save(path)
     back = Profile.load(path)
@@ -93,7 +93,7 @@ def test_profile_json_without_calibration_still_loads(tmp_path) -> None:
     """A profile written before calibration existed has no ``calibration`` key."""
     import dataclasses
 
-    prof = dataclasses.replace(profile(_blocks(2), torch.randn(4, 32), repeats=1), calibration=FITTED)
+    prof = dataclasses.replace(trace(_blocks(2), torch.randn(4, 32), repeats=1), calibration=FITTED)
     data = prof.to_dict()
     del data["calibration"]
     (tmp_path / "old.json").write_text(json.dumps(data))

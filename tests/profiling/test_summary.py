@@ -9,7 +9,7 @@ from profiling_models import TinyGPT, gpt_inputs
 
 from memfit.profiling.profile import StorageKind
 from memfit.profiling.summary import module_group, summarize
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 
 @pytest.mark.parametrize(("path", "group"), [
@@ -21,7 +21,7 @@ def test_module_group(path: str, group: str) -> None:
 
 
 def test_summary_of_a_gpt_groups_every_saved_activation_by_block() -> None:
-    prof = profile(TinyGPT(n_layer=2), gpt_inputs(), repeats=1)
+    prof = trace(TinyGPT(n_layer=2), gpt_inputs(), repeats=1)
     s = summarize(prof, top=8)
     assert (s["peak_bytes"], s["saved_bytes"], s["ops"]) == (prof.peak_bytes, prof.saved_bytes, len(prof.ops))
     saved = {r["module"]: r["saved_bytes"] for r in s["saved_by_module"]}

@@ -7,12 +7,12 @@ from torch import nn
 
 from memfit.profiling.measure import measure
 from memfit.profiling.profile import Phase, Profile, StorageKind
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 
 
 def _mlp_profile() -> tuple[nn.Module, torch.Tensor, Profile]:
     model, x = mlp(), torch.randn(32, 64)
-    return model, x, profile(model, x, repeats=1)
+    return model, x, trace(model, x, repeats=1)
 
 
 def _live_by_brute_force(p: Profile) -> list[int]:
@@ -64,7 +64,7 @@ def test_live_bytes_contract_and_tracker_peak(model_id: str) -> None:
     if model_id == "mlp":
         _, _, p = _mlp_profile()
     else:
-        p = profile(TinyGPT(), gpt_inputs(), loss_fn=lambda out: out, repeats=1)
+        p = trace(TinyGPT(), gpt_inputs(), loss_fn=lambda out: out, repeats=1)
     assert list(p.live_bytes) == _live_by_brute_force(p)
     assert p.peak_bytes == max(p.live_bytes) == p.extra["tracked_peak_bytes"]
     assert len(p.live_bytes) == len(p.ops)
@@ -81,7 +81,7 @@ def test_profile_peak_equals_allocator_meter() -> None:
         out.backward()
 
     r = measure(step, model=model)
-    p = profile(model, x, loss_fn=lambda out: out, repeats=1)
+    p = trace(model, x, loss_fn=lambda out: out, repeats=1)
     assert p.peak_bytes == r.peak_bytes == r.allocator_peak_bytes
 
 
@@ -107,7 +107,7 @@ class _Stack(nn.Module):
 
 
 def test_module_paths_forward_and_backward() -> None:
-    p = profile(_Stack(), torch.randn(4, 8), repeats=1)
+    p = trace(_Stack(), torch.randn(4, 8), repeats=1)
     fwd = [(op.name, op.module) for op in p.forward_ops]
     assert ("aten.addmm.default", "layers.1.fc") in fwd
     assert ("aten.tanh.default", "layers.1") in fwd
@@ -133,7 +133,7 @@ def test_views_share_one_storage() -> None:
             return z.sum() + y.reshape(-1)[0]
 
     x = torch.randn(4, 6, requires_grad=True)
-    p = profile(Views(), x, repeats=1)
+    p = trace(Views(), x, repeats=1)
     fwd_created = [p.storage(o.storage) for op in p.forward_ops for o in op.outputs
                    if p.storage(o.storage).created_by == op.index]
     big = [s for s in fwd_created if s.nbytes == 96]
@@ -145,7 +145,7 @@ def test_views_share_one_storage() -> None:
 def test_flags_flops_and_time() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Dropout(0.5), nn.Linear(32, 4))
-    p = profile(model, torch.randn(8, 16), repeats=2)
+    p = trace(model, torch.randn(8, 16), repeats=2)
     names = {op.name: op for op in p.forward_ops}
     assert names["aten.relu_.default"].inplace
     assert not names["aten.addmm.default"].inplace
@@ -166,7 +166,7 @@ def test_state_left_as_found() -> None:
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     rng = torch.get_rng_state()
-    profile(model, x, repeats=2)
+    trace(model, x, repeats=2)
     assert model[0].weight.grad is g and torch.equal(g, torch.full_like(g, 3.0))
     assert all(p.grad is None for n, p in model.named_parameters() if n != "0.weight")
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
@@ -189,7 +189,7 @@ class _HFStyle(nn.Module):
 def test_input_forms_and_default_loss(inputs_kind: str) -> None:
     x = torch.randn(3, 4)
     inputs = {"tensor": x, "tuple": (x,), "dict": {"x": x, "scale": 2.0}}[inputs_kind]
-    p = profile(_HFStyle(), inputs, repeats=1)
+    p = trace(_HFStyle(), inputs, repeats=1)
     # The loss is output["loss"] (mean of y*y), not the sum over outputs.
     assert any(op.name == "aten.mean.default" for op in p.forward_ops)
     assert not any(op.name == "aten.sum.default" for op in p.forward_ops)
@@ -197,11 +197,11 @@ def test_input_forms_and_default_loss(inputs_kind: str) -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
-        profile(lambda x: x, torch.ones(1))  # type: ignore[arg-type]
+        trace(lambda x: x, torch.ones(1))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="example_inputs"):
-        profile(mlp(), 3)
+        trace(mlp(), 3)
     with pytest.raises(ValueError, match="measure"):
-        profile(mlp(), torch.randn(2, 64), mode="simulate")
+        trace(mlp(), torch.randn(2, 64), mode="simulate")
 
 
 def test_profile_leaves_input_grads_as_found():
@@ -209,9 +209,9 @@ def test_profile_leaves_input_grads_as_found():
     x = torch.randn(2, 3, requires_grad=True)
     y = torch.randn(2, 3, requires_grad=True)
     y.grad = torch.full((2, 3), 7.0)
-    profile(m, (x, ), repeats=1)
+    trace(m, (x, ), repeats=1)
     assert x.grad is None
-    profile(_TwoInputs(), (x, y), repeats=1)
+    trace(_TwoInputs(), (x, y), repeats=1)
     assert x.grad is None
     assert torch.equal(y.grad, torch.full((2, 3), 7.0))
 

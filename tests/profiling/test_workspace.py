@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.profiling.measure import measure
 from memfit.profiling.profile import Profile, StorageKind
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.profiling.tracker import live_timeline
 from memfit.step.harness import Step
 from memfit.step.inputs import normalize_inputs
@@ -29,7 +29,7 @@ def _conv_net() -> nn.Module:
 def conv_case() -> tuple[nn.Module, torch.Tensor, Profile]:
     model, x = _conv_net(), torch.randn(1, 2, 8, 8, 8)
     with _one_thread():  # the kernels' buffers depend on the thread count: fix it
-        p = profile(model, x, repeats=1)
+        p = trace(model, x, repeats=1)
     return model, x, p
 
 
@@ -89,7 +89,7 @@ def test_workspace_survives_json(conv_case, tmp_path: Path) -> None:
 
 def test_fake_mode_models_no_workspace(conv_case) -> None:
     model, x, real = conv_case
-    fake = profile(model, x, mode="fake")
+    fake = trace(model, x, mode="fake")
     assert all(o.workspace_bytes == 0 for o in fake.ops)
     assert fake.extra["workspace_measured"] is False
     counted = [s for s in real.storages if s.kind in (StorageKind.ACTIVATION, StorageKind.GRADIENT)]
@@ -112,7 +112,7 @@ def test_attention_kernels_have_workspaces() -> None:
     unmodelled, they put a ViT's measured peak 8% over its prediction."""
     torch.manual_seed(0)
     with _one_thread():
-        p = profile(_Attention(), torch.randn(2, 64, 32, requires_grad=True), repeats=1)
+        p = trace(_Attention(), torch.randn(2, 64, 32, requires_grad=True), repeats=1)
     ws = {op.name: op.workspace_bytes for op in p.ops if "scaled_dot_product" in op.name}
     assert any("backward" in n for n in ws), ws
     assert all(b > 0 for n, b in ws.items() if "backward" in n), ws
@@ -128,7 +128,7 @@ def test_batch_norm_kernels_have_workspaces_and_statistics_update_once() -> None
     bn = nn.BatchNorm1d(c)
     x = torch.randn(8, c, requires_grad=True)
     with _one_thread():
-        p = profile(bn, x, repeats=1)
+        p = trace(bn, x, repeats=1)
         ws = {op.name: op.workspace_bytes for op in p.ops if "batch_norm" in op.name}
         assert ws["aten.native_batch_norm.default"] >= 2 * c * 4, ws  # at least mean and var
         assert ws["aten.native_batch_norm_backward.default"] > 0, ws
@@ -159,7 +159,7 @@ def test_every_op_is_measured_matrix_exp_included() -> None:
     torch.manual_seed(0)
     model, x = _Orthogonal(), torch.randn(64, 128)
     with _one_thread():
-        p = profile(model, x, repeats=1)
+        p = trace(model, x, repeats=1)
         args, kwargs = normalize_inputs(x)
         allocated = measure(Step(model, args, kwargs).run, model=model, meter="allocator").peak_bytes
     ws = [op.workspace_bytes for op in p.ops if op.name == "aten.linalg_matrix_exp.default"]
@@ -175,7 +175,7 @@ def test_a_workspace_meter_that_cannot_start_measures_nothing(caplog) -> None:
 
     model, x = _conv_net(), torch.randn(1, 2, 8, 8, 8)
     with torch_profile(activities=[ProfilerActivity.CPU]), caplog.at_level("WARNING"):
-        p = profile(model, x, repeats=1)
+        p = trace(model, x, repeats=1)
     assert all(op.workspace_bytes == 0 for op in p.ops)
     assert p.extra["workspace_measured"] is False
     assert "kernel workspaces not measured" in caplog.text

@@ -10,7 +10,7 @@ from runtime_helpers import CallCounter, TinyGPT, assert_bitwise_twin, conv_net,
 
 from memfit.errors import PlanMismatch, WrapError
 from memfit.planning.plan import Plan, Region
-from memfit.runtime.apply import apply, unapply
+from memfit.runtime.apply import apply_plan, unapply
 from memfit.runtime.segment import segment_of
 from memfit.runtime.wrap import is_wrapped, wrap
 
@@ -27,7 +27,7 @@ def test_apply_wraps_and_segments_bitwise():
         Region.saving(("blocks.1", "blocks.2"), ("aten.bmm.default#1",)),
         types={"blocks.0": "GPTBlock", "blocks": "torch.nn.modules.container.ModuleList"},
     )
-    assert apply(model, plan) is model and model.memfit_plan is plan
+    assert apply_plan(model, plan) is model and model.memfit_plan is plan
     assert is_wrapped(model.blocks[0]) and segment_of(model.blocks[2]) is not None
     counter = CallCounter(*(b.attn.qkv for b in model.blocks))
     assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
@@ -39,9 +39,9 @@ def test_apply_wraps_and_segments_bitwise():
 
 def test_second_plan_replaces_first():
     model = TinyGPT()
-    apply(model, _plan(Region(("blocks.0",))))
+    apply_plan(model, _plan(Region(("blocks.0",))))
     second = _plan(Region(("blocks.1",)))
-    apply(model, second)
+    apply_plan(model, second)
     assert not is_wrapped(model.blocks[0]) and is_wrapped(model.blocks[1])
     assert model.memfit_plan is second
 
@@ -60,7 +60,7 @@ BAD = {
 def test_mismatching_plans_are_refused_and_change_nothing(plan, message):
     model = TinyGPT()
     with pytest.raises(PlanMismatch, match=message):
-        apply(model, plan)
+        apply_plan(model, plan)
     assert not any(is_wrapped(m) or segment_of(m) for m in model.modules())
     assert not hasattr(model, "memfit_plan")
 
@@ -69,7 +69,7 @@ def test_conflict_with_manual_wrap_rolls_back():
     model = TinyGPT()
     wrap(model.blocks[2])
     with pytest.raises(WrapError):
-        apply(model, _plan(Region(("blocks.0",)), Region(("blocks.2",))))
+        apply_plan(model, _plan(Region(("blocks.0",)), Region(("blocks.2",))))
     assert not is_wrapped(model.blocks[0]) and is_wrapped(model.blocks[2])
     with pytest.raises(PlanMismatch, match="no memfit plan"):
         unapply(model)
@@ -82,7 +82,7 @@ def test_apply_without_the_divergence_check_is_still_bitwise():
     twin = copy.deepcopy(model)
     plan = Plan((Region.saving(("blocks.0",), ("aten.addmm.default#0",)), Region(("blocks.1",))),
                 0, 0.0, None, "hand", "")
-    apply(model, plan, check=False)
+    apply_plan(model, plan, check=False)
     x = zoo.example_inputs(model, batch=2)
     torch.manual_seed(3)
     model(x).sum().backward()
@@ -98,7 +98,7 @@ def test_nested_regions_bitwise_and_inner_recomputed_twice():
     model, twin = pair(TinyGPT)
     plan = _plan(Region(("blocks.0",)), Region(("blocks.0.attn.drop",)),
                  Region(("blocks.1", "blocks.2")), Region(("blocks.1.attn",)))
-    apply(model, plan)
+    apply_plan(model, plan)
     inner = CallCounter(model.blocks[1].attn.qkv)
     outer = CallCounter(model.blocks[2].attn.qkv)
     assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
@@ -109,7 +109,7 @@ def test_nested_regions_bitwise_and_inner_recomputed_twice():
 def test_nested_regions_update_batchnorm_once():
     model, twin = pair(conv_net)
     plan = _plan(Region(("0",)), Region(("0.bn",)), Region(("1", "2")), Region(("2.conv",)))
-    apply(model, plan)
+    apply_plan(model, plan)
     assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12),), steps=2)
     assert int(model[0].bn.num_batches_tracked) == 2
 

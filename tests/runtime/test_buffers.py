@@ -13,7 +13,7 @@ from torch import nn
 
 import memfit
 from memfit.planning.plan import Plan, Region
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.runtime.buffers import _storage_key
 
 D = 16
@@ -100,7 +100,7 @@ def _pair(kind: str, how: str) -> tuple[nn.Module, nn.Module]:
     if how == "checkpoint":
         model.by_hand = True
     else:
-        apply(model, _plan(PLANS[how]))
+        apply_plan(model, _plan(PLANS[how]))
     return model, twin
 
 
@@ -251,7 +251,7 @@ def test_replaced_buffer_is_put_back_for_the_recompute():
     torch.manual_seed(0)
     twin = nn.Sequential(nn.Linear(8, D), Replaces(), nn.Linear(D, 1))
     model = copy.deepcopy(twin)
-    apply(model, _plan((Region(("1",)),)))
+    apply_plan(model, _plan((Region(("1",)),)))
     assert_bitwise_twin(model, twin, (_x(),), steps=2)
 
 
@@ -385,7 +385,7 @@ def test_regions_that_wrote_no_buffer_when_profiled_run_unwatched(monkeypatch):
     x = memfit.zoo.example_inputs(model, batch=2)
     plan = memfit.plan(memfit.profile(model, x, repeats=1), budget=1.0, solver="every_block")
     assert [r.writes_buffers for r in plan.regions] == [False, False]
-    apply(model, plan)
+    apply_plan(model, plan)
     assert_bitwise_twin(model, twin, (x,), steps=2)
     assert seen[0] == 0
     torch.manual_seed(0)
@@ -393,7 +393,7 @@ def test_regions_that_wrote_no_buffer_when_profiled_run_unwatched(monkeypatch):
     bn_twin = copy.deepcopy(bn_model)
     bn_plan = memfit.plan(memfit.profile(bn_model, _x(), repeats=1), budget=1.0, solver="every_block")
     assert bn_plan.regions and all(r.writes_buffers for r in bn_plan.regions)
-    apply(bn_model, bn_plan)
+    apply_plan(bn_model, bn_plan)
     assert_bitwise_twin(bn_model, bn_twin, (_x().requires_grad_(),), steps=2)
     assert seen[0] > 0
 
@@ -402,7 +402,7 @@ def test_hand_made_regions_are_watched_when_their_modules_have_buffers(monkeypat
     seen = _watched_ops(monkeypatch)
     model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     twin = copy.deepcopy(model)
-    apply(model, _plan(tuple(Region((f"blocks.{i}",)) for i in range(2))))  # writes_buffers None
+    apply_plan(model, _plan(tuple(Region((f"blocks.{i}",)) for i in range(2))))  # writes_buffers None
     assert_bitwise_twin(model, twin, (memfit.zoo.example_inputs(model, batch=2),), steps=1)
     assert seen[0] > 0  # the mask buffer: watched, as nothing says it is never written
 
@@ -417,7 +417,7 @@ def test_buffers_of_a_shared_module_are_copied_on_call(how, monkeypatch):
     model.blocks[0].shared = [model.shared]
     regions = ((Region(("blocks.0",)), Region(("blocks.1",))) if how == "blocks"
                else (Region(("blocks.0", "blocks.1")),))
-    apply(model, _plan(regions))
+    apply_plan(model, _plan(regions))
     assert_bitwise_twin(model, twin, (_x().requires_grad_(),), steps=2)
     assert int(model.shared.counter.calls) == 4 and int(model.shared.bn.num_batches_tracked) == 4
     assert seen[0] == 0

@@ -22,7 +22,7 @@ from memfit.ops import MATMUL_PACKETS, is_view
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.runtime import checkpoint_compiled as ck
 from memfit.runtime import policies as P
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.runtime.wrap import wrap
 from memfit.zoo import gpt
 
@@ -116,7 +116,7 @@ def _segmented(model: torch.nn.Module) -> torch.nn.Module:
     plan = Plan(regions=(Region.saving(("blocks.0", "blocks.1"), SEGMENT_KEYS),),
                 predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None, solver="test",
                 profile_signature="")
-    return apply(model, plan)
+    return apply_plan(model, plan)
 
 
 def test_compiled_segment_plan_trains_bitwise_like_compiled_plain(plain_run, caplog):

@@ -13,7 +13,7 @@ from torch import nn
 from memfit import zoo
 from memfit.planning.compression import Compressed
 from memfit.planning.plan import Plan
-from memfit.runtime.apply import apply, compressor, unapply
+from memfit.runtime.apply import apply_plan, compressor, unapply
 from memfit.runtime.compress import Compressor
 
 
@@ -41,7 +41,7 @@ def _plan(entries: tuple[Compressed, ...]) -> Plan:
 
 def test_cnn_step_is_bitwise_plain_and_packs_exact_bytes() -> None:
     model, twin = pair(_cnn)
-    apply(model, _plan(CNN_PLAN))
+    apply_plan(model, _plan(CNN_PLAN))
     x = torch.randn(2, 2, 8, 8)
     assert_bitwise_twin(model, twin, (x,), steps=2)
     comp = compressor(model)
@@ -67,7 +67,7 @@ def test_a_compressing_model_pickles_and_copies(copier) -> None:
     "Can't pickle local object 'Compressor.install.<locals>.end'" (issue #39). The copy packs
     its own saves, the same bytes, bitwise plain."""
     model, twin = pair(_cnn)
-    apply(model, _plan(CNN_PLAN))
+    apply_plan(model, _plan(CNN_PLAN))
     copied = copier(model)
     assert_bitwise_twin(copied, twin, (torch.randn(2, 2, 8, 8),), steps=2)
     comp = compressor(copied)
@@ -78,7 +78,7 @@ def test_a_compressing_model_pickles_and_copies(copier) -> None:
 def test_relu_bits_go_only_to_relus_own_save() -> None:
     # relu#0's result is saved twice: by relu (its bits) and by max-pool (whole, read by value)
     model, twin = pair(_cnn)
-    apply(model, _plan((Compressed("aten.relu.default#0", "sign_bit", "1", 1152, 36),)))
+    apply_plan(model, _plan((Compressed("aten.relu.default#0", "sign_bit", "1", 1152, 36),)))
     assert_bitwise_twin(model, twin, (torch.randn(2, 2, 8, 8),))
     assert compressor(model).packed_bytes == 36
 
@@ -86,7 +86,7 @@ def test_relu_bits_go_only_to_relus_own_save() -> None:
 def test_relu_without_a_node_is_not_packed() -> None:
     # relu of an input that needs no grad has no node; the next linear saves its result whole
     model, twin = pair(lambda: nn.Sequential(nn.ReLU(), nn.Linear(4, 3)))
-    apply(model, _plan((Compressed("aten.relu.default#0", "sign_bit", "0"),)))
+    apply_plan(model, _plan((Compressed("aten.relu.default#0", "sign_bit", "0"),)))
     assert_bitwise_twin(model, twin, (torch.randn(5, 4),))
     assert compressor(model).packed_bytes == 0
 
@@ -98,7 +98,7 @@ def test_gpt_dropout_masks_lossless() -> None:
     drops = ["drop"] + [f"blocks.{i}.{d}" for i in range(2)
                         for d in ("attn.attn_drop", "attn.resid_drop", "mlp.drop")]
     masks = tuple(Compressed("aten.div_.Scalar#0", "two_level", d) for d in drops)
-    apply(model, _plan(masks))
+    apply_plan(model, _plan(masks))
     assert_bitwise_twin(model, twin, (ids,), steps=2)
     comp = compressor(model)
     # per step: embedding (2,16,32) 4096 B; per block attn (2,4,16,16) 2048 elements 8192 B
@@ -109,7 +109,7 @@ def test_gpt_dropout_masks_lossless() -> None:
 
 def test_lossy_bf16_changes_gradients_a_little() -> None:
     model, twin = pair(_cnn)
-    apply(model, _plan((Compressed("aten.mul.Tensor#0", "bf16", "4"),)))
+    apply_plan(model, _plan((Compressed("aten.mul.Tensor#0", "bf16", "4"),)))
     x = torch.randn(2, 2, 8, 8)
     torch.manual_seed(0)
     model(x).square().mean().backward()
@@ -143,7 +143,7 @@ def test_unet_pool_indices_narrowed_bitwise() -> None:
     plan = with_compression(prof, Plan((), prof.peak_bytes, 0.0, None, "none", prof.signature))
     # every relu result is also the next conv's or the pool's saved input: only the indices
     assert [(c.module, c.codec, c.raw_bytes) for c in plan.compressed] == [("pool", "narrow_int", 1024)]
-    apply(model, plan)
+    apply_plan(model, plan)
     assert_bitwise_twin(model, twin, (x,))
     # (1, 2, 4, 4, 4) int64 indices into an 8^3 plane (values < 512): int16, 256 B
     assert (compressor(model).raw_bytes, compressor(model).packed_bytes) == (1024, 256)

@@ -14,7 +14,7 @@ from torch import nn
 from memfit.errors import RecomputeMismatch
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import policies as P
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.runtime.checkpoint import checkpoint
 from memfit.runtime.divergence import DivergenceCheck
 from memfit.runtime.marks import applied_plan
@@ -67,7 +67,7 @@ def _install(entry: str, model: nn.Sequential, check: object = True) -> str:
         checkpoint_segment(model, [1, 2], check=check)
         return "Sequential[1..2]"
     if entry == "apply":
-        apply(model, _plan(Region(("1",))), check=check)
+        apply_plan(model, _plan(Region(("1",))), check=check)
         return "1"
     raise ValueError(entry)
 
@@ -136,7 +136,7 @@ DETERMINISTIC = {
 @pytest.mark.parametrize("factory,inputs,regions", DETERMINISTIC.values(), ids=DETERMINISTIC.keys())
 def test_deterministic_model_passes_bitwise_with_values_checked(factory, inputs, regions, check):
     model, twin = pair(factory)
-    apply(model, _plan(*regions), check=check)
+    apply_plan(model, _plan(*regions), check=check)
     assert_bitwise_twin(model, twin, inputs, steps=2)
     wrapped = model.get_submodule(regions[0].modules[0])._memfit_wrap.check
     segment = segment_of(model.get_submodule(regions[1].modules[0]))
@@ -192,7 +192,7 @@ BAD_CHECKS = {
 def test_bad_check_values_are_refused_before_anything_changes(check, error, message):
     model = _model(RandomScale)
     with pytest.raises(error, match=message):
-        apply(model, _plan(Region(("1",))), check=check)
+        apply_plan(model, _plan(Region(("1",))), check=check)
     assert "_memfit_wrap" not in model[1].__dict__ and applied_plan(model) is None
     with pytest.raises(error, match=message):
         wrap(model[1], check=check)

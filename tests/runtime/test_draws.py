@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memfit
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.planning.simulate import simulate
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.runtime.policies import by_key
 from memfit.runtime.wrap import unwrap, wrap
 from memfit.zoo import example_inputs, gpt
@@ -130,7 +130,7 @@ def test_kept_draws_add_to_the_peak_exactly_as_predicted() -> None:
     (5,056 B) to the measured peak, as to the predicted one. (The prediction of these
     regions is 16 B under the measured peak with or without draws: the model's own gap.)"""
     model, inputs = _case()
-    prof = profile(model, inputs, repeats=1)
+    prof = trace(model, inputs, repeats=1)
     measured, predicted = [], []
     for draws in ((), (0,), (0, 1)):
         ops = tuple((f"{_DRAW}#{k}", OpPolicy.SAVE) for k in draws)
@@ -155,7 +155,7 @@ def test_the_planner_keeps_draws_where_they_pay() -> None:
     draws is the test above)."""
     model = gpt(n_layer=2, d_model=128, n_head=4, seq_len=128)
     inputs = (example_inputs(model, batch=2, seed=0), example_inputs(model, batch=2, seed=1))
-    prof = profile(model, inputs, repeats=1)
+    prof = trace(model, inputs, repeats=1)
     ops = tuple(dataclasses.replace(op, time_s=0.01 if op.name == _DRAW else 1e-6 + op.flops * 1e-10)
                 for op in prof.ops)
     prof = dataclasses.replace(prof, ops=ops, step_time_s=sum(op.time_s for op in ops))

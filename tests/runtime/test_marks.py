@@ -7,7 +7,7 @@ from torch import nn
 
 import memfit
 from memfit.planning.plan import Plan, Region
-from memfit.runtime.apply import apply, unapply
+from memfit.runtime.apply import apply_plan, unapply
 from memfit.runtime.marks import applied_plan, carries_plan
 from memfit.runtime.wrap import unwrap, wrap
 
@@ -25,7 +25,7 @@ def _plan() -> Plan:
 def test_applied_plan_is_the_plan_on_the_planned_module_only():
     model, plan = _model(), _plan()
     assert applied_plan(model) is None and not carries_plan(model)
-    apply(model, plan)
+    apply_plan(model, plan)
     assert applied_plan(model) is plan and memfit.applied_plan(model) is plan
     assert applied_plan(model[1]) is None  # checkpointed by the plan, but not where it was applied
     assert carries_plan(model)

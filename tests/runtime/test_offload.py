@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from memfit import zoo
 from memfit.planning.plan import OpPolicy, Plan, Region
 from memfit.profiling.storages import LiveStorages, StorageKind
-from memfit.runtime.apply import apply, host_pool
+from memfit.runtime.apply import apply_plan, host_pool
 from memfit.runtime.checkpoint import checkpoint
 from memfit.runtime.offload import HostCopy, HostPool
 from memfit.runtime.policies import by_key
@@ -79,7 +79,7 @@ def _ids() -> torch.Tensor:
 @pytest.mark.parametrize("plan,calls", PLANS.values(), ids=PLANS.keys())
 def test_offload_trains_bitwise_and_moves_the_planned_bytes(plan, calls):
     model, twin = pair(_gpt)
-    apply(model, plan)
+    apply_plan(model, plan)
     pool = host_pool(model)
     assert isinstance(pool, HostPool) and pool.cap_bytes is None
     assert_bitwise_twin(model, twin, (_ids(),), steps=3)  # dropout on: RNG replayed
@@ -92,7 +92,7 @@ def test_offload_trains_bitwise_and_moves_the_planned_bytes(plan, calls):
 
 def test_every_region_of_a_plan_shares_one_pool():
     model = _gpt()
-    apply(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.2",), BLOCK_OPS)))
+    apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.2",), BLOCK_OPS)))
     pools = {id(model.blocks[i]._memfit_wrap.policy.host) for i in (0, 2)}
     assert pools == {id(host_pool(model))}
 
@@ -100,7 +100,7 @@ def test_every_region_of_a_plan_shares_one_pool():
 def test_host_cap_is_never_exceeded_and_the_rest_stays_on_device(caplog):
     model, twin = pair(_gpt)
     cap = 20_000  # bytes: room for the small tensors of one block, not for its big ones
-    apply(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.1",), BLOCK_OPS)),
+    apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.1",), BLOCK_OPS)),
           host_budget=cap)
     pool = host_pool(model)
     with caplog.at_level(logging.WARNING, logger="memfit.runtime.offload"):
@@ -112,10 +112,10 @@ def test_host_cap_is_never_exceeded_and_the_rest_stays_on_device(caplog):
 
 def test_host_budget_string_is_parsed():
     model = _gpt()
-    apply(model, _plan(Region(("blocks.0",), BLOCK_OPS)), host_budget="1MiB")
+    apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS)), host_budget="1MiB")
     assert host_pool(model).cap_bytes == 1 << 20
     with pytest.raises(ValueError, match="host_budget"):
-        apply(model, _plan(Region(("blocks.0",), BLOCK_OPS)), host_budget=-1)
+        apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS)), host_budget=-1)
 
 
 def _leftover_activations(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
@@ -133,7 +133,7 @@ def _leftover_activations(model: torch.nn.Module, ids: torch.Tensor) -> list[int
 
 def test_after_a_step_live_storages_return_to_the_start_and_the_pool_is_reused():
     model, twin = pair(_gpt)
-    apply(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.1", "blocks.2"), BLOCK_OPS)))
+    apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS), Region(("blocks.1", "blocks.2"), BLOCK_OPS)))
     pool = host_pool(model)
     ids = _ids()
     step(model, (ids,), 0)  # warms the pool
@@ -152,7 +152,7 @@ def test_after_a_step_live_storages_return_to_the_start_and_the_pool_is_reused()
 def test_an_unread_host_copy_returns_its_buffer():
     """A forward without backward: the region's entries die with the graph."""
     model = _gpt()
-    apply(model, _plan(Region(("blocks.0",), BLOCK_OPS)))
+    apply_plan(model, _plan(Region(("blocks.0",), BLOCK_OPS)))
     pool = host_pool(model)
     out = model(_ids())
     assert pool.in_use_bytes > 0
@@ -240,7 +240,7 @@ def test_an_offload_plan_for_a_gpu_applied_to_a_cpu_model_says_so_once():
     model = _gpt()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        apply(model, plan)
+        apply_plan(model, plan)
     assert [w.category for w in said] == [UserWarning]  # one for the plan, not one per region
     assert str(said[0].message).startswith(
         "memfit: the plan offloads 14 activation(s) to host memory over the host link of h100 "
@@ -248,6 +248,6 @@ def test_an_offload_plan_for_a_gpu_applied_to_a_cpu_model_says_so_once():
         "already, so offloading frees nothing")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        apply(model, dataclasses.replace(plan, regions=tuple(
+        apply_plan(model, dataclasses.replace(plan, regions=tuple(
             dataclasses.replace(r, ops=tuple((k, S) for k, _ in r.ops)) for r in plan.regions)))
     assert said == []  # a plan that saves instead: nothing to say

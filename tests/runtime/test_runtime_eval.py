@@ -14,7 +14,7 @@ from memfit import zoo
 from memfit.measuring.verification import make_step
 from memfit.planning.plan import Plan, Region
 from memfit.runtime import checkpoint as _checkpoint
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 
 PEAK_RTOL = 0.03  # verify's tolerance on the budget
 
@@ -65,7 +65,7 @@ def test_frozen_batchnorm_in_eval_is_recomputed_bitwise(plan, regions):
     torch.manual_seed(0)
     model = conv_net().eval()  # frozen-BatchNorm fine-tuning
     twin = copy.deepcopy(model)
-    apply(model, plan)
+    apply_plan(model, plan)
     counter = CallCounter(model[0].conv, model[1].conv, model[2].conv)
     assert_bitwise_twin(model, twin, (torch.randn(4, 3, 12, 12).requires_grad_(),), steps=2)
     # per step: 3 forwards plus one recomputation per checkpointed block
@@ -91,7 +91,7 @@ def test_eval_forward_without_autograd_makes_no_checkpoint_state(monkeypatch, gr
     torch.manual_seed(0)
     model = TinyGPT().eval()
     twin = copy.deepcopy(model)
-    apply(model, _plan(Region(("blocks.0",)), Region(("blocks.1", "blocks.2"))))
+    apply_plan(model, _plan(Region(("blocks.0",)), Region(("blocks.1", "blocks.2"))))
     ids = torch.randint(0, 64, (2, 8))
     with grad_off():
         torch.manual_seed(1)

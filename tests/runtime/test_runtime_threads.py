@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     from runtime_helpers import TinyGPT
     from memfit.planning.plan import Plan, Region
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     REGIONS = {
         "segment": (Region(("blocks.0", "blocks.1", "blocks.2")),),
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
     torch.manual_seed(0)
     model = TinyGPT(p=0.0).train()
     twin = copy.deepcopy(model)
-    apply(model, Plan(regions=REGIONS[sys.argv[1]], predicted_peak_bytes=0, recompute_s=0.0,
+    apply_plan(model, Plan(regions=REGIONS[sys.argv[1]], predicted_peak_bytes=0, recompute_s=0.0,
                       budget_bytes=None, solver="test", profile_signature=""))
 
     def grads(m, ids):

@@ -19,7 +19,7 @@ from runtime_helpers import assert_bitwise_twin
 
 from memfit.errors import InfeasibleBudget
 from memfit.runtime import policies as P
-from memfit.runtime.apply import apply
+from memfit.runtime.apply import apply_plan
 from memfit.runtime.segment import checkpoint_segment
 from memfit.zoo import example_inputs, unet3d
 
@@ -42,17 +42,17 @@ def test_segment_over_decoder_blocks_is_exact_from_the_first_step(policy, caplog
 
 @pytest.mark.slow
 def test_min_budget_plan_of_unet3d_trains_bitwise_equal():
-    from memfit.planning.planner import plan
-    from memfit.profiling.tracer import profile
+    from memfit.planning.planner import plan_for_budget
+    from memfit.profiling.tracer import trace
 
     model, twin = _unet_pair(base=4, depth=3)
     x = example_inputs(model, batch=1, size=16, seed=0)
-    prof = profile(model, x)
+    prof = trace(model, x)
     with pytest.raises(InfeasibleBudget) as info:
-        plan(prof, budget=1)
-    p = plan(prof, budget=info.value.min_feasible_bytes)
+        plan_for_budget(prof, budget=1)
+    p = plan_for_budget(prof, budget=info.value.min_feasible_bytes)
     # This once planned a segment over decoder blocks the parent runs ops between (the case
     # the test above covers); the planner now ends chains there, so no plan spans them.
     assert p.regions and not any(r.modules == ("up.0", "up.1") for r in p.regions), p.regions
-    apply(model, p)
+    apply_plan(model, p)
     assert_bitwise_twin(model, twin, (x,), steps=2)

@@ -11,7 +11,7 @@ import torch
 
 import memfit
 from memfit.planning.plan import Plan, Region
-from memfit.runtime.apply import apply, input_guard, unapply
+from memfit.runtime.apply import apply_plan, input_guard, unapply
 from memfit.runtime.shapes import OnNewShape, ShapeRange, signature_of
 
 
@@ -43,7 +43,7 @@ def test_a_range_covers_each_dimension_between_its_ends_with_the_same_dtypes():
 def test_a_call_in_a_planned_range_switches_plans_without_replanning():
     model = _model()
     small, large = _plan(4, ("1",)), _plan(16, ("0", "2"))
-    apply(model, small, on_new_shape="raise",
+    apply_plan(model, small, on_new_shape="raise",
           ranges=(ShapeRange(signature_of(small.input_signature),
                              signature_of(large.input_signature), large),))
     guard = input_guard(model)
@@ -65,7 +65,7 @@ def test_a_call_in_a_planned_range_switches_plans_without_replanning():
 def test_warn_is_once_per_new_signature_and_keeps_the_plan():
     model = _model()
     plan = _plan(4)
-    apply(model, plan)  # apply's default: warn
+    apply_plan(model, plan)  # apply's default: warn
     guard = input_guard(model)
     assert guard is not None and guard.on_new is OnNewShape.WARN
     with warnings.catch_warnings(record=True) as caught:
@@ -79,7 +79,7 @@ def test_warn_is_once_per_new_signature_and_keeps_the_plan():
 
 def test_replan_needs_a_replan_function():
     with pytest.raises(ValueError, match="replan function"):
-        apply(_model(), _plan(4), on_new_shape="replan")
+        apply_plan(_model(), _plan(4), on_new_shape="replan")
 
 
 def test_the_check_of_a_call_on_the_planned_shape_costs_microseconds():
@@ -87,7 +87,7 @@ def test_the_check_of_a_call_on_the_planned_shape_costs_microseconds():
     small step's, for NOTE [inputs other than the profiled ones]."""
     model = _model()
     x = torch.randn(4, 8)
-    apply(model, _plan(4, ()))
+    apply_plan(model, _plan(4, ()))
     guard = input_guard(model)
     assert guard is not None
     n = 2000

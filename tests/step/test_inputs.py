@@ -13,7 +13,7 @@ from torch import nn
 import memfit
 from memfit.errors import ModelError
 from memfit.profiling.modules import ModuleRecorder, param_owners
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.step.inputs import default_loss, iter_tensors
 
 A, B, C = torch.ones(2), torch.full((3,), 2.0), torch.arange(4.0)
@@ -93,7 +93,7 @@ class Net(nn.Module):
 @pytest.mark.parametrize("wrap", ["dataclass", "nested"])
 def test_profile_of_a_dataclass_output_matches_the_bare_tensor(wrap):
     x = torch.randn(4, 8)
-    got, want = profile(Net(wrap), x, repeats=1), profile(Net(), x, repeats=1)
+    got, want = trace(Net(wrap), x, repeats=1), trace(Net(), x, repeats=1)
     assert got.signature == want.signature
     assert got.peak_bytes == want.peak_bytes and got.saved_bytes == want.saved_bytes
     assert [s.nbytes for s in got.storages] == [s.nbytes for s in want.storages]
@@ -112,7 +112,7 @@ class Doubler(nn.Module):
 def _call(api: str, model: nn.Module, x: object, **kw: object) -> object:
     if api == "fit":
         return memfit.fit(model, x, budget="60%", **kw)
-    return profile(model, x, mode=api.removeprefix("profile-"), repeats=1, **kw)
+    return trace(model, x, mode=api.removeprefix("profile-"), repeats=1, **kw)
 
 
 @pytest.mark.parametrize("api", ["profile-measure", "profile-fake", "fit"])
@@ -129,7 +129,7 @@ def test_a_loss_fn_that_raises_is_a_model_error():
         return out.logits  # type: ignore[attr-defined]
 
     with pytest.raises(ModelError, match="^Net's loss_fn raised AttributeError: .*logits") as e:
-        profile(Net(), torch.randn(2, 8), loss_fn=loss_fn, repeats=1)
+        trace(Net(), torch.randn(2, 8), loss_fn=loss_fn, repeats=1)
     assert isinstance(e.value.__cause__, AttributeError)
 
 
@@ -158,19 +158,19 @@ def test_an_input_that_requires_grad_but_is_detached_says_so():
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(ModelError, match="Detacher has no trainable parameter and the example "
                                          "inputs that require grad do not reach the loss"):
-        profile(Detacher(), x, repeats=1)
+        trace(Detacher(), x, repeats=1)
 
 
 def test_no_grad_around_the_call_says_so():
     with torch.no_grad(), pytest.raises(ModelError, match="gradients are disabled"):
-        profile(Net(), torch.randn(2, 8), repeats=1)
+        trace(Net(), torch.randn(2, 8), repeats=1)
 
 
 def test_a_parameterless_model_needs_an_input_that_requires_grad():
     with pytest.raises(ModelError, match="Doubler has no trainable parameter"):
-        profile(Doubler(), torch.randn(2, 8), repeats=1)
+        trace(Doubler(), torch.randn(2, 8), repeats=1)
     x = torch.randn(2, 8, requires_grad=True)
-    p = profile(Doubler(), x, repeats=1)
+    p = trace(Doubler(), x, repeats=1)
     # relu's output, saved for threshold_backward: 2 x 8 fp32 = 64 bytes
     assert p.saved_bytes == 64
     assert [o.name for o in p.forward_ops] == ["aten.relu.default", "aten.mul.Tensor", "aten.sum.default"]
@@ -182,5 +182,5 @@ def test_a_fault_in_memfit_is_not_blamed_on_the_model(monkeypatch):
     # an AttributeError raised by memfit's own module hook while the user's forward runs
     monkeypatch.setattr(ModuleRecorder, "_sids", lambda self, obj: param_owners(obj))
     with pytest.raises(AttributeError, match="named_parameters") as e:
-        profile(Net(), torch.randn(2, 8), repeats=1)
+        trace(Net(), torch.randn(2, 8), repeats=1)
     assert not isinstance(e.value, memfit.MemfitError)

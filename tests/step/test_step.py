@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.profiling.tracer import profile
+from memfit.profiling.tracer import trace
 from memfit.step.harness import Autocast, ModelState, Step
 
 
@@ -41,8 +41,8 @@ def test_step_made_in_autocast_runs_under_it_later():
 
 def test_profile_of_a_callable_step_is_the_profile_of_the_model():
     model, x = _net(), torch.randn(4, 8)
-    by_inputs = profile(model, x, repeats=1)
-    by_call = profile(Step.of(model, call=lambda: model(x).sum()), repeats=1)
+    by_inputs = trace(model, x, repeats=1)
+    by_call = trace(Step.of(model, call=lambda: model(x).sum()), repeats=1)
     assert by_call.signature == by_inputs.signature and by_call.saved_bytes == by_inputs.saved_bytes
     # model(x) + loss_fn keeps the output (4 x 1 float32) referenced through backward, as a
     # training loop does; the callable drops it once it has the loss

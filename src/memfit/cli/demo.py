@@ -57,14 +57,14 @@ def _tune(args: argparse.Namespace, lm: Any) -> Any:
     """Step 2: the fastest measured plan for ``DEMO_TUNE_BUDGET`` (None if none fits)."""
     from memfit.errors import InfeasibleBudget
     from memfit.measuring.tuning import tune
-    from memfit.profiling.tracer import profile
+    from memfit.profiling.tracer import trace
     from memfit.step.harness import Step
 
     say(args, f"\n2/4 tune: time the solver's best plans for {DEMO_TUNE_BUDGET:.0%} and the baselines "
               "that fit on the model, interleaved, and keep the fastest")
     step = Step.of(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
     try:
-        tuned = tune(step, profile(step), DEMO_TUNE_BUDGET, progress=not args.no_progress and not args.json)
+        tuned = tune(step, trace(step), DEMO_TUNE_BUDGET, progress=not args.no_progress and not args.json)
     except InfeasibleBudget as e:
         say(args, f"  no plan fits {DEMO_TUNE_BUDGET:.0%}: {e}")
         return None
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.cli.verify import verification_failed
     from memfit.measuring.tradeoff import sweep
     from memfit.measuring.verification import verify
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     report = None
     if row is not None:
         say(args, f"\n3/4 verify the {row.label} plan against the un-checkpointed step (same seed)")
-        apply(lm.model, row.plan)
+        apply_plan(lm.model, row.plan)
         report = verify(lm.model, lm.example_inputs, loss_fn=lm.loss_fn)
         say(args, str(report))
         row.plan.save(out / "plan.json")

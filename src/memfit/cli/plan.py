@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_limit is not None and args.tune_limit <= 0:
         raise UsageError(f"--tune-limit must be positive seconds, got {args.tune_limit}")
     prof = profile_model(lm, args.target)
-    from memfit.planning.planner import plan, refuse_over_budget
+    from memfit.planning.planner import plan_for_budget, refuse_over_budget
 
     if args.tune:
         from memfit.measuring.tuning import tune
@@ -103,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
         from memfit.planning.compress_pass import choose
 
         codec = args.lossy_codec or "bf16"
-        p = choose(prof, lambda b: plan(prof, budget=b, solver=args.solver), args.budget,
+        p = choose(prof, lambda b: plan_for_budget(prof, budget=b, solver=args.solver), args.budget,
                    mode=args.compress, lossy_codec=codec, costs=codec_costs_for(args.compress, codec))
         refuse_over_budget(p)
     else:
-        p = plan(prof, budget=args.budget, solver=args.solver)
+        p = plan_for_budget(prof, budget=args.budget, solver=args.solver)
         refuse_over_budget(p)  # a baseline's fixed plan may not fit: exit 3, no plan written
     if not p.model:
         import dataclasses

@@ -318,7 +318,7 @@ def _trace(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.T
         from memfit.measuring.calibration import profile
 
         return profile(model, inputs, loss_fn=loss_fn, mode=mode, target=target or "cpu")
-    from memfit.profiling.tracer import profile as trace
+    from memfit.profiling.tracer import trace
 
     return trace(model, inputs, loss_fn=loss_fn, mode=mode, target=target or "cpu", repeats=1)
 
@@ -326,17 +326,17 @@ def _trace(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.T
 def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, job: Job,
            calibrated: bool) -> Probe:
     from memfit.planning.job import job_memory, model_memory
-    from memfit.planning.planner import plan
+    from memfit.planning.planner import plan_for_budget
 
     prof = sizes.profile(n, calibrated)
     mode = ProfileMode(prof.mode)
     spec = job.spec(prof)
     try:
-        p = plan(prof, job=spec, solver=solver)
+        p = plan_for_budget(prof, job=spec, solver=solver)
     except InfeasibleBudget as e:
         assert e.memory is not None
         return Probe(n, False, e.memory.total_bytes, None, mode=mode)
-    smallest = plan(prof, budget="min", solver=solver)
+    smallest = plan_for_budget(prof, budget="min", solver=solver)
     total = job_memory(model_memory(prof.parameters, prof.buffer_bytes, spec), spec,
                        smallest.predicted_peak_bytes).total_bytes
     fits = max_overhead is None or p.overhead <= max_overhead
@@ -344,9 +344,9 @@ def _probe(n: int, sizes: _Sizes, solver: str, max_overhead: float | None, job: 
 
 
 def _plan(prof: Profile, solver: str, job: Job) -> Plan:
-    from memfit.planning.planner import plan
+    from memfit.planning.planner import plan_for_budget
 
-    return plan(prof, solver=solver, job=job.spec(prof))
+    return plan_for_budget(prof, solver=solver, job=job.spec(prof))
 
 
 def _final_plan(n: int, sizes: _Sizes, solver: str, job: Job) -> tuple[Plan, ProfileMode]:

@@ -244,7 +244,7 @@ def with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: Job | None
     if (job is None or spec is None or not isinstance(job.optimizer, str | torch.optim.Optimizer)
             or str(job.state_dtype).removeprefix("torch.") in ("bfloat16", "bf16")):
         return e  # no job, your own count, or bf16 already
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.profiling.optimizer import optimizer_memory
 
     cuda = not profile.device.lower().startswith("cpu")
@@ -253,7 +253,7 @@ def with_state_dtype_hint(e: InfeasibleBudget, profile: Profile, job: Job | None
         return e
     trial = dataclasses.replace(spec, optimizer=bf16)
     try:
-        p = make_plan(profile, budget=budget, solver=solver, job=trial, **options)
+        p = plan_for_budget(profile, budget=budget, solver=solver, job=trial, **options)
     except InfeasibleBudget:
         return e
     assert p.memory is not None

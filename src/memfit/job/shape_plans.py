@@ -122,10 +122,9 @@ class PlanForShape:
         self.job = job
 
     def __call__(self, p: Profile) -> Plan:
-        from memfit.planning.planner import plan as make_plan
-        from memfit.planning.planner import refuse_over_budget
+        from memfit.planning.planner import plan_for_budget, refuse_over_budget
 
-        made = make_plan(p, budget=self.budget, solver=self.solver,
+        made = plan_for_budget(p, budget=self.budget, solver=self.solver,
                          job=None if self.job is None else self.job.spec(p))
         refuse_over_budget(made)
         return made

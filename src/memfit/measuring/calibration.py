@@ -15,7 +15,7 @@ NOTE [calibrated steady state]
     default itself would need (NOTE [calibration cost]).
 
 NOTE [calibration cost]
-    Profiling already costs about 4.5 plain steps (``memfit.profiling.tracer.profile``). The
+    Profiling already costs about 4.5 plain steps (``memfit.profiling.tracer.trace``). The
     calibration times one step of every-block checkpointing (``every_block`` baseline) and
     one of every block saving its matmuls (``save_matmuls``; skipped when it is the same
     plan) per round, and from the second round on a plain step too, interleaved (NOTE
@@ -51,8 +51,7 @@ import torch
 from memfit.planning.plan import Plan
 from memfit.profiling.measure import time_step
 from memfit.profiling.profile import Profile
-from memfit.profiling.tracer import ProfileMode
-from memfit.profiling.tracer import profile as trace_profile
+from memfit.profiling.tracer import ProfileMode, trace
 from memfit.runtime.divergence import DivergenceCheck
 from memfit.runtime.marks import carries_plan, plans_suspended
 from memfit.step.harness import ModelState, Step, model_device
@@ -93,7 +92,7 @@ def profile(
 
     Args:
         model, example_inputs, loss_fn, mode, device, repeats, target: as
-            :func:`memfit.profiling.tracer.profile`.
+            :func:`memfit.profiling.tracer.trace`.
         calibrate_time: time baseline plans and fit the time model (measure mode only;
             default True). False, or fake mode: the default time model (today's constants).
         rounds: timed steps per baseline plan, the first a warm-up (default 4, about 13 plain
@@ -108,7 +107,7 @@ def profile(
     planned = carries_plan(model.model if isinstance(model, Step) else model)
     # NOTE [suspended plans]: the plain step, whatever plan the model carries
     with plans_suspended() if planned else contextlib.nullcontext():
-        prof = trace_profile(model, example_inputs, loss_fn=loss_fn, mode=mode, device=device,
+        prof = trace(model, example_inputs, loss_fn=loss_fn, mode=mode, device=device,
                              repeats=repeats, target=target)
     if planned:
         log.info("profile: %s carries a memfit plan; traced its plain step (the plan suspended)",
@@ -156,7 +155,7 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
 def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, float]:
     """The fitted calibration and the plain step's seconds (NOTE [calibration cost])."""
     from memfit.measuring.dispatch_cost import measure_dispatch_charges
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import time_terms
     from memfit.planning.solvers.baselines import NoBlocks
 
@@ -168,7 +167,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
     plans: dict[str, Plan] = {}
     for name in _PLANS:
         try:
-            p = make_plan(prof, budget=1.0, solver=name)
+            p = plan_for_budget(prof, budget=1.0, solver=name)
         except NoBlocks:
             return Calibration.default("no checkpointable blocks: no recompute to time"), plain
         if name == "every_block" and len(p.regions) < MIN_BLOCKS:
@@ -197,7 +196,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
 def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, list[float]]:
     """Step times of each plan (and of the plain step after the first round), interleaved."""
     from memfit.parallel.distributed import rank_agreement
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply_plan, unapply
 
     model = step.model
     names: list[str | None] = [None, *plans]
@@ -214,7 +213,7 @@ def _time_plans(step: Step, plans: dict[str, Plan], rounds: int) -> dict[str, li
                         continue  # the profile's own plain step is the first round's
                     if name is not None:
                         # as memfit.apply does: a collective in a distributed job
-                        apply(model, plans[name], check=STEADY_CHECK, agree=rank_agreement())
+                        apply_plan(model, plans[name], check=STEADY_CHECK, agree=rank_agreement())
                     try:
                         out[name or "plain"].append(_timed(lambda: keep.run(step), dev))
                     finally:

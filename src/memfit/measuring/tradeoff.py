@@ -130,10 +130,10 @@ def time_plan_step(model: nn.Module, plan: Plan | None, step: Callable[[], None]
         The wall seconds of the call.
     """
     from memfit.profiling.measure import time_step
-    from memfit.runtime.apply import apply, unapply
+    from memfit.runtime.apply import apply_plan, unapply
 
     if plan is not None:
-        apply(model, plan, check=check)
+        apply_plan(model, plan, check=check)
     try:
         return time_step(step, device, clock)
     finally:
@@ -257,7 +257,7 @@ def _plan_and_meter(prof: Profile, configs: _Configs, budgets: Sequence[float | 
                     advance: Callable[[str], None]) -> list[_Planned]:
     """Meter the plain step, then plan every budget and baseline and meter each new plan: the
     rows, in order."""
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.planning.solvers.baselines import NoBlocks
 
     configs.of(None)
@@ -266,7 +266,7 @@ def _plan_and_meter(prof: Profile, configs: _Configs, budgets: Sequence[float | 
 
     def add(row_label: str, kind: RowKind, solver_name: str, budget: Any, spec: str) -> None:
         try:
-            p = make_plan(prof, budget=budget, solver=solver_name)
+            p = plan_for_budget(prof, budget=budget, solver=solver_name)
         except (InfeasibleBudget, NoBlocks) as e:
             planned.append(_Planned(row_label, kind, solver_name, spec, e))
             return

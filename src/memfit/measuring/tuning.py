@@ -111,12 +111,12 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: SolverNam
     Example:
         >>> cands, notes = candidates(memfit.profile(model, x), "60%")   # doctest: +SKIP
     """
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
     from memfit.planning.solvers.baselines import NoBlocks
 
     if max_plans < 1:
         raise ValueError(f"max_plans must be at least 1, got {max_plans}")
-    first = make_plan(profile, budget=budget, solver=solver, time_limit_s=solver_time_limit_s)
+    first = plan_for_budget(profile, budget=budget, solver=solver, time_limit_s=solver_time_limit_s)
     budget_bytes = first.budget_bytes if first.budget_bytes is not None else profile.peak_bytes
     found: dict[tuple[Any, ...], Candidate] = {plan_key(first): Candidate(solver, first)}
     notes: list[str] = []
@@ -140,12 +140,12 @@ def candidates(profile: Profile, budget: int | float | str, *, solver: SolverNam
         if len(found) >= max_plans:
             break
         try:
-            add(name, make_plan(profile, budget=b, solver=s, time_limit_s=solver_time_limit_s))
+            add(name, plan_for_budget(profile, budget=b, solver=s, time_limit_s=solver_time_limit_s))
         except (InfeasibleBudget, SolverTimeout, ValueError) as e:  # ValueError: chain's NotAChain
             log.info("tune: no %s plan for %s: %s", name, format_bytes(b), str(e).split(";")[0])
     for base in baselines:
         try:
-            p = make_plan(profile, budget=budget_bytes, solver=base)
+            p = plan_for_budget(profile, budget=budget_bytes, solver=base)
         except NoBlocks:
             notes.append(f"left out {base}: found no blocks to checkpoint")
             continue

@@ -57,7 +57,7 @@ class StepResult:
 def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
     """The model without its memfit plan for the duration; yields the plan it carried, and
     re-applies it at the end (removing any plan applied meanwhile)."""
-    from memfit.runtime.apply import apply, input_guard, unapply
+    from memfit.runtime.apply import apply_plan, input_guard, unapply
 
     original: Plan | None = model.__dict__.get("memfit_plan")
     guard = input_guard(model)
@@ -72,7 +72,7 @@ def lifted_plan(model: nn.Module) -> Iterator[Plan | None]:
             unapply(model)
         if original is not None:
             # the plan it carried, checked across ranks when first applied
-            apply(model, original, **settings)
+            apply_plan(model, original, **settings)
 
 
 class UncopyableModel(TypeError):
@@ -145,12 +145,12 @@ def twin_step(step: Step, plan: Plan | None) -> Step:
         PlanMismatch, WrapError: the plan does not apply to the model.
         TypeError: the step was given as a callable (it cannot run on a copy).
     """
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     step.for_model(step.model)  # a step given as a callable raises here, before any copy
     twin = plain_copy(step.model)
     if plan is not None:
-        apply(twin, plan)  # a twin of this rank's model: no collective
+        apply_plan(twin, plan)  # a twin of this rank's model: no collective
     return step.for_model(twin).with_input_copies()
 
 

@@ -443,7 +443,7 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
     a distributed job a collective: the steps run the model's collectives, and ``apply``
     checks that every rank holds ``plan`` (``PlansDiffer`` instead of a deadlock)."""
     from memfit.parallel.distributed import rank_agreement
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply_plan
 
     state = ModelState(step.model, step.inputs)
     with lifted_plan(step.model), state:
@@ -454,7 +454,7 @@ def _in_place(step: Step, plan: Plan, seed: int, device: torch.device,
             ref2 = record_step(step.with_input_copies(), seed=seed, device=device)
             state.restore()
         try:
-            apply(step.model, plan, agree=rank_agreement())
+            apply_plan(step.model, plan, agree=rank_agreement())
         except MemfitError as e:
             return ref, ref2, Check("plan applies to the model", False, f"{type(e).__name__}: {e}")
         try:

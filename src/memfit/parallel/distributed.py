@@ -173,12 +173,12 @@ def check_same_plan(plan: Plan, *, local_error: Exception | None = None, group: 
 
 
 def rank_agreement(*, group: Any = None) -> Callable[[Plan, Exception | None], None] | None:
-    """The ``agree=`` of ``memfit.runtime.apply.apply`` that makes it a collective: every rank
+    """The ``agree=`` of ``memfit.runtime.apply.apply_plan`` that makes it a collective: every rank
     of ``group`` must hold the same plan (:func:`check_same_plan`, step 3 of NOTE [one plan per
     job]); None without an initialised process group (nothing to agree with).
 
     Example:
-        >>> memfit.runtime.apply.apply(model, plan, agree=rank_agreement())   # doctest: +SKIP
+        >>> memfit.runtime.apply.apply_plan(model, plan, agree=rank_agreement())   # doctest: +SKIP
     """
     if not is_distributed():
         return None

@@ -28,14 +28,14 @@ from memfit.profiling.profile import Profile
 from memfit.timemodel.devices import DevicePreset
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
-__all__ = ["plan", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
+__all__ = ["plan_for_budget", "plan_for_device", "refuse_over_budget", "MAX_RETRIES"]
 
 log = logging.getLogger(__name__)
 
 MAX_RETRIES = 8  # re-solves with a tightened budget when simulate() disagrees with the model
 
 
-def plan(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
+def plan_for_budget(profile: Profile, *, budget: int | float | str | None = None, solver: str = "auto",
          time_limit_s: float = 10.0, offload: bool = False, host_budget: int | str | None = None,
          target: str | DevicePreset | None = None, job: JobSpec | None = None) -> Plan:
     """Find the checkpoint plan with the least recompute time whose peak fits ``budget``.

@@ -96,16 +96,16 @@ def stage_candidates(profile: Profile, *, solver: str = "auto", time_limit_s: fl
     and ``solver``'s plan for each of ``steps`` per-micro-batch budgets evenly spaced between
     their peaks. One set for every ``in_flight``, so a stage holding fewer micro-batches
     never gets a slower plan than one holding more (its feasible set is larger)."""
-    from memfit.planning.planner import plan as make_plan
+    from memfit.planning.planner import plan_for_budget
 
-    none = make_plan(profile, budget=profile.peak_bytes, solver="none")
-    smallest = make_plan(profile, budget="min", solver=solver, time_limit_s=time_limit_s)
+    none = plan_for_budget(profile, budget=profile.peak_bytes, solver="none")
+    smallest = plan_for_budget(profile, budget="min", solver=solver, time_limit_s=time_limit_s)
     out = [none, smallest]
     lo, hi = smallest.predicted_peak_bytes, none.predicted_peak_bytes
     for i in range(1, steps + 1):
         b = lo + (hi - lo) * i // (steps + 1)
         try:
-            out.append(make_plan(profile, budget=b, solver=solver, time_limit_s=time_limit_s))
+            out.append(plan_for_budget(profile, budget=b, solver=solver, time_limit_s=time_limit_s))
         except InfeasibleBudget:
             continue
     return tuple(out)
@@ -124,7 +124,7 @@ def plan_stage(profile: Profile, *, budget: int | float | str, in_flight: int,
             (``(in_flight - 1) * held + peak`` of the plain step), or a size (``"2GiB"``).
         in_flight: micro-batches whose activations the stage holds at once, >= 1
             (``memfit.parallel.pipeline.in_flight``).
-        solver, time_limit_s: as ``memfit.planning.planner.plan``.
+        solver, time_limit_s: as ``memfit.planning.planner.plan_for_budget``.
         candidates: the plans to choose from (default :func:`stage_candidates`), to plan
             one profile for several counts or budgets without solving again.
         extra_bytes: bytes the schedule keeps besides the held micro-batches (default 0;

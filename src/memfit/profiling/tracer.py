@@ -37,7 +37,7 @@ from memfit.step.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.timemodel.calibration import Calibration
 from memfit.timemodel.devices import op_time_s, preset
 
-__all__ = ["ProfileMode", "profile", "check_profile_matches", "forward_signature", "region_state_bytes"]
+__all__ = ["ProfileMode", "trace", "check_profile_matches", "forward_signature", "region_state_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None,
     return _Setup(step, model, None, dev, contextlib.nullcontext())
 
 
-def profile(
+def trace(
     model: torch.nn.Module | Step,
     example_inputs: Any = None,
     *,

@@ -30,7 +30,7 @@ from memfit.runtime.wrap import unwrap, wrap
 from memfit.step.harness import model_device
 from memfit.units import parse_bytes
 
-__all__ = ["apply", "unapply", "host_pool", "input_guard", "compressor"]
+__all__ = ["apply_plan", "unapply", "host_pool", "input_guard", "compressor"]
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _refuse_fsdp_inside(region: Region, inside: list[nn.Module]) -> None:
         )
 
 
-def apply(model: nn.Module, plan: Plan, *, check: CheckArg = True,
+def apply_plan(model: nn.Module, plan: Plan, *, check: CheckArg = True,
           host_budget: int | str | None = None,
           agree: Callable[[Plan, PlanMismatch | None], None] | None = None,
           on_new_shape: OnNewShape | str = OnNewShape.WARN,
