@@ -231,7 +231,7 @@ def test_a_planned_model_called_on_other_shapes_or_dtypes_warns_once(gpt_and_inp
     from memfit.step.harness import Step
 
     model, x = gpt_and_inputs
-    fit(model, x, budget=0.6, on_new_shape="warn")
+    fit(model, x, budget=0.6, training=memfit.Training(on_new_shape="warn"))
     plan = model.memfit_plan
     assert plan.input_signature == (("0", tuple(x.shape), "int64"), ("<parameters>", (), "float32"))
     assert memfit.Plan.from_dict(plan.to_dict()).input_signature == plan.input_signature
@@ -256,7 +256,7 @@ def test_a_planned_model_moved_to_another_dtype_warns():
     model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
                                   for _ in range(4)))
     x = torch.randn(256, 64)
-    fit(model, x, budget="min", on_new_shape="warn")
+    fit(model, x, budget="min", training=memfit.Training(on_new_shape="warn"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(x).sum().backward()

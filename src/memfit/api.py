@@ -20,6 +20,7 @@ from torch import nn
 
 from memfit.errors import InfeasibleBudget
 from memfit.job.fit_checks import refuse_fit_arguments
+from memfit.job.fit_options import OLD_FIT_KEYWORDS, Parallel, Search, Training
 from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
 from memfit.profiling.profile import Profile
@@ -44,21 +45,11 @@ def fit(
     *,
     budget: int | float | str | Job | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    solver: SolverName = "auto",
     step: Callable[[], torch.Tensor] | Step | None = None,
-    tune: bool = False,
-    tune_time_limit_s: float | None = None,
-    src: int = 0,
-    group: Any = None,
-    target: str | None = None,
-    on_new_shape: str | None = None,
-    shapes: Sequence[Any] | None = None,
-    monitor_every: int | None = None,
-    in_flight: int | None = None,
-    kept_bytes: int = 0,
-    compress: str | None = None,
-    lossy_codec: str = "bf16",
-    **old_job_keywords: Any,
+    search: Search | None = None,
+    training: Training | None = None,
+    parallel: Parallel | None = None,
+    **old_keywords: Any,
 ) -> M:
     """Make ``model``'s training step fit ``budget``: profile one step, plan, apply the plan.
 
@@ -70,68 +61,29 @@ def fit(
             ``memfit.Job`` (``memfit.Job(device="80GiB", optimizer="adamw")``): weights,
             gradients, optimizer states, the optimizer step, activations and a reserve (NOTE
             [the job's memory] in ``memfit.planning.job``); the breakdown is
-            ``model.memfit_plan.memory``. The keywords it replaces (``device_memory=``,
-            ``optimizer=``, ...) still work for one release, with a ``DeprecationWarning``
-            (NOTE [the old job keywords] in ``memfit.job.device_memory``).
+            ``model.memfit_plan.memory``.
         budget: the cap on peak activation memory: ``int`` bytes, a ``float`` fraction of the
             un-checkpointed peak (``0.6``), a string (``"6GiB"``, ``"60%"``), or ``"min"``:
             the smallest peak any plan reaches. A ``Job`` here is taken as ``job``; given
             both, the smaller cap holds.
         loss_fn: output -> scalar loss; default ``output.loss`` if present, else the sum of the
             floating outputs.
-        solver: ``"auto"`` (default), ``"chain"``, ``"milp"``, ``"greedy"``, or a baseline
-            (``"every_block"``, ``"sqrt"``, ``"save_matmuls"``, ``"none"``).
         step: instead of ``example_inputs``: a callable taking no arguments that runs the
             forward and returns the scalar loss (``lambda: module.training_step(batch, 0)``),
-            or a ``memfit.step.harness.Step`` of ``model``. It is profiled in place of
-            ``loss_fn(model(*example_inputs))``; it must call ``model`` (or its submodules) the
-            way training will, and is run several times with the model's grads, buffers and
-            RNG state put back after each run.
-        tune: time the solver's best few plans and the baseline plans that fit on the model
-            itself and apply the fastest measured (``memfit.measuring.tuning.tune``); the medians are on
-            ``model.memfit_plan.tuning``. Default False: the solver's plan, untimed.
-        tune_time_limit_s: seconds of stepping tuning may spend (default: 10 profiled plain
-            steps).
-        src: in a distributed job, the global rank whose profile is planned (default 0);
-            every rank profiles, then gets that rank's plan (NOTE [one plan per job] in
-            ``memfit.parallel.distributed``): every rank of ``group`` must call ``fit``.
-        group: the ``torch.distributed`` process group to plan for (default the whole job).
-        target: for a model on the meta device (profiled in fake mode), the device preset it
-            is planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels (NOTE [CUDA
-            kernels in fake mode]) and cost model; default ``"cpu"``. Refused for a model
-            with weights, which is profiled where it is.
-        on_new_shape: what a training call on inputs of another shape or dtype than the
-            plan's does (NOTE [inputs other than the profiled ones] in
-            ``memfit.runtime.shapes``): ``"replan"`` profiles that step once, plans it for the
-            same budget in bytes and keeps the plan for later calls of that signature (NOTE
-            [re-planning inside a training call] in ``memfit.job.shape_plans``); ``"warn"`` warns
-            once per new signature and keeps the plan; ``"raise"`` raises
-            ``memfit.NewInputShape``. Default None: ``"replan"`` for ``example_inputs``
-            (exact, and once per shape), ``"warn"`` for a callable ``step`` or in a
-            distributed job, where a re-plan cannot run.
-        shapes: the shapes training will use, planned now (NOTE [shape ranges] in
-            ``memfit.job.shape_plans``): each a size of the single input tensor (``(8, 128)``,
-            sliced or tiled from ``example_inputs``) or full example inputs. Every one is
-            profiled (and the midpoint of two given sizes); every shape in their range runs
-            a plan whose predicted peak fits the budget at the range's ends, or ``fit``
-            raises ``InfeasibleBudget``.
-        monitor_every: monitor one training call in N (the first, then every N-th): its
-            measured peak, the plan's prediction and budget, and its seconds are appended to
-            ``model.memfit_monitor`` (``memfit.runtime.monitor.MonitorRecord``); a peak over
-            the budget or more than 10% from the prediction warns (NOTE [monitoring a
-            training run] in ``memfit.runtime.monitor``). On CPU a monitored step runs under
-            the profiler (+24% of a zoo GPT's step): N >= 25 keeps it within 1%. Default None.
-        in_flight, kept_bytes: for a pipeline stage: the micro-batches whose activations it
-            holds at once (``memfit.parallel.pipeline.in_flight``) and the bytes its schedule keeps
-            besides (``memfit.parallel.pipeline.kept_by_sends``; default 0); ``example_inputs`` are one
-            micro-batch's, ``budget`` caps the stage's peak over the schedule step (NOTE [pipeline
-            stage memory model] in ``memfit.planning.stages``). Each rank plans its own stage.
-        compress: also keep saved tensors outside the regions packed (NOTE [compress or
-            recompute] in ``memfit.planning.compress_pass``): ``"lossless"`` (exact codecs
-            only; the step stays bitwise plain), ``"lossy"`` (also bf16: gradients change;
-            NOTE [what lossy means]); default None: no compression.
-        lossy_codec: with ``compress="lossy"``, the codec of the other fp32 activations:
-            ``"bf16"`` (default, 2 bytes), ``"fp8_e4m3"`` or ``"int8_blockwise"`` (about 1 byte).
+            or a ``memfit.step.Step`` of ``model``, run several times with the model's grads,
+            buffers and RNG state put back after each run.
+        search: how to search (``memfit.Search``: solver, tune, compress, the target preset of
+            a model on the meta device); default ``memfit.Search()``.
+        training: what the planned model does while it trains (``memfit.Training``: on a new
+            input shape, the shapes planned now, the monitor); default ``memfit.Training()``.
+        parallel: how the job is split over processes (``memfit.Parallel``: the planning rank
+            and group, a pipeline stage's in-flight micro-batches); default
+            ``memfit.Parallel()``.
+        **old_keywords: the keywords these values replace (``solver=``, ``tune=``,
+            ``shapes=``, ``device_memory=``...) still work for one release, each with a
+            ``DeprecationWarning`` naming the new spelling (NOTE [fit's option families] in
+            ``memfit.job.fit_options``, NOTE [the old job keywords] in
+            ``memfit.job.device_memory``).
 
     Returns:
         ``model`` itself, planned; the ``Plan`` is on ``model.memfit_plan`` (print it for the
@@ -139,126 +91,160 @@ def fit(
 
     Raises:
         memfit.InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak. Also
-            when a baseline ``solver``'s fixed plan peaks above the budget (its peak is then
-            ``min_feasible_bytes``): nothing is applied.
+            when a baseline solver's fixed plan peaks above the budget: nothing is applied.
         ValueError: Hugging Face's own checkpointing is on, or the inputs pass a KV cache
-            (NOTE [Hugging Face models in fit]); a ``step`` on a model on the meta device;
-            ``tune=True`` on a model on the meta device (tuning times real steps); a baseline
-            ``solver`` that finds no blocks to checkpoint
-            (``memfit.planning.solvers.baselines.NoBlocks``).
-        TypeError: both or neither of ``example_inputs`` and ``step`` are given, or ``step``
-            with ``loss_fn``, or a ``Step`` of another model; a ``Job`` and the old job
-            keywords together.
+            (NOTE [model families] in ``memfit.step.families``); an option the model or job
+            cannot honour (``memfit.job.fit_checks``), with what to do instead.
+        TypeError: both or neither of ``example_inputs`` and ``step``, or ``step`` with
+            ``loss_fn``; an option value of the wrong type; an old keyword beside its new value.
 
     Example:
         >>> model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=128)
         >>> x = torch.randint(0, 512, (8, 128))
-        >>> model = memfit.fit(model, x, budget="60%")   # doctest: +SKIP
+        >>> model = memfit.fit(model, x, budget="80%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    from memfit.job.device_memory import resolve_job
-    from memfit.job.shape_plans import PlanForShape, resolve_on_new_shape
-    from memfit.measuring.calibration import profile
-    from memfit.parallel.distributed import is_distributed, plan_once, warm_up_fsdp
-    from memfit.planning.planner import plan_for_budget, refuse_over_budget
-    from memfit.planning.stages import plan_stage
-    from memfit.runtime.apply import unapply
-    from memfit.runtime.marks import applied_plan
+    from memfit.job.device_memory import OLD_KEYWORDS, resolve_job
+    from memfit.job.fit_options import resolve_fit_options
+    from memfit.job.shape_plans import PlanForShape
+    from memfit.planning.planner import refuse_over_budget
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
-    budget, job = resolve_job("fit", job, old_job_keywords, budget)
+    budget, job = resolve_job("fit", job, _pop(old_keywords, OLD_KEYWORDS), budget)
+    search, training, parallel = resolve_fit_options(search, training, parallel,
+                                                     _pop(old_keywords, OLD_FIT_KEYWORDS, all_=True))
     the_step = _the_step(model, example_inputs, loss_fn, step)
-    refuse_fit_arguments(model, monitor_every=monitor_every, shapes=shapes, tune=tune, step=step,
-                         in_flight=in_flight, target=target, compress=compress, budget=budget,
-                         lossy_codec=lossy_codec, job=job, on_meta=_on_meta(model))
-    new_shape = resolve_on_new_shape(on_new_shape, callable_step=step is not None,
-                                     distributed=is_distributed() or in_flight is not None)
+    refuse_fit_arguments(model, budget, job, search, training, parallel,
+                         stepped=step is not None, on_meta=_on_meta(model))
     family = family_of(model, the_step.kwargs)  # NOTE [model families] in memfit.step.families
     family.refuse_carried_state(model, the_step.kwargs)
-    cache_off_for_training = family.cache_off_for_training
-    previous = [(path, m, old_plan, _guard_settings(m)) for path, m in model.named_modules()
-                if (old_plan := applied_plan(m)) is not None]
-    for path, m, _, _ in previous:  # NOTE [re-fitting]
-        if m is not model:
-            log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
-                        "to re-plan the whole %s", path, type(m).__name__, type(model).__name__)
-        unapply(m)
+    previous = _unapply_previous(model)  # NOTE [re-fitting]
     try:
-        with cache_off_for_training(model):
-            mode = "fake" if _on_meta(model) else "measure"
-            if mode == "measure":
-                warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.parallel.distributed
-            prof = profile(the_step, mode=mode, target=target or "cpu")
-            if tune:
-                from memfit.measuring.tuning import tune as measure_plans
-
-                assert budget is not None  # refused above
-                new_plan = measure_plans(the_step, prof, budget, solver=solver,
-                                         time_limit_s=tune_time_limit_s)
-            else:
-                spec = None if job is None else job.spec(prof)
-                if in_flight is not None and (job is not None or budget is None):
-                    raise TypeError("fit(in_flight=...) needs budget=, without a job")
-                if job is None and budget is None:
-                    raise TypeError("fit needs budget= (a cap on the activation peak) or a job "
-                                    "(memfit.Job(device='80GiB', ...): the device the whole job "
-                                    "must fit)")
-                def solve(b: Any) -> Plan:
-                    return plan_for_budget(prof, budget=b, solver=solver, job=spec)
-
-                def first_plan() -> Plan:
-                    if compress is None:
-                        return solve(budget)
-                    from memfit.measuring.codec_cost import codec_costs_for
-                    from memfit.planning.compress_pass import choose
-                    return choose(prof, solve, budget, mode=compress, lossy_codec=lossy_codec,
-                                  costs=codec_costs_for(compress, lossy_codec))
-
-                try:
-                    if in_flight is not None:  # a stage's own plan: no one plan per job
-                        new_plan = plan_stage(prof, budget=budget or 0, in_flight=in_flight,
-                                              solver=solver, extra_bytes=kept_bytes)
-                    else:
-                        new_plan = plan_once(first_plan, src=src, group=group)  # NOTE [one plan per job]
-                except InfeasibleBudget as e:
-                    if job is None or is_distributed() or step is not None:
-                        raise
-                    from memfit.job.capacity import batch_of, sliced_maker, with_largest_batch
-
-                    raise with_largest_batch(
-                        e, sliced_maker(model, example_inputs), batch_of(example_inputs),
-                        job, loss_fn=loss_fn, solver=solver, target=target) from None
+        with family.cache_off_for_training(model):
+            prof = _profile(the_step, search)
+            new_plan = _plan(prof, the_step, example_inputs, budget, job, search, parallel)
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
         # another shape's plan: the same budget in bytes (or device), NOTE [a fitted model pickles]
-        plan_profile = PlanForShape(
+        for_shape = PlanForShape(
             None if budget is None else "min" if budget == "min" else new_plan.budget_bytes,
-            solver, job)
-
+            search.solver, job)
         shaped: dict[str, Any] = {}
-        if shapes is not None:
-            with cache_off_for_training(model):
-                new_plan, shaped = _plan_shapes(the_step, example_inputs, shapes, prof, new_plan,
-                                                plan_profile, mode=mode, target=target or "cpu")
+        if training.shapes is not None:
+            with family.cache_off_for_training(model):
+                new_plan, shaped = _plan_shapes(the_step, example_inputs, training.shapes, prof,
+                                                new_plan, for_shape, mode=prof.mode,
+                                                target=search.target or "cpu")
     except BaseException:
         for _, m, old, settings in previous:
             apply(m, old, check_ranks=False, **settings)
         raise
+    _apply_fitted(model, new_plan, the_step, prof, for_shape, shaped, family, search, training,
+                  parallel, stepped=step is not None)
+    log.info("%s", new_plan)
+    return model
+
+
+def _pop(keywords: dict[str, Any], known: Any, *, all_: bool = False) -> dict[str, Any]:
+    """The entries of ``keywords`` named in ``known``, removed from it; with ``all_``, any name
+    left that ``known`` does not hold is a ``TypeError``, as Python's own."""
+    taken = {k: keywords.pop(k) for k in list(keywords) if k in known}
+    if all_ and keywords:
+        raise TypeError(f"fit() got an unexpected keyword argument {next(iter(keywords))!r}")
+    return taken
+
+
+def _unapply_previous(model: nn.Module) -> list[tuple[str, nn.Module, Plan, dict[str, Any]]]:
+    """NOTE [re-fitting]: the plans ``model`` and its modules carry, removed (``fit`` puts them
+    back if it fails), to re-plan the whole model."""
+    from memfit.runtime.apply import unapply
+    from memfit.runtime.marks import applied_plan
+
+    previous = [(path, m, old_plan, _guard_settings(m)) for path, m in model.named_modules()
+                if (old_plan := applied_plan(m)) is not None]
+    for path, m, _, _ in previous:
+        if m is not model:
+            log.warning("memfit: removing the plan on %s (%s, planned before it was wrapped?) "
+                        "to re-plan the whole %s", path, type(m).__name__, type(model).__name__)
+        unapply(m)
+    return previous
+
+
+def _profile(the_step: Step, search: Search) -> Profile:
+    """The profile ``fit`` plans: fake mode for a model on the meta device, else measured."""
+    from memfit.measuring.calibration import profile
+    from memfit.parallel.distributed import warm_up_fsdp
+
+    mode = "fake" if _on_meta(the_step.model) else "measure"
+    if mode == "measure":
+        warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.parallel.distributed
+    return profile(the_step, mode=mode, target=search.target or "cpu")
+
+
+def _plan(prof: Profile, the_step: Step, example_inputs: Any, budget: Any, job: Job | None,
+          search: Search, parallel: Parallel) -> Plan:
+    """``fit``'s plan of ``prof``: tuned, a pipeline stage's own, or one plan per job."""
+    from memfit.parallel.distributed import is_distributed, plan_once
+    from memfit.planning.planner import plan_for_budget
+    from memfit.planning.stages import plan_stage
+
+    if search.tune:
+        from memfit.measuring.tuning import tune
+
+        return tune(the_step, prof, budget, solver=search.solver,
+                    time_limit_s=search.tune_time_limit_s)
+    spec = None if job is None else job.spec(prof)
+
+    def solve(b: Any) -> Plan:
+        return plan_for_budget(prof, budget=b, solver=search.solver, job=spec)
+
+    def first_plan() -> Plan:
+        if search.compress is None:
+            return solve(budget)
+        from memfit.measuring.codec_cost import codec_costs_for
+        from memfit.planning.compress_pass import choose
+
+        return choose(prof, solve, budget, mode=search.compress, lossy_codec=search.lossy_codec,
+                      costs=codec_costs_for(search.compress, search.lossy_codec))
+
+    try:
+        if parallel.in_flight is not None:  # a stage's own plan: no one plan per job
+            return plan_stage(prof, budget=budget or 0, in_flight=parallel.in_flight,
+                              solver=search.solver, extra_bytes=parallel.kept_bytes)
+        return plan_once(first_plan, src=parallel.src, group=parallel.group)  # NOTE [one plan per job]
+    except InfeasibleBudget as e:
+        if job is None or is_distributed() or example_inputs is None:
+            raise
+        from memfit.job.capacity import batch_of, sliced_maker, with_largest_batch
+
+        raise with_largest_batch(
+            e, sliced_maker(the_step.model, example_inputs), batch_of(example_inputs), job,
+            loss_fn=the_step.loss_fn, solver=search.solver, target=search.target) from None
+
+
+def _apply_fitted(model: nn.Module, new_plan: Plan, the_step: Step, prof: Profile,
+                  for_shape: Any, shaped: dict[str, Any], family: Any, search: Search,
+                  training: Training, parallel: Parallel, *, stepped: bool) -> None:
+    """Apply ``fit``'s plan with its input guard (a re-planner for new shapes where it can),
+    then the monitor; in a distributed job, checks that every rank holds ``new_plan``."""
+    from memfit.job.shape_plans import resolve_on_new_shape
+    from memfit.parallel.distributed import is_distributed
+
+    new_shape = resolve_on_new_shape(training.on_new_shape, callable_step=stepped,
+                                     distributed=is_distributed() or parallel.in_flight is not None)
     replan = None
     if new_shape.value == "replan":
         from memfit.job.shape_plans import Replanner
 
-        replan = Replanner(the_step, prof, plan_profile, mode=mode, target=target or "cpu",
-                           around=cache_off_for_training)
-    # in a distributed job, checks that every rank holds new_plan
-    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan, check_ranks=in_flight is None,
-          plans=shaped.get("plans"), ranges=shaped.get("ranges", ()))
-    if monitor_every is not None:
+        replan = Replanner(the_step, prof, for_shape, mode=prof.mode, target=search.target or "cpu",
+                           around=family.cache_off_for_training)
+    apply(model, new_plan, on_new_shape=new_shape.value, replan=replan,
+          check_ranks=parallel.in_flight is None, plans=shaped.get("plans"),
+          ranges=shaped.get("ranges", ()))
+    if training.monitor_every is not None:
         from memfit.runtime.monitor import install_monitor
 
-        install_monitor(model, monitor_every)
-    log.info("%s", new_plan)
-    return model
+        install_monitor(model, training.monitor_every)
 
 
 def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: Profile,
@@ -348,25 +334,27 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def plan(profile: Profile, job: Job | None = None, *, budget: int | float | str | Job | None = None,
-         solver: SolverName = "auto", **options: Any) -> Plan:
-    """The fastest plan for ``budget`` (``memfit.planning.planner.plan_for_budget``), or for a device the
-    whole job must fit: ``job``, a ``memfit.Job``, as in ``fit``.
+         solver: SolverName = "auto", time_limit_s: float = 10.0, offload: bool = False,
+         host_budget: int | str | None = None, target: str | None = None,
+         **old_job_keywords: Any) -> Plan:
+    """The fastest plan for ``budget`` (``memfit.planning.planner.plan_for_budget``: its
+    arguments), or for a device the whole job must fit: ``job``, a ``memfit.Job``, as in
+    ``fit``. ``memfit.plan(profile, memfit.Job(device="80GiB", optimizer="adamw"))``.
 
-    ``options`` go to the planner (``time_limit_s``, ``offload``, ``host_budget``,
-    ``target``); the old job keywords are deprecated (NOTE [the old job keywords] in
-    ``memfit.job.device_memory``). ``memfit.plan(profile, memfit.Job(device="80GiB",
-    optimizer="adamw"))``.
+    The old job keywords are deprecated (NOTE [the old job keywords] in
+    ``memfit.job.device_memory``).
 
     Raises:
         InfeasibleBudget: nothing fits; with a job, its ``memory`` is the breakdown with the
             smallest plan and ``fits_with`` what would fit.
     """
-    from memfit.job.device_memory import OLD_KEYWORDS, resolve_job, with_state_dtype_hint
+    from memfit.job.device_memory import resolve_job, with_state_dtype_hint
     from memfit.planning.planner import plan_for_budget
 
-    old = {k: options.pop(k) for k in list(options) if k in OLD_KEYWORDS}
-    budget, job = resolve_job("plan", job, old, budget)
+    budget, job = resolve_job("plan", job, old_job_keywords, budget)
     spec = None if job is None else job.spec(profile)
+    options: dict[str, Any] = {"time_limit_s": time_limit_s, "offload": offload, "host_budget": host_budget,
+               "target": target}
     try:
         return plan_for_budget(profile, budget=budget, solver=solver, job=spec, **options)
     except InfeasibleBudget as e:

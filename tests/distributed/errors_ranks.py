@@ -29,7 +29,7 @@ try:
     if case == "infeasible":
         # 1 byte: below any plan's peak. The chain solver finds that in 0.6 s; "auto" searches
         # 44 s for the smallest peak (the other rank waits in the broadcast meanwhile)
-        memfit.fit(model, batch(), budget=1, solver="chain")
+        memfit.fit(model, batch(), budget=1, search=memfit.Search(solver="chain"))
     else:
         memfit.apply(model, Plan((Region((f"model.layers.{layer}",)),), 0, 0.0, None, "hand", ""))
     result = {"raised": None}

@@ -36,7 +36,7 @@ if order == "shard-then-fit":
 else:
     # per-block regions: a budgeted plan made before sharding may hold a segment over two
     # blocks, which becomes two FSDP units once sharded (docs/distributed.md, limits)
-    memfit.fit(model, batch(), budget=0.6, solver="every_block")
+    memfit.fit(model, batch(), budget=0.6, search=memfit.Search(solver="every_block"))
     shard(model)
 plan = model.memfit_plan
 report = memfit.verify(model, batch())

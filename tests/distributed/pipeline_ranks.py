@@ -139,7 +139,7 @@ def main() -> None:
     uni_here = stage_peak(prof, uni, k, extra_bytes=kept)
     # the same through memfit.fit on a copy: every rank plans its own stage (no PlansDiffer)
     twin = copy.deepcopy(mod)
-    memfit.fit(twin, (mb_x,), loss_fn=loss_fn, budget=budget, in_flight=k, kept_bytes=kept)
+    memfit.fit(twin, (mb_x,), loss_fn=loss_fn, budget=budget, parallel=memfit.Parallel(in_flight=k, kept_bytes=kept))
     fitted = twin.memfit_plan.extra["pipeline"]
 
     results: dict[str, Any] = {}

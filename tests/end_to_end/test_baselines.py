@@ -120,18 +120,18 @@ def test_fit_refuses_a_baseline_plan_over_the_budget():
     assert any(n.startswith("exceeds the budget") for n in p.notes)
     with pytest.raises(InfeasibleBudget, match=r"solver 'every_block' gives a fixed plan \(4 regions\) "
                                                r"whose predicted peak .* exceeds the budget") as e:
-        fit(model, x, budget=0.5, solver="every_block")
+        fit(model, x, budget=0.5, search=memfit.Search(solver="every_block"))
     assert e.value.budget_bytes == p.budget_bytes
     assert e.value.min_feasible_bytes == p.predicted_peak_bytes
     assert "memfit_plan" not in model.__dict__  # nothing applied
-    fit(model, x, budget=p.predicted_peak_bytes, solver="every_block")  # a budget it meets
+    fit(model, x, budget=p.predicted_peak_bytes, search=memfit.Search(solver="every_block"))  # a budget it meets
     assert [r.modules for r in model.memfit_plan.regions] == BLOCKS
 
 
 def test_fit_with_a_baseline_that_finds_no_blocks_raises():
     model = NoChildren()
     with pytest.raises(NoBlocks, match="baseline 'every_block' found no blocks"):
-        fit(model, _x(), budget=1.0, solver="every_block")
+        fit(model, _x(), budget=1.0, search=memfit.Search(solver="every_block"))
     assert "memfit_plan" not in model.__dict__
 
 

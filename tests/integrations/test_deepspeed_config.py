@@ -37,7 +37,7 @@ def test_bf16_plans_fp32_master_weights_and_states(monkeypatch: pytest.MonkeyPat
 
 def test_a_budget_alone_passes_through() -> None:
     assert memfit_ds.fit_arguments({"memfit": {"budget": 0.6, "solver": "chain"}}, _model()) == \
-        {"budget": 0.6, "solver": "chain"}
+        {"budget": 0.6, "search": memfit.Search(solver="chain")}
     assert memfit_ds.fit_arguments({}, _model(), budget="6GiB") == {"budget": "6GiB"}
 
 

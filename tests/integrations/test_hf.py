@@ -48,7 +48,7 @@ def test_calls_with_grad_drop_the_cache_where_memfit_checkpoints():
         model.train()
         return train_call, no_grad_call, eval_call
 
-    ours = memfit.fit(llama(), batch(), budget=0.5, solver="chain")
+    ours = memfit.fit(llama(), batch(), budget=0.5, search=memfit.Search(solver="chain"))
     theirs = llama()
     theirs.activation_checkpointing_enable()
     assert caches(theirs) == (False, True, True)
@@ -83,10 +83,10 @@ def test_fit_says_once_that_it_turns_the_cache_off(caplog):
     model = llama()
     with caplog.at_level(logging.WARNING, logger="memfit"):
         with pytest.raises(memfit.InfeasibleBudget):  # a failed fit leaves no hook, says nothing
-            memfit.fit(model, batch(), budget=0.05, solver="chain")
+            memfit.fit(model, batch(), budget=0.05, search=memfit.Search(solver="chain"))
         assert _cache_hooks(model) == [] and model(**batch()).cache is not None
-        memfit.fit(model, batch(), budget=0.6, solver="chain")
-        memfit.fit(model, batch(), budget=0.5, solver="chain")  # re-fit: the hook is already there
+        memfit.fit(model, batch(), budget=0.6, search=memfit.Search(solver="chain"))
+        memfit.fit(model, batch(), budget=0.5, search=memfit.Search(solver="chain"))  # re-fit: the hook is already there
     said = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
     assert len(said) == 1 and "LlamaForCausalLM" in said[0].getMessage()
     assert len(_cache_hooks(model)) == 1
@@ -115,7 +115,7 @@ def test_enable_builds_inputs_from_the_config_and_disable_undoes_it():
     plan = model.memfit_plan
     assert plan.budget_bytes == int(0.5 * plan.plain_peak_bytes)
     # the same plan as fit on (4, 64) token ids with labels
-    refit = memfit.fit(llama(), {k: torch.zeros_like(v) for k, v in batch().items()}, budget=0.5, solver="chain")
+    refit = memfit.fit(llama(), {k: torch.zeros_like(v) for k, v in batch().items()}, budget=0.5, search=memfit.Search(solver="chain"))
     assert plan.profile_signature == refit.memfit_plan.profile_signature
     assert_same_weights(train(model), train(llama()))
     hf.disable(model)
@@ -149,7 +149,7 @@ def test_enable_rejects_inputs_with_a_shape():
 def test_hf_checkpointing_switched_on_after_a_plan_is_refused_at_the_next_training_call(how):
     model = llama()
     if how == "fit":
-        memfit.fit(model, batch(), budget=0.5, solver="chain")
+        memfit.fit(model, batch(), budget=0.5, search=memfit.Search(solver="chain"))
     else:
         hf.enable(model, budget=0.5, batch_size=4, seq_len=64, solver="chain")
     with pytest.warns(FutureWarning, match="gradient_checkpointing_enable` is deprecated"):

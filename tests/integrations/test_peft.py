@@ -33,7 +33,7 @@ def test_lora_plan_counts_only_lora_gradients():
     from memfit.profiling.profile import StorageKind
 
     model = lora(llama())
-    plan = memfit.fit(model, batch(), budget=0.5, solver="chain").memfit_plan
+    plan = memfit.fit(model, batch(), budget=0.5, search=memfit.Search(solver="chain")).memfit_plan
     memfit.unapply(model)
     prof = memfit.profile(model, {**batch(), "use_cache": False})  # the step fit profiled
     # gradients alive at the end of the step are the parameters' own: LoRA's, to the byte
@@ -46,7 +46,7 @@ def test_lora_plan_counts_only_lora_gradients():
 
 @pytest.mark.slow
 def test_fit_before_get_peft_model_replans_the_wrapped_model():
-    base = memfit.fit(llama(), batch(), budget=0.5, solver="chain")
+    base = memfit.fit(llama(), batch(), budget=0.5, search=memfit.Search(solver="chain"))
     model = lora(base)
     stale = memfit.verify(model, batch())  # the plan names paths the wrapper moved
     assert not stale.ok and "PlanMismatch" in stale.failures[0].detail

@@ -145,11 +145,11 @@ def test_fit_plans_the_same_through_both_spellings(name):
     # a device between the smallest plan's job and the plain step's: checkpointing binds
     device = free.total_bytes - free.activations_bytes + (least + prof.peak_bytes) // 2
     new_job = Job(device=device, optimizer="adamw", world_size=2, sharding="optimizer", reserve=0)
-    new = memfit.fit(model, x, new_job, target="h100").memfit_plan
+    new = memfit.fit(model, x, new_job, search=memfit.Search(target="h100")).memfit_plan
     memfit.unapply(model)
     with pytest.warns(DeprecationWarning, match=re.escape("fit(device_memory=..., optimizer=...")):
         old = memfit.fit(model, x, device_memory=device, optimizer="adamw", world_size=2,
-                         sharding="optimizer", reserve=0, target="h100").memfit_plan
+                         sharding="optimizer", reserve=0, search=memfit.Search(target="h100")).memfit_plan
     memfit.unapply(model)
     assert new.regions and new.memory is not None and new.memory.fits
     assert new.memory.device_memory_bytes == device and new.memory.world_size == 2

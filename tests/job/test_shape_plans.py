@@ -38,8 +38,7 @@ def ranged():
     """A 6-layer GPT fitted at seq 64 for seq 32-128 (dropout on: the RNG is part of the step)."""
     model = zoo.gpt(n_layer=6, d_model=32, n_head=2, seq_len=256, vocab_size=64)
     plain = copy.deepcopy(model)
-    memfit.fit(model, zoo.example_inputs(model, batch=4, size=64), budget=BUDGET,
-               shapes=[(4, 32), (4, 128)], on_new_shape="replan")
+    memfit.fit(model, zoo.example_inputs(model, batch=4, size=64), budget=BUDGET, training=memfit.Training(shapes=[(4, 32), (4, 128)], on_new_shape="replan"))
     return model, plain
 
 
@@ -144,7 +143,7 @@ def test_fit_passes_raise_to_the_planned_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
                                   for _ in range(3)))
-    memfit.fit(model, torch.randn(64, 32), budget="min", on_new_shape="raise")
+    memfit.fit(model, torch.randn(64, 32), budget="min", training=memfit.Training(on_new_shape="raise"))
     model(torch.randn(64, 32)).sum().backward()
     with pytest.raises(memfit.NewInputShape, match="128x32:float32"):
         model(torch.randn(128, 32))
@@ -265,7 +264,7 @@ def test_a_shape_no_plan_fits_is_named():
     def infeasible(p):
         raise InfeasibleBudget("budget too small", budget_bytes=100, min_feasible_bytes=120)
 
-    with pytest.raises(InfeasibleBudget, match=r"fit\(shapes=...\): no plan fits inputs "
+    with pytest.raises(InfeasibleBudget, match=r"Training\(shapes=...\): no plan fits inputs "
                        r"\(0=4x128:int64\).*budget too small") as err:
         plan_range([_fake_profile(64, 150), _fake_profile(128, 200)], infeasible, 100)
     assert err.value.min_feasible_bytes == 120

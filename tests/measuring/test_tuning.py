@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import memfit
 from memfit import zoo
 from memfit.measuring.tuning import (
     RESOLVE_FRACTIONS,
@@ -274,7 +275,7 @@ def test_fit_with_tune_applies_the_chosen_plan_with_its_record():
 
     m = zoo.gpt(n_layer=3, d_model=32, n_head=2, seq_len=32, vocab_size=64)
     x = zoo.example_inputs(m, batch=2)
-    assert fit(m, x, budget=0.5, tune=True, tune_time_limit_s=2.0) is m
+    assert fit(m, x, budget=0.5, search=memfit.Search(tune=True, tune_time_limit_s=2.0)) is m
     p = m.memfit_plan
     assert p.tuning is not None and p.budget_bytes is not None
     assert p.tuning.chosen in {c.name for c in p.tuning.candidates if c.measured_s is not None}
@@ -287,7 +288,7 @@ def test_fit_with_tune_refuses_a_meta_model():
     with torch.device("meta"):
         m = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="tune=True"):
-        fit(m, torch.ones(2, 4, device="meta"), budget=0.5, tune=True)
+        fit(m, torch.ones(2, 4, device="meta"), budget=0.5, search=memfit.Search(tune=True))
 
 
 def test_cli_plan_tune_writes_the_record(tmp_path, capsys):

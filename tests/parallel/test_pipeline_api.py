@@ -101,7 +101,7 @@ def test_fit_with_in_flight_plans_the_stage_for_the_micro_batches_it_holds():
     prof = memfit.profile(stage, (x,), loss_fn=lambda out: lm_loss(out, y))
     none = memfit.plan(prof, budget=prof.peak_bytes, solver="none")
     plain3 = stage_peak(prof, none, 3).peak_bytes
-    memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), budget=int(0.7 * plain3), in_flight=3)
+    memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), budget=int(0.7 * plain3), parallel=memfit.Parallel(in_flight=3))
     p = stage.memfit_plan
     info = p.extra["pipeline"]
     assert info["in_flight"] == 3 and info["stage_budget_bytes"] == int(0.7 * plain3)
@@ -109,7 +109,7 @@ def test_fit_with_in_flight_plans_the_stage_for_the_micro_batches_it_holds():
     r = stage_report(p, stage=1, n_microbatches=4)
     assert (r.in_flight, r.predicted_peak_bytes, r.regions) == (3, info["stage_peak_bytes"], len(p.regions))
     with pytest.raises(TypeError, match="in_flight"):
-        memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), job=memfit.Job(device="1GiB"), in_flight=3)
+        memfit.fit(stage, (x,), loss_fn=lambda out: lm_loss(out, y), job=memfit.Job(device="1GiB"), parallel=memfit.Parallel(in_flight=3))
     with pytest.raises(ValueError, match="not made for a pipeline stage"):
         stage_report(none, stage=0, n_microbatches=4)
 
@@ -117,6 +117,7 @@ def test_fit_with_in_flight_plans_the_stage_for_the_micro_batches_it_holds():
 def test_fit_with_in_flight_refuses_what_it_cannot_plan_per_stage():
     model = gpt_stage(gpt(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=128), 0, 2)
     x = torch.randint(0, 128, (2, 32))
-    for bad in ({"tune": True}, {"shapes": [(2, 16), (2, 32)]}):
+    for bad in ({"search": memfit.Search(tune=True)},
+                {"training": memfit.Training(shapes=[(2, 16), (2, 32)])}):
         with pytest.raises(ValueError, match="in_flight"):
-            memfit.fit(model, x, budget=0.5, in_flight=2, **bad)
+            memfit.fit(model, x, budget=0.5, parallel=memfit.Parallel(in_flight=2), **bad)

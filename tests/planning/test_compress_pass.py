@@ -104,7 +104,7 @@ def test_lossless_plan_is_bitwise_with_a_lower_peak(gpt_case) -> None:
 def test_lossless_fit_stays_bitwise(gpt_case) -> None:
     # whether the planner compresses depends on measured times (NOTE [compress or recompute])
     model, ids, _ = gpt_case
-    planned = memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="lossless")
+    planned = memfit.fit(copy.deepcopy(model), ids, budget="90%", search=memfit.Search(compress="lossless"))
     assert not planned.memfit_plan.lossy
     report = memfit.verify(planned, ids)
     assert report.ok and report.bitwise
@@ -165,7 +165,7 @@ def test_fp8_packs_about_half_of_bf16(gpt_case) -> None:
 
 def test_fit_with_a_lossy_codec(gpt_case) -> None:
     model, ids, _ = gpt_case
-    planned = memfit.fit(copy.deepcopy(model), ids, budget="70%", compress="lossy", lossy_codec="int8_blockwise")
+    planned = memfit.fit(copy.deepcopy(model), ids, budget="70%", search=memfit.Search(compress="lossy", lossy_codec="int8_blockwise"))
     plan = planned.memfit_plan
     assert {c.codec for c in plan.compressed if not c.lossless} <= {"int8_blockwise"}
     assert memfit.verify(planned, ids).ok
@@ -174,9 +174,9 @@ def test_fit_with_a_lossy_codec(gpt_case) -> None:
 def test_bad_lossy_codec(gpt_case) -> None:
     model, ids, p = gpt_case
     with pytest.raises(ValueError, match="lossy_codec must be one of bf16, fp8_e4m3, int8_blockwise, got 'two_level'"):
-        memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="lossy", lossy_codec="two_level")
+        memfit.fit(copy.deepcopy(model), ids, budget="90%", search=memfit.Search(compress="lossy", lossy_codec="two_level"))
     with pytest.raises(ValueError, match="pass compress='lossy' too"):
-        memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="lossless", lossy_codec="fp8_e4m3")
+        memfit.fit(copy.deepcopy(model), ids, budget="90%", search=memfit.Search(compress="lossless", lossy_codec="fp8_e4m3"))
     with pytest.raises(ValueError, match="lossy_codec must be one of"):
         candidates(p, mode="lossy", lossy_codec="fp16")
 
@@ -184,7 +184,7 @@ def test_bad_lossy_codec(gpt_case) -> None:
 def test_lossy_fit_says_whether_it_compressed(gpt_case) -> None:
     # the planner may prefer recompute (NOTE [compress or recompute]); verify follows the plan
     model, ids, _ = gpt_case
-    planned = memfit.fit(copy.deepcopy(model), ids, budget="70%", compress="lossy")
+    planned = memfit.fit(copy.deepcopy(model), ids, budget="70%", search=memfit.Search(compress="lossy"))
     report = memfit.verify(planned, ids)
     assert report.ok and report.bitwise is not planned.memfit_plan.lossy
 
@@ -192,7 +192,7 @@ def test_lossy_fit_says_whether_it_compressed(gpt_case) -> None:
 def test_bad_mode(gpt_case) -> None:
     model, ids, _ = gpt_case
     with pytest.raises(ValueError, match="compress must be"):
-        memfit.fit(copy.deepcopy(model), ids, budget="90%", compress="zip")
+        memfit.fit(copy.deepcopy(model), ids, budget="90%", search=memfit.Search(compress="zip"))
     with pytest.raises(ValueError, match="compress mode"):
         candidates(gpt_case[2], mode="zip")  # type: ignore[arg-type]
 

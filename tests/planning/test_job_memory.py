@@ -205,13 +205,13 @@ def test_fit_plans_a_meta_model_for_its_target_device():
     with torch.device("meta"):
         model = zoo.gpt(n_layer=2, d_model=64, n_head=2, seq_len=32)
     x = torch.randint(0, 512, (2, 32))
-    memfit.fit(model, x, memfit.Job(device="80GiB", optimizer="adamw"), target="h100")
+    memfit.fit(model, x, memfit.Job(device="80GiB", optimizer="adamw"), search=memfit.Search(target="h100"))
     mem = model.memfit_plan.memory
     assert mem is not None and mem.reserve_bytes == 2**30 + 80 * 2**30 * 2 // 25  # a GPU's reserve
     memfit.unapply(model)
     with pytest.raises(ValueError, match="plans a model on the meta device"):
         memfit.fit(zoo.gpt(n_layer=1, d_model=32, n_head=2, seq_len=16), torch.zeros(1, 16, dtype=torch.long),
-                   budget="50%", target="h100")
+                   budget="50%", search=memfit.Search(target="h100"))
 
 
 @pytest.mark.parametrize(("conf", "expandable", "share"), [

@@ -58,7 +58,7 @@ def test_the_joined_chain_reaches_a_peak_no_single_chain_does_and_runs_bitwise(s
     model = _staged()
     x = torch.randn(4, 3, 32, 32)
     budget = (joined_min + each_min) // 2  # below what any one chain's plan reaches
-    memfit.fit(model, x, budget=budget, solver="chain")
+    memfit.fit(model, x, budget=budget, search=memfit.Search(solver="chain"))
     plan = model.memfit_plan
     assert plan.predicted_peak_bytes <= budget
     assert any("." in r.modules[0] and r.modules[0].split(".")[0] != "3" for r in plan.regions)

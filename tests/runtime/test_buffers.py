@@ -221,7 +221,7 @@ def test_fit_plan_over_spectral_norm_trains_like_plain():
     # checkpoint keeps a 5 KiB RNG state (NOTE [region state bytes]); for the same reason
     # every_block peaks above the plain step, so its budget is its own peak ("min"): fit
     # refuses a baseline plan over the budget
-    memfit.fit(model, _x(), budget="min", solver="every_block")
+    memfit.fit(model, _x(), budget="min", search=memfit.Search(solver="every_block"))
     covered = {p for r in model.memfit_plan.regions for p in r.modules}
     assert covered & {"blocks.0", "blocks.0.lin", "blocks.1", "blocks.1.lin"}, covered
     report = memfit.verify(model, _x())

@@ -87,7 +87,7 @@ def plain_run() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
                          ids=["blocks-50%", "blocks-save-matmuls", "nested-min"])
 def test_compiled_planned_gpt_trains_bitwise_like_compiled_plain(plain_run, budget, solver, nested,
                                                                 caplog):
-    model = memfit.fit(_model(), _batch(0), budget=budget, solver=solver)
+    model = memfit.fit(_model(), _batch(0), budget=budget, search=memfit.Search(solver=solver))
     regions = [r.name for r in model.memfit_plan.regions]
     inside = [a for a in regions for b in regions if a != b and a.startswith(b + ".")]
     assert bool(inside) == nested, regions  # "min" nests attention inside its block

@@ -24,8 +24,7 @@ from memfit.step.harness import Step
 @pytest.fixture(scope="module")
 def monitored():
     model = zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=64)
-    memfit.fit(model, zoo.example_inputs(model, batch=4, size=64), budget=0.7,
-               on_new_shape="warn", monitor_every=2)
+    memfit.fit(model, zoo.example_inputs(model, batch=4, size=64), budget=0.7, training=memfit.Training(on_new_shape="warn", monitor_every=2))
     return model
 
 

@@ -52,7 +52,7 @@ def test_backward_twice_through_a_selective_plan_is_bitwise(step, how: str) -> N
     ref = copy.deepcopy(model)
     x = torch.randn(64, 16)
     if how == "fit":
-        memfit.fit(model, x, solver="save_matmuls", budget=1.0)
+        memfit.fit(model, x, budget=1.0, search=memfit.Search(solver="save_matmuls"))
         assert any(r.ops for r in model.memfit_plan.regions), "the plan must save ops"
     else:
         for b in model:

@@ -32,7 +32,7 @@ def test_saved_outputs_are_freed_with_a_dropped_graph(how: str) -> None:
     model = nn.Sequential(*[_block() for _ in range(4)])
     x = torch.randn(256, 64)
     if how == "fit":
-        memfit.fit(model, x, solver="save_matmuls", budget=1.0)
+        memfit.fit(model, x, budget=1.0, search=memfit.Search(solver="save_matmuls"))
     else:
         for b in model:
             wrap(b, save_matmuls(), check=how == "wrap-checked")

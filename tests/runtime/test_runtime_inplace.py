@@ -93,9 +93,9 @@ def test_plans_keep_in_place_writes_working(mode, solver, budget):
     x = torch.randn(64, 32)
     if budget == "mid":
         plain_peak = memfit.profile(model, x).peak_bytes
-        smallest = memfit.fit(copy.deepcopy(model), x, budget="min", solver=solver)
+        smallest = memfit.fit(copy.deepcopy(model), x, budget="min", search=memfit.Search(solver=solver))
         budget = (smallest.memfit_plan.predicted_peak_bytes + plain_peak) // 2
-    memfit.fit(model, x, budget=budget, solver=solver)
+    memfit.fit(model, x, budget=budget, search=memfit.Search(solver=solver))
     assert_bitwise_twin(model, twin, (x.clone().requires_grad_(),), steps=2)
     report = memfit.verify(model, x)
     # The peak checks are left out: baselines ignore the budget, and the simulator reads a
@@ -111,5 +111,5 @@ def test_baselines_find_no_block_whose_input_is_written_in_place(mode, solver):
     model = _model(mode)
     with pytest.raises(NoBlocks, match=rf"baseline '{solver}' found no blocks to checkpoint in "
                                        r"InplaceNet: .*an in-place write such as h \+= block\(h\)"):
-        memfit.fit(model, torch.randn(64, 32), budget="min", solver=solver)
+        memfit.fit(model, torch.randn(64, 32), budget="min", search=memfit.Search(solver=solver))
     assert "memfit_plan" not in model.__dict__

@@ -147,7 +147,7 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
         if half is not None:
             args["master_weights"] = True
             args.setdefault("optimizer_state_dtype", torch.float32)
-    return _with_job(args)
+    return _with_options(_with_job(args))
 
 
 def _with_job(args: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +162,18 @@ def _with_job(args: dict[str, Any]) -> dict[str, Any]:
                          'config\'s "memfit" block count against device_memory; add '
                          '{"device_memory": "80GiB"} or drop them')
     return {**args, "job": Job(**job)}
+
+
+def _with_options(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with fit's option keywords gathered into their values (``search=``,
+    ``training=``, ``parallel=``: NOTE [fit's option families] in ``memfit.job.fit_options``)."""
+    from memfit.job.fit_options import OLD_FIT_KEYWORDS
+
+    families: dict[type, dict[str, Any]] = {}
+    for key in [k for k in args if k in OLD_FIT_KEYWORDS]:
+        cls, name = OLD_FIT_KEYWORDS[key]
+        families.setdefault(cls, {})[name] = args.pop(key)
+    return {**args, **{cls.__name__.lower(): cls(**given) for cls, given in families.items()}}
 
 
 def _config_optimizer(config: Mapping[str, Any]) -> str | None:

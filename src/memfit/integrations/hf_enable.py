@@ -90,6 +90,7 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
         >>> hf.disable(model)                                               # doctest: +SKIP
     """
     from memfit.api import fit
+    from memfit.job.fit_options import Search, Training
 
     if example_inputs is not None and (batch_size is not None or seq_len is not None):
         raise ValueError("give example_inputs or batch_size/seq_len, not both: batch_size and "
@@ -104,8 +105,9 @@ def enable(model: M, budget: int | float | str, example_inputs: Any = None, *,
                                                shapes=shapes)
     take_over_hf_checkpointing(model)
     try:
-        fit(model, example_inputs, budget=budget, solver=solver, shapes=others,
-            on_new_shape=on_new_shape, monitor_every=monitor_every)
+        fit(model, example_inputs, budget=budget, search=Search(solver=solver),
+            training=Training(on_new_shape=on_new_shape, shapes=others,
+                              monitor_every=monitor_every))
     except BaseException:
         restore_hf_checkpointing(model)
         raise

@@ -117,6 +117,7 @@ class _MemfitCallbackBase:
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
         from memfit.api import fit
+        from memfit.job.fit_options import Search
 
         if self.plan is not None or "memfit_plan" in pl_module.__dict__:
             self._monitor_batch(pl_module, batch)
@@ -138,7 +139,7 @@ class _MemfitCallbackBase:
             return _loss_of(pl_module.training_step(planned, batch_idx))
 
         with _logging_off(pl_module), trainer.precision_plugin.train_step_context():
-            fit(pl_module, step=step, budget=self.budget, solver=self.solver)
+            fit(pl_module, step=step, budget=self.budget, search=Search(solver=self.solver))
         self.plan = pl_module.memfit_plan
         log.info("memfit: planned %s's training_step on batch %d: %s",
                  type(pl_module).__name__, batch_idx, self.plan)

@@ -236,7 +236,7 @@ def _planned(prof: Profile, plan_profile: PlanProfile, context: str) -> Plan:
 
 def _for_shapes(prof: Profile, plan_profile: PlanProfile) -> Plan:
     return _planned(prof, plan_profile, (
-        f"fit(shapes=...): no plan fits inputs {describe(signature_of(prof.input_signature))} "
+        f"Training(shapes=...): no plan fits inputs {describe(signature_of(prof.input_signature))} "
         "in the budget; narrow the range or raise the budget"))
 
 

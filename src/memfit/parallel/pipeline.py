@@ -171,12 +171,14 @@ def stage_report(plan: Plan, *, stage: int, n_microbatches: int, static_bytes: i
     """The report of a stage planned with ``in_flight`` (``plan.extra["pipeline"]``).
 
     Raises:
-        ValueError: ``plan`` was not made for a pipeline stage (``fit(..., in_flight=k)``).
+        ValueError: ``plan`` was not made for a pipeline stage
+            (``fit(..., parallel=memfit.Parallel(in_flight=k))``).
     """
     info = plan.extra.get("pipeline")
     if info is None:
         raise ValueError("the plan was not made for a pipeline stage; plan it with "
-                         "memfit.fit(stage_module, micro_batch, budget=..., in_flight=k)")
+                         "memfit.fit(stage_module, micro_batch, budget=..., "
+                         "parallel=memfit.Parallel(in_flight=k))")
     return StageReport(stage=stage, in_flight=int(info["in_flight"]), n_microbatches=n_microbatches,
                        budget_bytes=int(info["stage_budget_bytes"]), static_bytes=static_bytes,
                        predicted_peak_bytes=int(info["stage_peak_bytes"]),
