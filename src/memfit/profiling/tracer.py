@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memfit.errors import ProfileMismatch
-from memfit.profiling.costmodel import op_time_s, preset
+from memfit.profiling.costmodel import collective_time_s, op_time_s, preset
 from memfit.profiling.hf_masks import hf_causal_mask_skip
 from memfit.profiling.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.profiling.model_state import buffer_bytes, describe_parameters
@@ -262,6 +262,9 @@ def profile(
         if cost is not None:
             dtype = op.outputs[0][2] if op.outputs else "float32"
             t = op_time_s(op.flops, op.bytes_moved, dtype, cost)
+            if op.name.startswith(_COLLECTIVES):  # NOTE [collective times] in costmodel
+                moved = sum(tr.storages[sid].nbytes for sid, _, _ in op.outputs)
+                t = collective_time_s(op.name, moved, _world_size(), cost) or t
         else:
             t = statistics.median(op_times[i]) if op_times[i] else 0.0
         ops.append(OpRecord(
@@ -388,3 +391,13 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
         f"ops): forward op {first} is {have}, the profile has {expected}. Profile this model "
         "with these input shapes again."
     )
+
+
+_COLLECTIVES = ("_c10d_functional.", "c10d.")
+
+
+def _world_size() -> int:
+    """The job's world size (1 outside a distributed job): what fake mode's collectives span."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
