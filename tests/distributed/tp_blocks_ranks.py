@@ -11,6 +11,9 @@
 - ``sp``: the ``attn`` blocks with sequence parallelism (``SequenceParallel`` norms, the
   residual stream sharded by tokens): memfit at ``"min"``.
 
+With a second argument ``rounds`` (``benchmarks/tp_recompute.py``), every model's step is
+then timed in that many interleaved rounds (all ranks in step; the median is reported).
+
 Each planned model is compared with plain TP on one step: the measured peak (CPU allocator,
 forward + backward, gradients allocated), every gradient (``full_tensor()``) with
 ``torch.equal``, and the all-reduces the backward ran. Writes ``$MEMFIT_DIST_OUT/rank<r>.json``.
@@ -22,6 +25,7 @@ import copy
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,8 +43,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 import memfit
 from memfit.distributed import gather_ranks, plan_once, rank_report
@@ -165,8 +169,25 @@ def step(model: nn.Module, x: torch.Tensor, repeats: int = 3) -> dict[str, Any]:
                                         and "wait_tensor" not in k and "wrap" not in k)}
 
 
+def timed(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one forward + backward of each model, ``rounds`` times, the models
+    interleaved in every round (one warm-up round first); ranks start each step together."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for r in range(rounds + 1):
+        for name, model in models.items():
+            for p in model.parameters():
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x).backward()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     case = sys.argv[1]
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -180,12 +201,14 @@ def main() -> None:
 
     if case == "sp":  # the residual stream enters sharded by tokens
         x = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(1)])
-    plain = step(tp(), x)
+    models: dict[str, nn.Module] = {"plain": tp()}
+    plain = step(models["plain"], x)
     out: dict[str, Any] = {"rank": rank, "plain_peak": plain["peak"], "plain_peaks": plain["peaks"],
                            "plain_backward_collectives": plain["backward_collectives"],
                            "n_grads": len(plain["grads"]), "plans": {}}
 
     def record(name: str, model: nn.Module, plan: Plan | None) -> None:
+        models[name] = model
         got = step(model, x)
         row = {"peak": got["peak"], "peaks": got["peaks"], "backward_collectives": got["backward_collectives"],
                "unequal": sorted(n for n, g in plain["grads"].items() if not torch.equal(g, got["grads"][n]))}
@@ -205,11 +228,12 @@ def main() -> None:
     out["every_block_recompute_s"] = every.recompute_s
     out["every_block_collectives"] = replayed_collectives(prof, every.regions).to_dict()
     budgets: list[Any] = ["min", 0.6, 0.8] if case == "mlp" else ["min"]
-    for budget in budgets:
+    # and at the peak memfit predicts for every-block checkpointing: the fastest plan there
+    for name, budget in [(str(b), b) for b in budgets] + [("at_every_block_peak", every.predicted_peak_bytes)]:
         plan = plan_once(lambda b=budget: memfit.plan(prof, budget=b))
         model = tp()
         memfit.apply(model, plan)
-        record(str(budget), model, plan)
+        record(name, model, plan)
     if case == "attn":  # block 0 recomputed whole, or with its attention's all-reduce kept
         key = f"{ALL_REDUCE}#0"
         for name, ops in (("block0_full", {}), ("block0_keep_all_reduce", {key: OpPolicy.SAVE})):
@@ -219,6 +243,8 @@ def main() -> None:
             memfit.apply(model, plan)
             record(name, model, plan)
             out["plans"][name]["predicted_collectives"] = replayed_collectives(prof, plan.regions).to_dict()
+    if rounds:
+        out["step_s"] = timed(models, x, rounds)
     Path(os.environ["MEMFIT_DIST_OUT"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()

@@ -99,7 +99,7 @@ def _inner_tensor(t: torch.Tensor) -> torch.Tensor | None:
     if flatten is None:
         return None
     try:
-        names, _ = t.__tensor_flatten__()
+        names, _ = flatten(t)
     except Exception:  # a subclass that cannot flatten now: its own storage, as before
         return None
     for name in names:

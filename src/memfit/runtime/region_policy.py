@@ -148,9 +148,10 @@ class RegionPolicy:
             storage = storage_of(t)  # NOTE [storage identity and frees] (profiling)
             if storage is None:
                 continue
-            held = self._saved.get(storage.data_ptr())
+            ptr = storage.data_ptr()
+            held = self._saved.get(ptr)
             if held is not None and held[0]() is storage:
-                del self._saved[storage.data_ptr()]
+                del self._saved[ptr]
                 mode = self.caching_mode
                 for saved_op, index in held[1] if mode is not None else ():
                     position = self.positions.pop((op_name(saved_op), index), None)
