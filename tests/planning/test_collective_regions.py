@@ -1,5 +1,6 @@
-"""NOTE [collectives in a region]: a module or segment whose forward runs a collective (FSDP's
-all-gather) is no candidate region; the same structure with an ordinary op instead is one.
+"""NOTE [collectives in a region]: a module or segment whose forward runs a collective that must
+not re-run (FSDP's all-gather) is no candidate region; the same structure with an ordinary op, or a
+functional collective, instead is one.
 
 The profiles mimic a model sharded by ``fully_shard`` per block: before each block, its
 parent gathers the block's weight into a fresh buffer (``empty`` + an in-place gather op),
@@ -11,7 +12,7 @@ import pytest
 from profile_builders import StepBuilder
 
 from memfit.planning.candidates import PlanningContext
-from memfit.planning.rules import clobbered_inputs, collective_writes, is_collective
+from memfit.planning.rules import clobbered_inputs, collective_writes, is_collective, must_not_rerun
 from memfit.profiling.profile import Profile
 
 ACT = 4096  # bytes of one (tokens, d) activation
@@ -73,3 +74,22 @@ def test_collective_writes_names_the_gathered_buffers():
 def test_is_collective_by_namespace(name, collective):
     prof = _profile(name)
     assert any(is_collective(op) for op in prof.ops) is collective
+
+
+def test_functional_collectives_may_rerun():
+    """A functional collective (TP's all-reduce, a DTensor redistribution) re-runs in the
+    replay: the regions around it are candidates, as with an ordinary op."""
+    prof = _profile("_c10d_functional.all_gather_into_tensor.default")
+    for region in CASES.values():
+        got = PlanningContext(prof).candidate(region[0]) is not None
+        assert got is region[2], region
+    assert collective_writes(prof, 0, prof.n_forward - 1) == ()
+
+
+@pytest.mark.parametrize("name,refused", [
+    (GATHER, True), ("fsdp.split_with_sizes_copy.default", True),
+    ("c10d.allreduce_.default", True), ("_c10d_functional.all_reduce.default", False),
+    ("aten.mm.default", False),
+], ids=["c10d-gather", "fsdp", "c10d-allreduce", "functional", "aten"])
+def test_must_not_rerun(name, refused):
+    assert must_not_rerun(name) is refused

@@ -32,18 +32,22 @@ import importlib
 import json
 import logging
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from memfit.errors import MemfitError, PlansDiffer
+from memfit.planning.collectives import ReplayedCollectives
 from memfit.planning.plan import Plan
 from memfit.runtime.fsdp import is_fsdp_unit_class
 from memfit.step.harness import ModelState, Step
+from memfit.units import format_bytes
 
 __all__ = ["is_distributed", "is_fsdp_unit_class", "warm_up_fsdp", "plan_once", "plan_digest",
-           "check_same_plan", "rank_agreement"]
+           "check_same_plan", "rank_agreement", "RankReport", "rank_report", "gather_ranks",
+           "format_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +191,82 @@ def rank_agreement(*, group: Any = None) -> Callable[[Plan, Exception | None], N
         check_same_plan(plan, local_error=local_error, group=group)
 
     return agree
+
+
+RANK_REPORT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's plan, peak and the communication its recomputation adds. Bytes and
+    seconds per step; the collectives are those the plan's replays issue again (NOTE
+    [collectives in a region] in ``memfit.planning.rules``)."""
+
+    rank: int
+    plan_digest: str
+    regions: int
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    recompute_s: float
+    collectives: int              # collective calls the replays issue again
+    collective_bytes: int         # bytes they return on this rank
+    collective_s: float           # their profiled seconds (waits included)
+    saved_collectives: int        # collective outputs kept instead of re-sent
+    measured_peak_bytes: int | None = None
+    schema_version: int = RANK_REPORT_SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankReport:
+        if int(data.get("schema_version", 1)) > RANK_REPORT_SCHEMA_VERSION:
+            raise ValueError(f"a rank report of schema {data['schema_version']} is newer than "
+                             f"this memfit reads ({RANK_REPORT_SCHEMA_VERSION}); upgrade memfit")
+        return cls(**data)
+
+
+def rank_report(plan: Plan, *, measured_peak_bytes: int | None = None) -> RankReport:
+    """This rank's report of ``plan`` (``model.memfit_plan``), with the peak you measured.
+
+    Example:
+        >>> r = rank_report(model.memfit_plan, measured_peak_bytes=peak)   # doctest: +SKIP
+        >>> print(format_ranks(gather_ranks(r)))                          # doctest: +SKIP
+    """
+    sent = plan.extra.get("collectives")
+    coll = ReplayedCollectives.from_dict(sent) if sent else ReplayedCollectives()
+    return RankReport(rank=dist.get_rank() if is_distributed() else 0, plan_digest=plan_digest(plan),
+                      regions=len(plan.regions), budget_bytes=plan.budget_bytes,
+                      predicted_peak_bytes=plan.predicted_peak_bytes, recompute_s=plan.recompute_s,
+                      collectives=coll.count, collective_bytes=coll.nbytes,
+                      collective_s=coll.seconds, saved_collectives=coll.saved,
+                      measured_peak_bytes=measured_peak_bytes)
+
+
+def gather_ranks(report: RankReport, *, group: Any = None) -> list[RankReport]:
+    """Every rank's report, in rank order: a collective (``all_gather_object``) every rank of
+    ``group`` must call; ``[report]`` without an initialised process group."""
+    if not is_distributed():
+        return [report]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, report.to_dict(), group=group)
+    return sorted((RankReport.from_dict(d) for d in every), key=lambda r: r.rank)
+
+
+def format_ranks(reports: Sequence[RankReport]) -> str:
+    """The ranks as a markdown table: plan, budget, predicted and measured peaks, recompute,
+    and the collectives the recompute sends again."""
+    rows = ["| rank | plan | regions | budget | predicted peak | measured peak | recompute | "
+            "collectives re-run | their bytes | their time | kept instead |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in reports:
+        budget = "-" if r.budget_bytes is None else format_bytes(r.budget_bytes)
+        meas = "-" if r.measured_peak_bytes is None else format_bytes(r.measured_peak_bytes)
+        rows.append(f"| {r.rank} | {r.plan_digest} | {r.regions} | {budget} | "
+                    f"{format_bytes(r.predicted_peak_bytes)} | {meas} | {r.recompute_s * 1e3:.2f} ms | "
+                    f"{r.collectives} | {format_bytes(r.collective_bytes)} | "
+                    f"{r.collective_s * 1e3:.2f} ms | {r.saved_collectives} |")
+    return "\n".join(rows)
 
 
 def _local(global_rank: int, group: Any) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.planning.candidates import PlanningContext
+from memfit.planning.collectives import replayed_collectives
 from memfit.planning.hidden_host import device_only, plan_hides, rule_4_applies
 from memfit.planning.job import (
     JobMemory,
@@ -330,6 +331,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}
+    replayed = replayed_collectives(profile, regions)
     paths = {p for r in regions for p in r.modules}
     # the shapes of the parameters under its regions: apply refuses a model of another width
     shapes = {p.name: list(p.shape) for p in profile.parameters
@@ -348,6 +350,8 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
         # the device an offloading plan is for (NOTE [offload on a CPU model] in memfit.runtime.apply)
         extra={"module_types": {p: types[p] for r in regions for p in r.modules},
                "parameter_shapes": shapes,
+               # NOTE [collectives in a region] in memfit.planning.rules: what the replay resends
+               **({"collectives": replayed.to_dict()} if replayed.count or replayed.saved else {}),
                **({"target": spec.target} if spec is not None and spec.target else {})},
         host_peak_bytes=int(sim.host_peak_bytes),
         input_signature=profile.input_signature,

@@ -39,19 +39,42 @@ NOTE [clobbered inputs]
     never saved, so the selective cache never holds it).
 
 NOTE [collectives in a region]
-    A region whose forward runs a collective (an op of the ``c10d``, ``_c10d_functional`` or
-    ``fsdp`` namespaces) is no candidate either: its recomputation would have to run the
-    collective again, on every rank, in the same order, and FSDP2's hooks do not (in backward
-    they find the unit already gathered and skip the all-gather, so the replay runs other ops
-    and raises ``RecomputeMismatch``; seen on a segment over two ``fully_shard`` blocks and on
-    a region over a module holding them). The storages such ops write count as clobbered
-    inputs (:func:`clobbered_inputs`), so every solver skips the region. An FSDP unit itself
-    may be a region: its hooks gather before its first op and free after its last, outside
-    its op range (the profile puts those ops on the parent), and the runtime's checkpoint
-    runs inside the hooks (NOTE [how wrap works] in ``memfit.runtime.wrap``). So in a
-    profile of a sharded model no segment spans two units (their gathers run between the
-    blocks, in the parent) and no region encloses one. A profile made before sharding has no
-    collectives: plan after ``fully_shard`` (docs/distributed.md).
+    A region may hold the collectives its own forward ops issue: tensor parallelism's
+    all-reduce after a row-wise layer, a DTensor redistribution, a functional collective in
+    the model's code (the ``_c10d_functional`` namespace: :data:`RERUN_NAMESPACES`). Its
+    recomputation issues them again:
+      1. every rank replays the same ops in the same order, because every rank runs the same
+         plan (NOTE [one plan per job] in ``memfit.parallel.distributed``), and torch's checkpoint
+         replays a region in backward at the same point of the graph on every rank;
+      2. a replayed collective returns the forward's value: the ranks reduce the same inputs
+         (replayed bitwise) in gloo's and NCCL's fixed order for a given group and size;
+      3. it costs its time again: the profile measured it (``OpRecord.time_s``; a cost-model
+         time from the device's link in fake mode, ``memfit.timemodel.devices``), and the
+         planner counts it like any op's. torch's early stop ends the replay once backward
+         has what it needs, so a row-wise layer's all-reduce that only feeds the residual add
+         is not re-run at all (the planner models that stop: NOTE [region memory model]);
+      4. its output may be saved instead (Megatron's selective recompute keeps the
+         all-reduce's output): an ``OpPolicy.SAVE`` like any other op's (NOTE [saveable
+         ops]): the replay then sends nothing for it, and the planner chooses between the
+         two by bytes and seconds.
+    The rule stays for the collectives that must not run again (``c10d`` and ``fsdp``
+    namespaces, :func:`must_not_rerun`): a region holding one is no candidate.
+      - FSDP's gathers and copies (``c10d._allgather_base_``, ``fsdp.*``) come from its
+        hooks, and FSDP2's hooks do not re-run them: in backward they find the unit already
+        gathered and skip the all-gather, so the replay runs other ops and raises
+        ``RecomputeMismatch`` (seen on a segment over two ``fully_shard`` blocks and on a
+        region over a module holding them).
+      - A ``c10d`` call in the model's own forward (``dist.all_reduce(x)``) writes its input
+        in place: a side effect of the user's, which a replay would apply twice to a tensor
+        the step may have kept, and which no plan may save (NOTE [saveable ops]).
+    The storages such ops write count as clobbered inputs (:func:`clobbered_inputs`), so
+    every solver skips the region. An FSDP unit itself may be a region: its hooks gather
+    before its first op and free after its last, outside its op range (the profile puts
+    those ops on the parent), and the runtime's checkpoint runs inside the hooks (NOTE [how
+    wrap works] in ``memfit.runtime.wrap``). So in a profile of a sharded model no segment
+    spans two units (their gathers run between the blocks, in the parent) and no region
+    encloses one. A profile made before sharding has no collectives: plan after
+    ``fully_shard`` (docs/distributed.md).
 
 NOTE [buffer writes]
     A region whose forward writes a module buffer in place (BatchNorm statistics,
@@ -77,7 +100,7 @@ from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKin
 
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
-           "collective_writes", "COLLECTIVE_NAMESPACES"]
+           "must_not_rerun", "collective_writes", "COLLECTIVE_NAMESPACES", "RERUN_NAMESPACES"]
 
 
 def unkeyed_ops() -> frozenset[str]:
@@ -153,7 +176,8 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
                      writes: Mapping[int, int] | None = None) -> tuple[int, ...]:
     """Input storages of the region ``modules`` (one module, or a segment's blocks in call
     order) that a forward op writes in place once the region has started (NOTE [clobbered
-    inputs]), and storages a collective writes inside it (NOTE [collectives in a region]);
+    inputs]), and storages a collective that must not re-run writes inside it (NOTE
+    [collectives in a region]);
     empty if the region may be checkpointed.
 
     Args:
@@ -183,16 +207,32 @@ def clobbered_inputs(profile: Profile, modules: Sequence[ModuleRecord],
 
 
 COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "fsdp.")
+# Collectives a region's replay may issue again (NOTE [collectives in a region]).
+RERUN_NAMESPACES = ("_c10d_functional.",)
 
 
-def is_collective(op: OpRecord) -> bool:
-    """Whether ``op`` is a collective or FSDP's gather/copy op (NOTE [collectives in a region])."""
-    return op.name.startswith(COLLECTIVE_NAMESPACES)
+def is_collective(op: OpRecord | str) -> bool:
+    """Whether ``op`` (or an op name) is a collective or FSDP's gather/copy op (NOTE
+    [collectives in a region])."""
+    return (op if isinstance(op, str) else op.name).startswith(COLLECTIVE_NAMESPACES)
+
+
+def must_not_rerun(op: OpRecord | str) -> bool:
+    """Whether ``op`` is a collective no region may hold: FSDP's, or a ``c10d`` call in the
+    model's forward (NOTE [collectives in a region]); a functional collective may re-run.
+
+    Example:
+        >>> must_not_rerun("_c10d_functional.all_reduce.default")
+        False
+    """
+    name = op if isinstance(op, str) else op.name
+    return is_collective(name) and not name.startswith(RERUN_NAMESPACES)
 
 
 def collective_writes(profile: Profile, first_op: int, last_op: int) -> tuple[int, ...]:
-    """Storages written by the collective ops among forward ops ``first_op..last_op``: the
-    tensors they return, else their inputs (NOTE [collectives in a region]).
+    """Storages written by the collective ops no region may hold (:func:`must_not_rerun`)
+    among forward ops ``first_op..last_op``: the tensors they return, else their inputs
+    (NOTE [collectives in a region]).
 
     Example:
         >>> collective_writes(profile, 0, profile.n_forward - 1)   # doctest: +SKIP
@@ -208,8 +248,9 @@ def collective_writes(profile: Profile, first_op: int, last_op: int) -> tuple[in
     return tuple(out)
 
 
-# Per profile (by identity, while it lives): the indices of its forward collective ops, so
-# that asking about each of thousands of candidate regions costs a bisection, not a scan.
+# Per profile (by identity, while it lives): the indices of its forward ops that must not
+# re-run (:func:`must_not_rerun`), so that asking about each of thousands of candidate
+# regions costs a bisection, not a scan.
 _COLLECTIVES: dict[int, tuple[weakref.ref[Profile], tuple[int, ...]]] = {}
 
 
@@ -217,7 +258,7 @@ def _collective_ops(profile: Profile) -> tuple[int, ...]:
     hit = _COLLECTIVES.get(id(profile))
     if hit is not None and hit[0]() is profile:
         return hit[1]
-    found = tuple(op.index for op in profile.ops[: profile.n_forward] if is_collective(op))
+    found = tuple(op.index for op in profile.ops[: profile.n_forward] if must_not_rerun(op))
     key = id(profile)
     _COLLECTIVES[key] = (weakref.ref(profile, lambda _: _COLLECTIVES.pop(key, None)), found)
     return found

@@ -9,5 +9,5 @@ Public names (import them from their modules; this package re-exports nothing):
     tracer.profile (the trace alone; ``memfit.profile`` adds the calibrated time model,
     ``memfit.measuring.calibration``), tracer.ProfileMode, profile.Profile (``memfit.Profile``),
     measure.measure and measure.Measurement (``memfit.measure``), summary.summarize,
-    costmodel.PRESETS.
+    memfit.timemodel.devices.PRESETS.
 """

@@ -6,7 +6,7 @@ NOTE [fake mode]
     (``torch.func.functional_call``, tied weights kept tied), and the example inputs are turned
     into fake tensors too. They have storages of the true size and no data, so every storage's
     bytes, lifetime and saved-for-backward status are exactly those of a real step; op times
-    come from the roofline cost model (``costmodel.py``). A model built under
+    come from the roofline cost model (``memfit.timemodel.devices``). A model built under
     ``with torch.device("meta")`` works the same way. ``FakeTensorMode`` rather than bare meta
     tensors because libraries skip value checks on fake tensors (Hugging Face's packed-sequence
     check calls ``.item()`` otherwise). Code that must read tensor values still raises.

@@ -14,6 +14,17 @@ NOTE [storage identity and frees]
     finalizer drops the key before the address can be reused. Storages live before the step that the step only
     reads get ``created_by = None`` and never count as activation memory.
 
+NOTE [wrapper subclasses]
+    A wrapper subclass (one that defines ``__tensor_flatten__``: DTensor, the
+    ``AsyncCollectiveTensor`` a functional collective returns) holds no memory of its own:
+    ``untyped_storage()`` gives a placeholder sized for the wrapper's (global) shape, and the
+    bytes live in its inner tensors (a DTensor's ``_local_tensor``, this rank's shard). The
+    dispatch mode sees the ops on the wrappers (DTensor runs its local ops below the mode), so
+    each wrapper stands for its first inner tensor's storage: a tensor-parallel ``fc``'s
+    output counts this rank's half, and a view or re-wrap of it costs nothing. Counting the
+    placeholders instead put a 4-block tensor-parallel MLP's profiled peak at 51.7 MB
+    against 29.4 MB measured by the allocator.
+
 NOTE [unseen inputs]
     An op input whose storage was never seen is registered as live before the step (kind
     OTHER, ``created_by = None``): a tensor the model keeps outside its parameters and buffers.
@@ -69,13 +80,33 @@ def out_tensors(out: Any) -> list[torch.Tensor]:
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """A strided tensor's storage; None for sparse layouts and storage-less subclasses."""
+    """A strided tensor's storage; None for sparse layouts and storage-less subclasses. A
+    wrapper subclass's (NOTE [wrapper subclasses]) is its first inner tensor's."""
     if t.layout is not torch.strided:
         return None
+    inner = _inner_tensor(t)
+    if inner is not None:
+        return storage_of(inner)
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # storage-less subclasses
         return None
+
+
+def _inner_tensor(t: torch.Tensor) -> torch.Tensor | None:
+    """The first inner tensor of a wrapper subclass (``__tensor_flatten__``), else None."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    try:
+        names, _ = flatten(t)
+    except Exception:  # a subclass that cannot flatten now: its own storage, as before
+        return None
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            return inner
+    return None
 
 
 @dataclass

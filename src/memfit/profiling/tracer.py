@@ -35,7 +35,7 @@ from memfit.profiling.tracker import OpTimer, StorageTracker, live_timeline
 from memfit.step.harness import ModelState, Step
 from memfit.step.inputs import LossFn, call_user, default_loss, iter_tensors
 from memfit.timemodel.calibration import Calibration
-from memfit.timemodel.devices import op_time_s, preset
+from memfit.timemodel.devices import collective_time_s, op_time_s, preset
 
 __all__ = ["ProfileMode", "trace", "check_profile_matches", "forward_signature", "region_state_bytes"]
 
@@ -262,6 +262,9 @@ def trace(
         if cost is not None:
             dtype = op.outputs[0][2] if op.outputs else "float32"
             t = op_time_s(op.flops, op.bytes_moved, dtype, cost)
+            if op.name.startswith(_COLLECTIVES):  # NOTE [collective times] in memfit.timemodel.devices
+                moved = sum(tr.storages[sid].nbytes for sid, _, _ in op.outputs)
+                t = collective_time_s(op.name, moved, _world_size(), cost) or t
         else:
             t = statistics.median(op_times[i]) if op_times[i] else 0.0
         ops.append(OpRecord(
@@ -388,3 +391,13 @@ def check_profile_matches(profile: Profile, model: torch.nn.Module, example_inpu
         f"ops): forward op {first} is {have}, the profile has {expected}. Profile this model "
         "with these input shapes again."
     )
+
+
+_COLLECTIVES = ("_c10d_functional.", "c10d.")
+
+
+def _world_size() -> int:
+    """The job's world size (1 outside a distributed job): what fake mode's collectives span."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

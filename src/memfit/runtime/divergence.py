@@ -49,7 +49,7 @@ NOTE [value check]
        held; the ops that fill them are fingerprinted. Views of such a storage are not
        fingerprinted until an op writes into it (a slice of an ``empty`` buffer that a
        ``cat(out=)`` fills next: ZeRO-3's parameter gathers). Nor are the outputs of
-       collectives (``c10d.*``) or views of them: an async collective writes after it
+       collectives (``c10d.*``, ``_c10d_functional.*`` but ``wait_tensor``) or views of them: an async collective writes after it
        returns; the ops that read its result compute from the gathered values and are
        fingerprinted.
     6. Every op output is fingerprinted, on the differentiable path or not: a value the

@@ -102,11 +102,14 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def _collective(func: Any) -> bool:
-    """True for ``c10d`` ops: a collective may write its outputs after it returns (an async
-    work, gloo's included), so what they hold at dispatch is not yet their value."""
+    """True for collectives (``c10d``, ``_c10d_functional``): a collective may write its
+    outputs after it returns (an async work, gloo's included), so what they hold at dispatch
+    is not yet their value. ``wait_tensor`` returns the finished value: it is compared."""
     found = _COLLECTIVE.get(func)
     if found is None:
-        found = _COLLECTIVE[func] = str(func).startswith("c10d.")
+        name = str(func)
+        found = _COLLECTIVE[func] = (name.startswith(("c10d.", "_c10d_functional."))
+                                     and not name.startswith("_c10d_functional.wait_tensor"))
     return found
 
 

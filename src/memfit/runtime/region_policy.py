@@ -22,6 +22,7 @@ from memfit._torch import (
 )
 from memfit.ops import is_view, must_recompute, op_name, writes_input
 from memfit.planning.plan import OpPolicy
+from memfit.profiling.storages import storage_of
 from memfit.runtime.policies import Policy
 
 __all__ = ["RegionPolicy", "OutputTap"]
@@ -96,7 +97,7 @@ class RegionPolicy:
             if self._caching_mode is not None:
                 if SAC_OP_OUTPUT:
                     for t in _tensors(sac_op_output(ctx)):
-                        self._note_saved(t.untyped_storage(), op, k)
+                        self._note_saved(storage_of(t), op, k)
                 else:
                     self._pending = (op, args, kwargs, k)
             return CheckpointPolicy.MUST_SAVE
@@ -113,7 +114,7 @@ class RegionPolicy:
             self.recorder.note(op, out, args, kwargs)
         if saved_k is not None:
             for t in _tensors(out):
-                self._note_saved(t.untyped_storage(), op, saved_k)
+                self._note_saved(storage_of(t), op, saved_k)
 
     def _replayed(self, op: Any) -> CheckpointPolicy:
         """The recomputation's answer on the queued layout: the forward's decision for this
@@ -128,7 +129,11 @@ class RegionPolicy:
         entries.cursor = pos
         return CheckpointPolicy.MUST_SAVE
 
-    def _note_saved(self, storage: torch.UntypedStorage, op: Any, k: int) -> None:
+    def _note_saved(self, storage: torch.UntypedStorage | None, op: Any, k: int) -> None:
+        # A DTensor's storage is its local tensor's (NOTE [wrapper subclasses] in
+        # memfit.profiling.storages): the wrapper's own placeholder has no data pointer.
+        if storage is None:
+            return
         ptr = storage.data_ptr()
         held = self._saved.get(ptr)
         if ptr and (held is None or held[0]() is not storage):  # none, or one freed since
@@ -140,10 +145,13 @@ class RegionPolicy:
         """A saved tensor written in place later in the forward must be recomputed instead:
         the cache would hand the recomputation the written value (torch raises)."""
         for t in written_tensors(op, args, kwargs):
-            storage = t.untyped_storage()  # NOTE [storage identity and frees] (profiling)
-            held = self._saved.get(storage.data_ptr())
+            storage = storage_of(t)  # NOTE [storage identity and frees] (profiling)
+            if storage is None:
+                continue
+            ptr = storage.data_ptr()
+            held = self._saved.get(ptr)
             if held is not None and held[0]() is storage:
-                del self._saved[storage.data_ptr()]
+                del self._saved[ptr]
                 mode = self.caching_mode
                 for saved_op, index in held[1] if mode is not None else ():
                     position = self.positions.pop((op_name(saved_op), index), None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "profile_preset"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "op_time_s", "collective_time_s", "profile_preset"]
 
 
 class Target(str, enum.Enum):
@@ -42,6 +42,8 @@ class DevicePreset:
         board_power_w: the board's maximum power (TDP), watts, from its datasheet: what
             ``Plan.cost`` charges per device-hour when no power is given (NOTE [board
             power]); None: not known (the CPU preset: a CPU's draw depends on the machine).
+        link_bytes_per_s: the device-to-device link (NVLink), bytes/s each way per device,
+            for collectives in fake mode (NOTE [collective times]); 0: none known.
     """
 
     name: str
@@ -54,6 +56,7 @@ class DevicePreset:
     host_link_bytes_per_s: float = 0.0
     asynchronous: bool = False
     board_power_w: float | None = None
+    link_bytes_per_s: float = 0.0
 
     def peak_for(self, dtype: str) -> float:
         return self.flops_per_s if dtype in ("bfloat16", "float16") else self.fp32_flops_per_s
@@ -75,6 +78,15 @@ _LINK_EFFICIENCY = 0.8
 # every extra second; that is an upper-end assumption (it leaves out the host, cooling and
 # networking), stated with every figure and overridable (``Plan.cost(board_power_w=...)``).
 
+# NOTE [collective times] A collective in fake mode takes the ring algorithm's time over the
+# device's link: each device sends and receives ``2 (n - 1) / n`` times the tensor for an
+# all-reduce, ``(n - 1) / n`` of the whole for an all-gather, a reduce-scatter or an
+# all-to-all, once for a broadcast, plus the op overhead; ``n`` is the job's world size (a
+# smaller group, TP within a 2D mesh, takes less: the time is then an upper bound). Link
+# rates are the datasheets' NVLink totals (V100 SXM2 300 GB/s, A100 SXM4 600 GB/s, H100 and
+# H200 SXM 900 GB/s), both directions summed, so half of each way. A collective's output
+# then waits for it (``wait_tensor``): the time is charged once, on the collective.
+
 PRESETS: dict[str, DevicePreset] = {
     # Measured on the development machine with calibrate_cpu() on 2026-11-30 (torch 2.13 CPU,
     # 2 threads, machine shared with other jobs): 1024^3 matmul fp32 200 GFLOP/s, bf16 438
@@ -90,7 +102,7 @@ PRESETS: dict[str, DevicePreset] = {
                          bandwidth_bytes_per_s=900 * _GB, memory_bytes=16 << 30,
                          op_overhead_s=5e-6, source="NVIDIA V100 datasheet, SXM2 16GB",
                          host_link_bytes_per_s=_LINK_EFFICIENCY * 32 * _GB / 2, asynchronous=True,
-                         board_power_w=300),
+                         board_power_w=300, link_bytes_per_s=300 * _GB / 2),
     # NVIDIA A100 Tensor Core GPU datasheet (2020/2021, SXM4 80GB): BF16 tensor core 312
     # TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS, HBM2e 2,039 GB/s, PCIe Gen4 64 GB/s
     # (NOTE [host link]).
@@ -98,21 +110,21 @@ PRESETS: dict[str, DevicePreset] = {
                          bandwidth_bytes_per_s=2039 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=5e-6, source="NVIDIA A100 datasheet, SXM4 80GB",
                          host_link_bytes_per_s=_LINK_EFFICIENCY * 64 * _GB / 2, asynchronous=True,
-                         board_power_w=400),
+                         board_power_w=400, link_bytes_per_s=600 * _GB / 2),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity, i.e.
     # 989.5 dense; FP32 67 TFLOPS; HBM3 3.35 TB/s; 80 GB; PCIe Gen5 128 GB/s.
     "h100": DevicePreset("h100", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=3350 * _GB, memory_bytes=80 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H100 datasheet, SXM5",
                          host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True,
-                         board_power_w=700),
+                         board_power_w=700, link_bytes_per_s=900 * _GB / 2),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity (989.5
     # dense), FP32 67 TFLOPS, HBM3e 4.8 TB/s, 141 GB, PCIe Gen5 128 GB/s.
     "h200": DevicePreset("h200", flops_per_s=989.5 * _T, fp32_flops_per_s=67 * _T,
                          bandwidth_bytes_per_s=4800 * _GB, memory_bytes=141 * _GB,
                          op_overhead_s=4e-6, source="NVIDIA H200 datasheet, SXM",
                          host_link_bytes_per_s=_LINK_EFFICIENCY * 128 * _GB / 2, asynchronous=True,
-                         board_power_w=700),
+                         board_power_w=700, link_bytes_per_s=900 * _GB / 2),
 }
 
 
@@ -163,3 +175,26 @@ def op_time_s(flops: int, bytes_moved: int, dtype: str, device: DevicePreset) ->
     compute = flops / device.peak_for(dtype)
     memory = bytes_moved / device.bandwidth_bytes_per_s
     return max(compute, memory) + device.op_overhead_s
+
+
+_RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                "broadcast": lambda n: 1.0}
+
+
+def collective_time_s(name: str, nbytes: int, world_size: int, device: DevicePreset) -> float | None:
+    """Time of the collective ``name`` on tensors of ``nbytes`` (the larger of its input and
+    output), over ``device``'s link (NOTE [collective times]); None where the device has no
+    link figure or ``name`` is no collective it knows (the roofline time applies).
+
+    Example:
+        >>> round(collective_time_s("_c10d_functional.all_reduce.default", 2**20, 2, preset("h100")) * 1e6, 2)
+        6.33
+    """
+    if device.link_bytes_per_s <= 0 or world_size < 2:
+        return None
+    op = name.split(".")[1] if "." in name else name
+    for kind, factor in _RING_FACTOR.items():
+        if op.startswith(kind):
+            return factor(world_size) * nbytes / device.link_bytes_per_s + device.op_overhead_s
+    return None
