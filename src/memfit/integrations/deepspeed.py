@@ -26,15 +26,24 @@ NOTE [planning under a DeepSpeed engine]
        the fp32 model would count twice its activation bytes, so a model whose floating
        parameters are not already in that dtype is refused (cast it first: the cast is then a
        no-op for DeepSpeed).
-    5. Under ZeRO-3 the engine gathers each module's parameters in its forward pre-hook, also
-       when a checkpointed region runs again in backward: the recomputation re-runs the
-       gathers. Its ops slice a freshly allocated buffer before the copy and the collective
-       fill it, which the divergence check does not fingerprint (NOTE [value check], rule 5
-       in ``memfit.runtime.divergence``). The gathered parameters are not in the plan's
-       predicted peak, and neither are ZeRO's communication buckets
-       (``reduce_bucket_size``, ``allgather_bucket_size``): leave them room with ``reserve``.
+    5. Under ZeRO-3 the engine gathers each module's parameters in its forward pre-hook
+       (with a prefetch of the next modules'), gathers an external parameter when the
+       forward reads it, and releases parameters in its forward hook, also when a
+       checkpointed region runs again in backward. Whether a gather runs depends on the
+       engine's state (a persistent parameter stays whole after its first gather; the
+       pre-backward hook gathers before the recomputation), so the forward and its replay
+       run different gathers. After ``deepspeed.initialize`` these functions are wrapped as
+       engine work (NOTE [engine work in a region] in ``memfit.runtime.engine_work``): no
+       dispatch mode sees their ops, neither the divergence check nor the selective
+       caches; the ops that read the gathered parameters are checked.
     6. A model already partitioned (built under ``deepspeed.zero.Init``) is refused: its
        parameters hold no values to profile.
+    7. ZeRO-3 replaces ``torch.nn.functional.linear`` by its own autograd function at
+       ``initialize`` (``memory_efficient_linear``, on by default), which saves the input
+       and the weight and runs ``matmul`` (+ ``add_`` for a bias) where torch's runs
+       ``addmm``: other ops, other op keys, other saved bytes. So under ZeRO-3 the
+       replacement is made before the model is profiled, as DeepSpeed makes it (and keeps
+       it) at ``initialize``.
 
 Example:
     >>> from memfit.integrations import deepspeed as memfit_ds
@@ -211,5 +220,53 @@ def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLik
     cfg.pop("memfit", None)
     if deepspeed_kwargs.get("dist_init_required", True) and not torch.distributed.is_initialized():
         deepspeed.init_distributed()  # what initialize would do; fit plans one plan per job
+    if _zero_stage(cfg) == 3:
+        _zero3_linear(cfg)  # rule 7: profile the linear the engine will run
     memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
-    return deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
+    out = deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
+    _hide_gathers(out[0])
+    return out
+
+
+def _zero_stage(config: Mapping[str, Any]) -> int:
+    zero = config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+
+
+def _zero3_linear(config: Mapping[str, Any]) -> None:
+    """``torch.nn.functional.linear`` replaced by ZeRO-3's, as ``deepspeed.initialize`` does
+    under ``memory_efficient_linear`` (the default; it stays so), before the plan is made
+    (NOTE [planning under a DeepSpeed engine], rule 7)."""
+    zero = config.get("zero_optimization") or {}
+    if isinstance(zero, Mapping) and not zero.get("memory_efficient_linear", True):
+        return
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap  # type: ignore[import-not-found]
+    from deepspeed.runtime.zero.partition_parameters import (  # type: ignore[import-not-found]
+        InsertPostInitMethodToModuleSubClasses as patcher,
+    )
+
+    if not hasattr(patcher, "linear_bk"):  # where DeepSpeed keeps torch's own
+        patcher.linear_bk = torch.nn.functional.linear
+    if torch.nn.functional.linear is patcher.linear_bk:
+        torch.nn.functional.linear = zero3_linear_wrap
+
+
+#: The ZeRO-3 functions that gather or release parameters from a module's forward hooks
+#: (``DeepSpeedZeRoOffload``), and a ZeRO parameter's own gather (external parameters).
+_GATHERS = ("pre_sub_module_forward_function", "post_sub_module_forward_function")
+
+
+def _hide_gathers(engine: Any) -> None:
+    """ZeRO-3's parameter gathers and releases kept out of the planned regions (NOTE
+    [planning under a DeepSpeed engine], rule 5; NOTE [engine work in a region])."""
+    from memfit.runtime.engine_work import hide_engine_work
+
+    opt = getattr(engine, "optimizer", None)
+    offload = getattr(opt, "parameter_offload", opt)
+    if offload is None or not all(hasattr(offload, name) for name in _GATHERS):
+        return  # not ZeRO-3
+    for name in _GATHERS:
+        hide_engine_work(offload, name)
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_id"):
+            hide_engine_work(p, "all_gather")
