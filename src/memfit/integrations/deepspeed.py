@@ -44,6 +44,19 @@ NOTE [planning under a DeepSpeed engine]
        ``addmm``: other ops, other op keys, other saved bytes. So under ZeRO-3 the
        replacement is made before the model is profiled, as DeepSpeed makes it (and keeps
        it) at ``initialize``.
+    8. The engine's own buffers during forward and backward (``engine_memory``: ZeRO-1/2's
+       gradient bucket, ``reduce_bucket_size`` elements of the gradients' dtype, two with
+       ``overlap_comm``, when ``contiguous_gradients`` is on, as by default; DeepSpeed's
+       defaults where a key is absent) count in the plan: with ``device_memory`` as lines
+       of ``plan.memory`` (NOTE [engine memory] in ``memfit.planning.job``); with
+       ``budget`` the budget caps activations + buckets, so the activations get the budget
+       less the buckets (a fraction is resolved on the profile, then the model is planned
+       again for the bytes left), and a budget the buckets alone fill is an
+       ``InfeasibleBudget`` naming them. ``model.memfit_engine`` holds the lines and the
+       step's predicted peak. An upper bound: the gradients copied into the bucket are also
+       in the activation peak. Not counted: ZeRO-3's gathered parameters in flight (a
+       parameter under ``stage3_param_persistence_threshold`` elements stays whole and is
+       counted with the weights).
 
 Example:
     >>> from memfit.integrations import deepspeed as memfit_ds
@@ -61,6 +74,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,7 +82,7 @@ from torch import nn
 
 import memfit
 
-__all__ = ["initialize", "fit_arguments"]
+__all__ = ["initialize", "fit_arguments", "engine_memory", "EngineMemory"]
 
 # The memfit.fit keywords a config's "memfit" block may hold (NOTE [planning under a
 # DeepSpeed engine], rule 2).
@@ -156,14 +170,70 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
         if half is not None:
             args["master_weights"] = True
             args.setdefault("optimizer_state_dtype", torch.float32)
+        args["engine"] = engine_memory(config, model)
     return _with_job(args)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """DeepSpeed's buffers during forward and backward on one rank, and the step they give
+    (NOTE [planning under a DeepSpeed engine], rule 8); bytes.
+
+    Attributes:
+        lines: ``(name, bytes)`` per buffer, named as DeepSpeed's config names it.
+        budget_bytes: the cap on activations + buffers (None: a device job's, in
+            ``plan.memory``).
+        predicted_peak_bytes: the plan's activation peak + the buffers.
+    """
+
+    lines: tuple[tuple[str, int], ...]
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.lines)
+
+    def __str__(self) -> str:
+        from memfit.units import format_bytes
+
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.lines) or "none"
+        cap = "" if self.budget_bytes is None else f" of {format_bytes(self.budget_bytes)}"
+        return (f"DeepSpeed's buffers during forward + backward: {parts}; the step's predicted "
+                f"peak {format_bytes(self.predicted_peak_bytes)}{cap}")
+
+
+def engine_memory(config: Mapping[str, Any], model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """What DeepSpeed's engine allocates on each rank during forward and backward, besides
+    the model's tensors, for ``config`` (DeepSpeed's defaults where a key is absent; NOTE
+    [planning under a DeepSpeed engine], rule 8): ``(name, bytes)`` lines.
+
+    Example:
+        >>> engine_memory({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}},
+        ...               torch.nn.Linear(4, 4))
+        (('reduce_bucket_size', 4000),)
+    """
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping) or _zero_stage(config) not in (1, 2):
+        return ()
+    if not zero.get("contiguous_gradients", True):
+        return ()
+    elements = int(float(zero.get("reduce_bucket_size", 5e8)))  # DeepSpeed's default: 5e8
+    buffers = 2 if zero.get("overlap_comm", False) else 1  # a double buffer with overlap_comm
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}  # one bucket per dtype
+    size = sum(torch.empty((), dtype=d).element_size() for d in dtypes)
+    name = "reduce_bucket_size" + (" x2 (overlap_comm)" if buffers == 2 else "")
+    return ((name, elements * buffers * size),)
 
 
 def _with_job(args: dict[str, Any]) -> dict[str, Any]:
     """``args`` with the job's keywords gathered into one ``memfit.Job`` as ``job``."""
     from memfit.device_memory import OLD_KEYWORDS, Job
 
+    engine = args.pop("engine", ())
     job = {OLD_KEYWORDS[k]: args.pop(k) for k in list(args) if k in OLD_KEYWORDS}
+    if engine and job:
+        job["engine"] = engine
     if not job:
         return args
     if job.get("device") is None:
@@ -222,10 +292,47 @@ def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLik
         deepspeed.init_distributed()  # what initialize would do; fit plans one plan per job
     if _zero_stage(cfg) == 3:
         _zero3_linear(cfg)  # rule 7: profile the linear the engine will run
-    memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+    _fit_with_engine(model, engine_memory(cfg, model), example_inputs, loss_fn, step, args)
     out = deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
     _hide_gathers(out[0])
     return out
+
+
+def _fit_with_engine(model: nn.Module, lines: tuple[tuple[str, int], ...], example_inputs: Any,
+                     loss_fn: Any, step: Any, args: dict[str, Any]) -> None:
+    """``memfit.fit`` with the engine's buffers inside the budget (rule 8)."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.units import format_bytes
+
+    engine = sum(n for _, n in lines)
+    budget = args.get("budget")
+    cap: int | None = None
+    if "job" in args or not engine or budget is None or budget == "min":
+        memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+    else:
+        if isinstance(budget, int) or (isinstance(budget, str) and not budget.strip().endswith("%")):
+            from memfit.units import parse_bytes
+
+            cap = budget if isinstance(budget, int) else parse_bytes(budget)
+        else:  # a fraction of the profile's plain peak: resolved by a first plan
+            memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+            cap = _plan(model).budget_bytes
+            memfit.unapply(model)
+        assert cap is not None  # a budget in bytes, or resolved by the plan
+        if engine >= cap:
+            named = ", ".join(f"{name} {format_bytes(n)}" for name, n in lines)
+            raise InfeasibleBudget(
+                f"DeepSpeed's buffers during forward + backward ({named}) alone fill the "
+                f"budget of {format_bytes(cap)}: no plan of the activations can fit; lower "
+                f"reduce_bucket_size in the config's zero_optimization (DeepSpeed's default is "
+                f"5e8 elements) or raise the budget", budget_bytes=cap, min_feasible_bytes=engine)
+        memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **{**args, "budget": cap - engine})
+    setattr(model, "memfit_engine",  # noqa: B010  (an attribute of the user's module)
+            EngineMemory(lines, cap, _plan(model).predicted_peak_bytes + engine))
+
+
+def _plan(model: nn.Module) -> Any:
+    return getattr(model, "memfit_plan")  # noqa: B009
 
 
 def _zero_stage(config: Mapping[str, Any]) -> int:
