@@ -282,6 +282,22 @@ def _no_python_dispatch() -> None:
     assert seen == 2 and Count.n == 2
 
 
+def _without_dispatch_modes() -> None:
+    class Count(T.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.ones(2).sum()
+        with T.without_dispatch_modes():
+            torch.ones(2).sum()
+        torch.ones(2).sum()  # the mode is back
+    assert Count.n == 4
+
+
 def _outer_saved_tensors_hooks() -> None:
     def pack(t):
         return t
@@ -627,6 +643,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "node_sequence_nr": _node_sequence_nr,
     "peek_sequence_nr": _peek_sequence_nr,
     "no_python_dispatch": _no_python_dispatch,
+    "without_dispatch_modes": _without_dispatch_modes,
     "outer_saved_tensors_hooks": _outer_saved_tensors_hooks,
     "sac_op_output": _sac_op_output,
     "sac_rearm": _sac_rearm,

@@ -58,7 +58,8 @@ __all__ = [
     "tensor_version", "module_parameters", "module_buffers", "forward_pre_hooks",
     "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook", "set_display_name",
     "clear_display_name", "current_autograd_node", "node_sequence_nr", "peek_sequence_nr",
-    "no_python_dispatch", "outer_saved_tensors_hooks", "sac_op_output", "sac_forget", "sac_rearm",
+    "no_python_dispatch", "without_dispatch_modes", "outer_saved_tensors_hooks", "sac_op_output",
+    "sac_forget", "sac_rearm",
     "SAC_OP_OUTPUT", "SAC_INDEXED", "QueuedEntries", "selective_checkpoint_contexts",
     "sac_is_recompute", "checkpoint_options", "RESPECT_HOOKS", "PROFILER_OPS",
     "AnyOccurrenceRecomputed", "sac_ignore_profiler_ops", "sac_keep_out_of_hooks",
@@ -108,6 +109,7 @@ except ImportError as e:  # pragma: no cover - only on an unsupported torch
 
 for _path in (
     "torch._C._DisableTorchDispatch",
+    "torch.utils._python_dispatch._disable_current_modes",
     "torch._C._current_autograd_node",
     "torch._C._autograd._get_sequence_nr",
     "torch._C._functions.AccumulateGrad._sequence_nr",
@@ -351,6 +353,15 @@ def no_python_dispatch() -> Any:
     """A context in which ops skip every Python dispatch mode and tensor subclass (the
     divergence check's fingerprints, NOTE [value check] in ``memfit.runtime.divergence``)."""
     return torch._C._DisableTorchDispatch()
+
+
+def without_dispatch_modes() -> Any:
+    """A context in which the Python dispatch-mode stack is empty (the modes are put back on
+    exit); tensor subclasses still dispatch (NOTE [engine work in a region] in
+    ``memfit.runtime.engine_work``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:

@@ -1,7 +1,10 @@
 """DeepSpeed's engine (ZeRO stage 1, 2 or 3) on 2 gloo ranks, with and without memfit.
 
-Run by ``torch.distributed.run`` from ``test_deepspeed.py`` with DeepSpeed importable. The zoo
-GPT with dropout, 3 AdamW steps (``torch_adam``) from the same weights, batches and seeds:
+Run by ``torch.distributed.run`` from ``test_deepspeed.py`` with DeepSpeed importable, as
+``deepspeed_ranks.py STAGE MODEL BUCKET``: MODEL ``gpt`` (the zoo GPT with dropout), ``llama``
+or ``gpt2`` (Hugging Face, built from a config, attention dropout on); BUCKET the
+``reduce_bucket_size`` and ``allgather_bucket_size`` in elements, or ``default`` (DeepSpeed's).
+3 AdamW steps (``torch_adam``) from the same weights, batches and seeds:
 the plain engine, then ``memfit.integrations.deepspeed.initialize`` with the budget in the
 config's ``"memfit"`` block. Each rank's weights are compared with ``torch.equal`` (under
 ZeRO-3, its partition: the parameters themselves are empty placeholders). Writes
@@ -23,6 +26,7 @@ import deepspeed  # noqa: E402  # type: ignore[import-not-found]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from memfit.errors import InfeasibleBudget  # noqa: E402
 from memfit.integrations import deepspeed as memfit_ds  # noqa: E402
 from memfit.profiling.meters import AllocatorMeter  # noqa: E402
 from memfit.zoo.gpt import gpt  # noqa: E402
@@ -30,11 +34,36 @@ from memfit.zoo.gpt import gpt  # noqa: E402
 STEPS = 3
 
 
-def config(stage: int) -> dict[str, Any]:
+def config(stage: int, bucket: str) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if bucket != "default":
+        zero.update(reduce_bucket_size=int(float(bucket)), allgather_bucket_size=int(float(bucket)))
     return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100000,
-                                  "allgather_bucket_size": 100000}}
+            "zero_optimization": zero}
+
+
+def build(kind: str) -> tuple[torch.nn.Module, int]:
+    """The model and its sequence length."""
+    if kind == "gpt":
+        return gpt(n_layer=2, d_model=32, n_head=2, seq_len=96, vocab_size=128, dropout=0.1,
+                   seed=0), 96
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176,
+                                       num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=96,
+                                       attention_dropout=0.1)
+        return transformers.LlamaForCausalLM(cfg).train(), 96
+    cfg2 = transformers.GPT2Config(vocab_size=128, n_positions=96, n_embd=64, n_layer=3, n_head=4,
+                                   bos_token_id=0, eos_token_id=0)  # dropouts 0.1 by default
+    return transformers.GPT2LMHeadModel(cfg2).train(), 96
+
+
+def loss_of(kind: str, engine: Any, ids: torch.Tensor) -> torch.Tensor:
+    return engine(ids, ids) if kind == "gpt" else engine(input_ids=ids, labels=ids).loss
 
 
 def weights(engine: Any) -> dict[str, torch.Tensor]:
@@ -43,14 +72,14 @@ def weights(engine: Any) -> dict[str, torch.Tensor]:
             for n, q in engine.module.named_parameters()}
 
 
-def train(engine: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+def train(kind: str, engine: Any, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
     """3 steps; the weights after them and the last step's measured forward + backward peak
     (the CPU allocator's, gradients' reduction included)."""
     peak = 0
     for i in range(STEPS):
         torch.manual_seed(10 + i)  # the same dropout masks in both runs
         with AllocatorMeter() as alloc:
-            loss = engine(x, y)
+            loss = loss_of(kind, engine, ids)
             engine.backward(loss)
         peak = alloc.peak_bytes
         engine.step()
@@ -58,31 +87,43 @@ def train(engine: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[dict[str, torc
 
 
 def main() -> None:
-    stage = int(sys.argv[1])
+    stage, kind, bucket = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
-    base = gpt(n_layer=2, d_model=32, n_head=2, seq_len=32, vocab_size=128, dropout=0.1, seed=0)
+    base, seq = build(kind)
     g = torch.Generator().manual_seed(100 + rank)  # data parallel: each rank its own batch
-    x = torch.randint(0, 128, (2, 32), generator=g)
-    y = torch.randint(0, 128, (2, 32), generator=g)
+    ids = torch.randint(0, 128, (2, seq), generator=g)  # (batch, time): inputs and labels
     out: dict[str, Any] = {"rank": rank}
-    plain_engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=config(stage),
+    plain_engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=config(stage, bucket),
                                             model_parameters=None)
-    plain, out["plain_measured_bytes"] = train(plain_engine, x, y)
+    plain, out["plain_measured_bytes"] = train(kind, plain_engine, ids)
     model = copy.deepcopy(base)
-    cfg = {**config(stage), "memfit": {"budget": 0.6}}
-    engine, *_ = memfit_ds.initialize(model=model, config=cfg, example_inputs=(x, y),
-                                      model_parameters=model.parameters())
-    out["config_unchanged"] = cfg == {**config(stage), "memfit": {"budget": 0.6}}
+    cfg = {**config(stage, bucket), "memfit": {"budget": 0.6}}
+    example = (ids, ids) if kind == "gpt" else {"input_ids": ids, "labels": ids}
+    try:
+        engine, *_ = memfit_ds.initialize(model=model, config=cfg, example_inputs=example,
+                                          loss_fn=None if kind == "gpt" else (lambda o: o.loss),
+                                          model_parameters=model.parameters())
+    except InfeasibleBudget as e:
+        out.update(infeasible=str(e), budget_bytes=e.budget_bytes, engine_bytes=e.min_feasible_bytes)
+        finish(rank, out)
+    out["config_unchanged"] = cfg == {**config(stage, bucket), "memfit": {"budget": 0.6}}
     p = model.memfit_plan
+    e = model.memfit_engine
     out.update(regions=[list(r.modules) for r in p.regions], budget_bytes=p.budget_bytes,
-               predicted_peak_bytes=p.predicted_peak_bytes, plain_peak_bytes=p.plain_peak_bytes)
+               predicted_peak_bytes=p.predicted_peak_bytes, plain_peak_bytes=p.plain_peak_bytes,
+               engine_lines=[list(line) for line in e.lines], step_budget_bytes=e.budget_bytes,
+               step_predicted_bytes=e.predicted_peak_bytes)
     initial = weights(engine)
-    planned, out["measured_bytes"] = train(engine, x, y)
+    planned, out["measured_bytes"] = train(kind, engine, ids)
     out["n_weights"] = len(plain)
     out["elements"] = sum(t.numel() for t in planned.values())
     out["unequal"] = sorted(n for n in plain if not torch.equal(plain[n], planned[n]))
     out["trained"] = sorted(n for n in initial if not torch.equal(initial[n], planned[n]))
+    finish(rank, out)
+
+
+def finish(rank: int, out: dict[str, Any]) -> None:
     Path(os.environ["MEMFIT_DIST_OUT"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     dist.barrier()
     sys.stdout.flush()

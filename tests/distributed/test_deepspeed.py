@@ -26,24 +26,56 @@ if importlib.util.find_spec("deepspeed") is None and not (SITE / "deepspeed").is
                 allow_module_level=True)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_weights_equal_the_engine_without_memfit(stage: int, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def _launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> list[dict]:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    results = launch("deepspeed_ranks.py", str(stage), tmp_path=tmp_path)
+    return launch("deepspeed_ranks.py", *args, tmp_path=tmp_path)
+
+
+# (stage, model, reduce_bucket_size): the zoo GPT at every stage with buckets a user sets
+# (5e4 elements: 200,000 B, a sixth of the step's budget); ZeRO-3 on the Hugging Face models whose parameter gathers once raised a
+# false RecomputeMismatch (NOTE [engine work in a region]).
+CASES = [(1, "gpt", "5e4"), (2, "gpt", "5e4"), (3, "gpt", "5e4"), (3, "llama", "2e5"),
+         (3, "gpt2", "2e5")]
+
+
+@pytest.mark.parametrize(("stage", "model", "bucket"), CASES,
+                         ids=[f"zero{s}-{m}-{b}" for s, m, b in CASES])
+def test_zero_stage_weights_equal_the_engine_without_memfit(
+        stage: int, model: str, bucket: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    results = _launch(monkeypatch, tmp_path, str(stage), model, bucket)
     for res in results:
         assert res["regions"], "budget=0.6 planned no region"
         assert res["regions"] == results[0]["regions"]  # one plan per job
-        assert abs(res["budget_bytes"] - 0.6 * res["plain_peak_bytes"]) <= 1
-        assert res["predicted_peak_bytes"] <= res["budget_bytes"]
         assert res["config_unchanged"]
-        assert res["n_weights"] == 29
-        assert res["elements"] > 0
-        assert len(res["trained"]) == 29  # every weight moved in 3 steps
-        # measured forward + backward (the CPU allocator): below the plain engine's; under
-        # ZeRO-3 (no gradient buckets) within the budget (seen: the prediction + 16 B)
-        assert res["measured_bytes"] < res["plain_measured_bytes"]
-        if stage == 3:
-            assert res["measured_bytes"] <= res["budget_bytes"]
+        assert len(res["trained"]) == res["n_weights"]  # every weight moved in 3 steps
         assert res["unequal"] == [], f"{len(res['unequal'])} parameters differ under ZeRO-{stage}"
+        # the step's cap: 0.6 of the plain activation peak, holding activations + buckets
+        cap = res["step_budget_bytes"] if res["engine_lines"] else res["budget_bytes"]
+        assert abs(cap - 0.6 * res["plain_peak_bytes"]) <= 1
+        engine = sum(n for _, n in res["engine_lines"])
+        if stage < 3:  # reduce_bucket_size elements of float32 (contiguous_gradients, no overlap_comm)
+            assert res["engine_lines"] == [["reduce_bucket_size", 4 * int(float(bucket))]]
+            assert res["budget_bytes"] == cap - engine
+        else:
+            assert res["engine_lines"] == []
+        predicted = res["predicted_peak_bytes"] + engine
+        assert predicted == (res["step_predicted_bytes"])
+        # measured forward + backward (the CPU allocator), third step: within the budget
+        # (+3%) and at most the prediction (+3%: an upper bound, NOTE [engine memory]); seen
+        # in docs/distributed.md's table
+        assert res["measured_bytes"] <= 1.03 * cap
+        assert res["measured_bytes"] <= 1.03 * predicted
+        assert res["measured_bytes"] < res["plain_measured_bytes"]
+
+
+def test_default_buckets_alone_exceed_the_budget(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's default reduce_bucket_size (5e8 float32 elements: 2 GB) under ZeRO-1 and a
+    budget of a few MB: InfeasibleBudget naming the bucket, on every rank."""
+    results = _launch(monkeypatch, tmp_path, "1", "llama", "default")
+    for res in results:
+        assert "reduce_bucket_size" in res["infeasible"]
+        assert res["engine_bytes"] == 4 * 500_000_000
+        assert res["budget_bytes"] == results[0]["budget_bytes"] < res["engine_bytes"]

@@ -22,8 +22,26 @@ def test_device_memory_plans_the_zero_stages_sharding(stage: int, sharding: str,
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW"},
            "memfit": {"device_memory": "80GiB", "reserve": "2GiB"}}
+    # ZeRO-1/2: DeepSpeed's default gradient bucket, 5e8 float32 elements, a line of the job
+    engine = (("reduce_bucket_size", 2_000_000_000),) if stage in (1, 2) else ()
     assert memfit_ds.fit_arguments(cfg, _model()) == {"job": memfit.Job(
-        device="80GiB", reserve="2GiB", sharding=sharding, world_size=8, optimizer="adamw")}
+        device="80GiB", reserve="2GiB", sharding=sharding, world_size=8, optimizer="adamw",
+        engine=engine)}
+
+
+@pytest.mark.parametrize(("zero", "expected"), [
+    ({"stage": 1}, (("reduce_bucket_size", 2_000_000_000),)),  # DeepSpeed's default 5e8
+    ({"stage": 2, "reduce_bucket_size": 1000}, (("reduce_bucket_size", 4000),)),
+    ({"stage": 2, "reduce_bucket_size": 1e3, "overlap_comm": True},
+     (("reduce_bucket_size x2 (overlap_comm)", 8000),)),
+    ({"stage": 1, "contiguous_gradients": False}, ()),
+    ({"stage": 3, "reduce_bucket_size": 1000}, ()),
+    ({"stage": 0}, ()),
+], ids=["zero1-default", "zero2-set", "overlap", "not-contiguous", "zero3", "zero0"])
+def test_engine_memory_counts_the_gradient_bucket(zero: dict, expected: tuple) -> None:
+    assert memfit_ds.engine_memory({"zero_optimization": zero}, _model()) == expected
+    half = memfit_ds.engine_memory({"zero_optimization": zero}, _model(torch.bfloat16))
+    assert half == tuple((name, n // 2) for name, n in expected)  # 2-byte gradients
 
 
 def test_bf16_plans_fp32_master_weights_and_states(monkeypatch: pytest.MonkeyPatch) -> None:

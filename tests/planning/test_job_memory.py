@@ -169,7 +169,7 @@ def test_full_fine_tuning_of_a_7b_llama_on_an_80_gib_h100():
     from memfit.profiling.tracer import trace
     from memfit.zoo.specs import load_model
 
-    config = Path(__file__).resolve().parent.parent / "examples" / "llama-7b.json"
+    config = Path(__file__).resolve().parents[2] / "examples" / "llama-7b.json"
     lm = load_model(str(config), dtype=torch.bfloat16, seq_len=4096)
     prof = trace(lm.model, lm.example_inputs, loss_fn=lm.loss_fn, mode="fake", target="h100")
     assert sum(torch.Size(p.shape).numel() for p in prof.parameters) == LLAMA_7B_PARAMETERS
@@ -361,3 +361,20 @@ def test_job_options_that_would_mean_nothing_are_refused(options, message):
         fp32 = sum(x.nbytes for x in prof.parameters)  # 99,456 B
         # exp_avg, exp_avg_sq and the master copy in fp32, and 4 step counters of 4 B
         assert p.memory is not None and p.memory.optimizer_bytes == 3 * fp32 + 4 * 4 == 298_384
+
+
+def test_engine_lines_count_in_forward_and_backward_only() -> None:
+    """NOTE [engine memory]: 1000 B of weights, 2000 B of states, an engine bucket of 500 B."""
+    from memfit.planning.job import JobMemory, ModelMemory, activation_budget
+
+    spec = JobSpec(10_000, OptimizerMemory("adam", 2000, 100), 0,
+                   engine=(("reduce_bucket_size", 500),))
+    mm = ModelMemory(1000, 800, 2000, 100)
+    assert activation_budget(mm, spec) == 10_000 - 1000 - 2000 - 500
+    memory = job_memory(mm, spec, 3000)
+    assert memory.total_bytes == 1000 + 2000 + max(3000 + 500, 800 + 100)
+    assert memory.activation_budget_bytes == activation_budget(mm, spec)
+    assert any("reduce_bucket_size" in line for line in memory.lines())
+    assert JobMemory.from_dict(memory.to_dict()) == memory
+    step_bound = job_memory(mm, spec, 100)  # the step phase binds: the bucket is freed by then
+    assert step_bound.total_bytes == 1000 + 2000 + 800 + 100

@@ -26,15 +26,37 @@ NOTE [planning under a DeepSpeed engine]
        the fp32 model would count twice its activation bytes, so a model whose floating
        parameters are not already in that dtype is refused (cast it first: the cast is then a
        no-op for DeepSpeed).
-    5. Under ZeRO-3 the engine gathers each module's parameters in its forward pre-hook, also
-       when a checkpointed region runs again in backward: the recomputation re-runs the
-       gathers. Its ops slice a freshly allocated buffer before the copy and the collective
-       fill it, which the divergence check does not fingerprint (NOTE [value check], rule 5
-       in ``memfit.runtime.divergence``). The gathered parameters are not in the plan's
-       predicted peak, and neither are ZeRO's communication buckets
-       (``reduce_bucket_size``, ``allgather_bucket_size``): leave them room with ``reserve``.
+    5. Under ZeRO-3 the engine gathers each module's parameters in its forward pre-hook
+       (with a prefetch of the next modules'), gathers an external parameter when the
+       forward reads it, and releases parameters in its forward hook, also when a
+       checkpointed region runs again in backward. Whether a gather runs depends on the
+       engine's state (a persistent parameter stays whole after its first gather; the
+       pre-backward hook gathers before the recomputation), so the forward and its replay
+       run different gathers. After ``deepspeed.initialize`` these functions are wrapped as
+       engine work (NOTE [engine work in a region] in ``memfit.runtime.engine_work``): no
+       dispatch mode sees their ops, neither the divergence check nor the selective
+       caches; the ops that read the gathered parameters are checked.
     6. A model already partitioned (built under ``deepspeed.zero.Init``) is refused: its
        parameters hold no values to profile.
+    7. ZeRO-3 replaces ``torch.nn.functional.linear`` by its own autograd function at
+       ``initialize`` (``memory_efficient_linear``, on by default), which saves the input
+       and the weight and runs ``matmul`` (+ ``add_`` for a bias) where torch's runs
+       ``addmm``: other ops, other op keys, other saved bytes. So under ZeRO-3 the
+       replacement is made before the model is profiled, as DeepSpeed makes it (and keeps
+       it) at ``initialize``.
+    8. The engine's own buffers during forward and backward (``engine_memory``: ZeRO-1/2's
+       gradient bucket, ``reduce_bucket_size`` elements of the gradients' dtype, two with
+       ``overlap_comm``, when ``contiguous_gradients`` is on, as by default; DeepSpeed's
+       defaults where a key is absent) count in the plan: with ``device_memory`` as lines
+       of ``plan.memory`` (NOTE [engine memory] in ``memfit.planning.job``); with
+       ``budget`` the budget caps activations + buckets, so the activations get the budget
+       less the buckets (a fraction is resolved on the profile, then the model is planned
+       again for the bytes left), and a budget the buckets alone fill is an
+       ``InfeasibleBudget`` naming them. ``model.memfit_engine`` holds the lines and the
+       step's predicted peak. An upper bound: the gradients copied into the bucket are also
+       in the activation peak. Not counted: ZeRO-3's gathered parameters in flight (a
+       parameter under ``stage3_param_persistence_threshold`` elements stays whole and is
+       counted with the weights).
 
 Example:
     >>> from memfit.integrations import deepspeed as memfit_ds
@@ -52,6 +74,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +82,7 @@ from torch import nn
 
 import memfit
 
-__all__ = ["initialize", "fit_arguments"]
+__all__ = ["initialize", "fit_arguments", "engine_memory", "EngineMemory"]
 
 # The memfit.fit keywords a config's "memfit" block may hold (NOTE [planning under a
 # DeepSpeed engine], rule 2).
@@ -147,14 +170,70 @@ def fit_arguments(config: Mapping[str, Any], model: nn.Module, *,
         if half is not None:
             args["master_weights"] = True
             args.setdefault("optimizer_state_dtype", torch.float32)
+        args["engine"] = engine_memory(config, model)
     return _with_options(_with_job(args))
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """DeepSpeed's buffers during forward and backward on one rank, and the step they give
+    (NOTE [planning under a DeepSpeed engine], rule 8); bytes.
+
+    Attributes:
+        lines: ``(name, bytes)`` per buffer, named as DeepSpeed's config names it.
+        budget_bytes: the cap on activations + buffers (None: a device job's, in
+            ``plan.memory``).
+        predicted_peak_bytes: the plan's activation peak + the buffers.
+    """
+
+    lines: tuple[tuple[str, int], ...]
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.lines)
+
+    def __str__(self) -> str:
+        from memfit.units import format_bytes
+
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.lines) or "none"
+        cap = "" if self.budget_bytes is None else f" of {format_bytes(self.budget_bytes)}"
+        return (f"DeepSpeed's buffers during forward + backward: {parts}; the step's predicted "
+                f"peak {format_bytes(self.predicted_peak_bytes)}{cap}")
+
+
+def engine_memory(config: Mapping[str, Any], model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """What DeepSpeed's engine allocates on each rank during forward and backward, besides
+    the model's tensors, for ``config`` (DeepSpeed's defaults where a key is absent; NOTE
+    [planning under a DeepSpeed engine], rule 8): ``(name, bytes)`` lines.
+
+    Example:
+        >>> engine_memory({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}},
+        ...               torch.nn.Linear(4, 4))
+        (('reduce_bucket_size', 4000),)
+    """
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping) or _zero_stage(config) not in (1, 2):
+        return ()
+    if not zero.get("contiguous_gradients", True):
+        return ()
+    elements = int(float(zero.get("reduce_bucket_size", 5e8)))  # DeepSpeed's default: 5e8
+    buffers = 2 if zero.get("overlap_comm", False) else 1  # a double buffer with overlap_comm
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}  # one bucket per dtype
+    size = sum(torch.empty((), dtype=d).element_size() for d in dtypes)
+    name = "reduce_bucket_size" + (" x2 (overlap_comm)" if buffers == 2 else "")
+    return ((name, elements * buffers * size),)
 
 
 def _with_job(args: dict[str, Any]) -> dict[str, Any]:
     """``args`` with the job's keywords gathered into one ``memfit.Job`` as ``job``."""
     from memfit.job.device_memory import OLD_KEYWORDS, Job
 
+    engine = args.pop("engine", ())
     job = {OLD_KEYWORDS[k]: args.pop(k) for k in list(args) if k in OLD_KEYWORDS}
+    if engine and job:
+        job["engine"] = engine
     if not job:
         return args
     if job.get("device") is None:
@@ -223,5 +302,90 @@ def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLik
     cfg.pop("memfit", None)
     if deepspeed_kwargs.get("dist_init_required", True) and not torch.distributed.is_initialized():
         deepspeed.init_distributed()  # what initialize would do; fit plans one plan per job
-    memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
-    return deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
+    if _zero_stage(cfg) == 3:
+        _zero3_linear(cfg)  # rule 7: profile the linear the engine will run
+    _fit_with_engine(model, engine_memory(cfg, model), example_inputs, loss_fn, step, args)
+    out = deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
+    _hide_gathers(out[0])
+    return out
+
+
+def _fit_with_engine(model: nn.Module, lines: tuple[tuple[str, int], ...], example_inputs: Any,
+                     loss_fn: Any, step: Any, args: dict[str, Any]) -> None:
+    """``memfit.fit`` with the engine's buffers inside the budget (rule 8)."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.units import format_bytes
+
+    engine = sum(n for _, n in lines)
+    budget = args.get("budget")
+    cap: int | None = None
+    if "job" in args or not engine or budget is None or budget == "min":
+        memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+    else:
+        if isinstance(budget, int) or (isinstance(budget, str) and not budget.strip().endswith("%")):
+            from memfit.units import parse_bytes
+
+            cap = budget if isinstance(budget, int) else parse_bytes(budget)
+        else:  # a fraction of the profile's plain peak: resolved by a first plan
+            memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **args)
+            cap = _plan(model).budget_bytes
+            memfit.unapply(model)
+        assert cap is not None  # a budget in bytes, or resolved by the plan
+        if engine >= cap:
+            named = ", ".join(f"{name} {format_bytes(n)}" for name, n in lines)
+            raise InfeasibleBudget(
+                f"DeepSpeed's buffers during forward + backward ({named}) alone fill the "
+                f"budget of {format_bytes(cap)}: no plan of the activations can fit; lower "
+                f"reduce_bucket_size in the config's zero_optimization (DeepSpeed's default is "
+                f"5e8 elements) or raise the budget", budget_bytes=cap, min_feasible_bytes=engine)
+        memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **{**args, "budget": cap - engine})
+    setattr(model, "memfit_engine",  # noqa: B010  (an attribute of the user's module)
+            EngineMemory(lines, cap, _plan(model).predicted_peak_bytes + engine))
+
+
+def _plan(model: nn.Module) -> Any:
+    return getattr(model, "memfit_plan")  # noqa: B009
+
+
+def _zero_stage(config: Mapping[str, Any]) -> int:
+    zero = config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+
+
+def _zero3_linear(config: Mapping[str, Any]) -> None:
+    """``torch.nn.functional.linear`` replaced by ZeRO-3's, as ``deepspeed.initialize`` does
+    under ``memory_efficient_linear`` (the default; it stays so), before the plan is made
+    (NOTE [planning under a DeepSpeed engine], rule 7)."""
+    zero = config.get("zero_optimization") or {}
+    if isinstance(zero, Mapping) and not zero.get("memory_efficient_linear", True):
+        return
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap  # type: ignore[import-not-found]
+    from deepspeed.runtime.zero.partition_parameters import (  # type: ignore[import-not-found]
+        InsertPostInitMethodToModuleSubClasses as patcher,
+    )
+
+    if not hasattr(patcher, "linear_bk"):  # where DeepSpeed keeps torch's own
+        patcher.linear_bk = torch.nn.functional.linear
+    if torch.nn.functional.linear is patcher.linear_bk:
+        torch.nn.functional.linear = zero3_linear_wrap
+
+
+#: The ZeRO-3 functions that gather or release parameters from a module's forward hooks
+#: (``DeepSpeedZeRoOffload``), and a ZeRO parameter's own gather (external parameters).
+_GATHERS = ("pre_sub_module_forward_function", "post_sub_module_forward_function")
+
+
+def _hide_gathers(engine: Any) -> None:
+    """ZeRO-3's parameter gathers and releases kept out of the planned regions (NOTE
+    [planning under a DeepSpeed engine], rule 5; NOTE [engine work in a region])."""
+    from memfit.runtime.engine_work import hide_engine_work
+
+    opt = getattr(engine, "optimizer", None)
+    offload = getattr(opt, "parameter_offload", opt)
+    if offload is None or not all(hasattr(offload, name) for name in _GATHERS):
+        return  # not ZeRO-3
+    for name in _GATHERS:
+        hide_engine_work(offload, name)
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_id"):
+            hide_engine_work(p, "all_gather")

@@ -73,6 +73,9 @@ class Job:
         grad_accumulation: gradients are added over micro-batches before each optimizer step,
             so they are held through forward and backward (NOTE [gradient accumulation]).
             Default False.
+        engine: what a training engine allocates during forward and backward, as
+            ``(name, bytes)`` lines (DeepSpeed's gradient buckets; NOTE [engine memory]).
+            Default none.
 
     Raises:
         ValueError, TypeError: a value that describes no job, saying which and what to give.
@@ -93,6 +96,7 @@ class Job:
     sharding: str = "none"
     reserve: int | str | None = None
     grad_accumulation: bool = False
+    engine: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         from memfit.profiling.optimizer import OPTIMIZER_NAMES, parse_dtype
@@ -157,7 +161,8 @@ class Job:
             world_size = torch.distributed.get_world_size() if is_distributed() else 1
         reserve_bytes = (default_reserve_bytes(memory, profile.device) if self.reserve is None
                          else parse_size("reserve", self.reserve, zero=True))
-        return JobSpec(memory, opt, reserve_bytes, world_size, self.sharding, self.grad_accumulation)
+        return JobSpec(memory, opt, reserve_bytes, world_size, self.sharding, self.grad_accumulation,
+                       tuple(self.engine))
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
@@ -179,6 +184,7 @@ class Job:
             parts.append(f"{self.sharding} sharding over {over} devices")
         parts += [] if self.reserve is None else [f"reserve {self.reserve}"]
         parts += ["gradient accumulation"] if self.grad_accumulation else []
+        parts += [f"{name} {format_bytes(n)}" for name, n in self.engine]
         return f"a job on {device}: {', '.join(parts)}"
 
 

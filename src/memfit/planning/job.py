@@ -48,6 +48,19 @@ NOTE [sharded model states]
     model that is already sharded (FSDP2 DTensor shards) holds per-rank sizes: sharding it
     again is refused.
 
+NOTE [engine memory]
+    A training engine allocates buffers of its own while forward and backward run, which no
+    profile of the model sees: DeepSpeed ZeRO-1/2's gradient buckets (``reduce_bucket_size``
+    elements, two with ``overlap_comm``), freed at the end of backward. ``JobSpec.engine``
+    lists them, by the engine's names, in bytes per device; they count in the forward +
+    backward phase only:
+
+        forward + backward:  weights + optimizer states + activation peak + engine buffers
+
+    so the activation budget is ``device_memory - reserve - weights - states - engine``, and
+    each is a line of the breakdown. An upper bound: the gradients the engine copies into
+    its buckets are counted in the activation peak too.
+
 NOTE [reserve]
     Memory the job needs that no tensor accounts for. On a CPU it is 0 (malloc, no context).
     On a CUDA device: the CUDA context and library workspaces (cuBLAS, cuDNN) outside
@@ -102,8 +115,15 @@ class JobSpec:
     world_size: int = 1
     sharding: str = "none"
     grad_accumulation: bool = False  # NOTE [gradient accumulation]
+    engine: tuple[tuple[str, int], ...] = ()  # NOTE [engine memory]: (name, bytes) lines
+
+    @property
+    def engine_bytes(self) -> int:
+        return sum(n for _, n in self.engine)
 
     def __post_init__(self) -> None:
+        if any(not isinstance(n, int) or n < 0 for _, n in self.engine):
+            raise ValueError(f"engine lines must be (name, bytes >= 0), got {self.engine!r}")
         if self.device_memory_bytes <= 0:
             raise ValueError(f"device_memory must be positive bytes, got {self.device_memory_bytes}")
         if self.reserve_bytes < 0:
@@ -120,9 +140,10 @@ class JobSpec:
 class JobMemory:
     """The job's memory on one device, by part (NOTE [the job's memory]); bytes.
 
-    ``total_bytes = weights + optimizer + max(activations, gradients + optimizer_step) +
-    reserve``: ``activations_bytes`` is the plan's predicted activation peak, which holds
-    the gradients allocated by then. With ``grad_accumulation`` the gradients are held in
+    ``total_bytes = weights + optimizer + max(activations + engine, gradients +
+    optimizer_step) + reserve``: ``activations_bytes`` is the plan's predicted activation
+    peak, which holds the gradients allocated by then; ``engine`` the engine's own buffers
+    during forward and backward (NOTE [engine memory]). With ``grad_accumulation`` the gradients are held in
     both phases: ``weights + optimizer + gradients + max(activations, optimizer_step) +
     reserve`` (NOTE [gradient accumulation]).
     """
@@ -139,6 +160,11 @@ class JobMemory:
     world_size: int = 1
     sharding: str = "none"
     grad_accumulation: bool = False
+    engine: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def engine_bytes(self) -> int:
+        return sum(n for _, n in self.engine)
 
     @property
     def fits(self) -> bool:
@@ -153,16 +179,23 @@ class JobMemory:
     def activation_budget_bytes(self) -> int:
         """The most the activation peak may reach on this device."""
         held = self.gradients_bytes if self.grad_accumulation else 0
-        return self.device_memory_bytes - self.reserve_bytes - self.weights_bytes - self.optimizer_bytes - held
+        return (self.device_memory_bytes - self.reserve_bytes - self.weights_bytes
+                - self.optimizer_bytes - held - self.engine_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["engine"] = [list(line) for line in self.engine]
+        if not self.engine:  # a job without an engine writes the JSON it wrote before engines
+            del out["engine"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobMemory:
         kinds = {f.name: f.type for f in fields(cls)}
         cast = {"str": str, "bool": bool}
-        return cls(**{k: cast.get(str(kinds[k]), int)(v) for k, v in data.items()})  # type: ignore[arg-type]
+        engine = tuple((str(name), int(n)) for name, n in data.get("engine", ()))
+        return cls(**{k: cast.get(str(kinds[k]), int)(v) for k, v in data.items()  # type: ignore[arg-type]
+                      if k != "engine"}, engine=engine)
 
     def lines(self) -> list[str]:
         """The breakdown as a table."""
@@ -176,13 +209,16 @@ class JobMemory:
                 ("optimizer states", self.optimizer_bytes, self.optimizer),
                 ("optimizer step", self.optimizer_step_bytes, "transient, while step() runs"),
                 ("activations", self.activations_bytes, "the plan's predicted peak"),
+                *((name, n, "the engine's, during forward + backward (NOTE [engine memory])")
+                  for name, n in self.engine),
                 ("reserve", self.reserve_bytes, "CUDA context, allocator (NOTE [reserve])")]
         out = [f"  device memory {format_bytes(self.device_memory_bytes)}{shard}"]
         out += [f"    {name:<17}{format_bytes(n):>12}  {why}" for name, n, why in rows]
         verdict = (f"fits, {format_bytes(self.free_bytes)} free" if self.fits
                    else f"does NOT fit: {format_bytes(-self.free_bytes)} short")
-        formula = ("gradients + max(activations, step)" if self.grad_accumulation
-                   else "max(activations, gradients + step)")
+        act = "activations + engine" if self.engine else "activations"
+        formula = (f"gradients + max({act}, step)" if self.grad_accumulation
+                   else f"max({act}, gradients + step)")
         out.append(f"    {'total':<17}{format_bytes(self.total_bytes):>12}  {verdict} "
                    f"(weights + states + {formula} + reserve)")
         return out
@@ -237,7 +273,8 @@ def activation_budget(mm: ModelMemory, spec: JobSpec) -> int:
     """The largest activation peak the device leaves room for (NOTE [the job's memory], NOTE
     [gradient accumulation])."""
     held = mm.gradients_bytes if spec.grad_accumulation else 0
-    return spec.device_memory_bytes - spec.reserve_bytes - mm.weights_bytes - mm.optimizer_bytes - held
+    return (spec.device_memory_bytes - spec.reserve_bytes - mm.weights_bytes - mm.optimizer_bytes
+            - held - spec.engine_bytes)
 
 
 def step_phase_bytes(mm: ModelMemory, spec: JobSpec) -> int:
@@ -250,11 +287,11 @@ def job_memory(mm: ModelMemory, spec: JobSpec, activations_bytes: int) -> JobMem
     """The breakdown for a plan whose activation peak is ``activations_bytes``."""
     held = mm.gradients_bytes if spec.grad_accumulation else 0  # NOTE [gradient accumulation]
     total = (mm.weights_bytes + mm.optimizer_bytes + spec.reserve_bytes + held
-             + max(activations_bytes, step_phase_bytes(mm, spec)))
+             + max(activations_bytes + spec.engine_bytes, step_phase_bytes(mm, spec)))
     return JobMemory(spec.device_memory_bytes, mm.weights_bytes, mm.gradients_bytes,
                      mm.optimizer_bytes, mm.optimizer_step_bytes, activations_bytes,
                      spec.reserve_bytes, total, spec.optimizer.name, spec.world_size, spec.sharding,
-                     spec.grad_accumulation)
+                     spec.grad_accumulation, spec.engine)
 
 
 def expandable_segments(environ: Mapping[str, str] | None = None) -> bool:
