@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from memfit.jax.trace import flatten
 from memfit.jax.flops import eqn_flops
+from memfit.jax.trace import flatten
 
 
 def _ours(f, *args):

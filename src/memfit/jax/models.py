@@ -80,7 +80,7 @@ def gpt(cfg: GPTConfig = GPTConfig(), seed: int = 0) -> tuple[Any, Any, Any, boo
 
     def loss_fn(params: Any, batch: Any) -> jax.Array:
         logits = model.apply(params, batch["idx"])
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # type: ignore[arg-type]
         return -jnp.mean(jnp.take_along_axis(logp, batch["tgt"][..., None], axis=-1))
 
     return loss_fn, params, {"idx": idx, "tgt": tgt}, False

@@ -46,6 +46,7 @@ class RegionSpec:
     end: int
     saved: frozenset[str] = frozenset()
     inner: list[RegionSpec] = field(default_factory=list)
+    policy: Any = None  # a JAX policy used instead of the saved names (benchmarks of JAX's own)
 
 
 @dataclass
@@ -106,8 +107,8 @@ class Program:
             self._run(r.start, r.end, local, r.inner, r.saved, tag_all)
             return [local[v] for v in outs]
 
-        policy = (jax.checkpoint_policies.save_only_these_names(*sorted(r.saved)) if r.saved
-                  else jax.checkpoint_policies.nothing_saveable)
+        policy = r.policy or (jax.checkpoint_policies.save_only_these_names(*sorted(r.saved))
+                              if r.saved else jax.checkpoint_policies.nothing_saveable)
         results = jax.checkpoint(body, policy=policy, prevent_cse=True)(*(env[v] for v in ins))
         env.update(zip(outs, results, strict=True))
 
