@@ -33,7 +33,7 @@ FLOORS = {
     "measuring": 6,
     "job": 7,
     "api": 8, "": 8,  # "" is the package itself: the public face (memfit/__init__.py)
-    "integrations": 9,
+    "integrations": 9, "jax": 9,  # memfit.jax: a second front end, never imported below
     "cli": 10, "zoo": 10, "__main__": 10,
 }
 
@@ -143,3 +143,27 @@ def test_the_planner_imports_and_plans_without_torch():
     assert done.returncode == 0, done.stderr[-3000:]
     regions, fits, torch_loaded = done.stdout.split()
     assert int(regions) > 0 and fits == "True" and torch_loaded == "False"
+
+
+@pytest.mark.processes
+def test_the_jax_front_end_imports_without_torch():
+    """``memfit.jax`` needs memfit's planner and data, not torch (skipped where jax is not
+    installed: it is the ``jax`` extra)."""
+    pytest.importorskip("jax")
+    code = textwrap.dedent("""
+        import sys
+
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("torch is blocked in this test")
+
+        sys.meta_path.insert(0, NoTorch())
+        import memfit.jax
+        print(sorted(memfit.jax.__all__), "torch" in sys.modules)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("False")

@@ -119,6 +119,8 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
     """
     if op.index >= profile.n_forward or op.inplace or op.random or op.name in unkeyed_ops():
         return False
+    if not op.saveable:  # the front end cannot name its outputs (memfit.jax)
+        return False
     if not op.outputs:
         return False
     return all(profile.storages[t.storage].created_by == op.index for t in op.outputs)
@@ -343,6 +345,7 @@ def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[st
             continue
         if not is_saveable(profile, op):
             why = ("writes to an input" if op.inplace else "consumes the RNG" if op.random
+                   else "has outputs the front end cannot name" if not op.saveable
                    else "returns a view or alias of an earlier storage")
             raise ValueError(
                 f"region {region_name!r} saves {key!r}, but that op {why}; such outputs are "

@@ -162,6 +162,10 @@ class OpRecord:
         forward_op: for a backward op, the forward op whose autograd node runs it (NOTE
             [module paths of backward ops]); ``None`` for forward ops, gradient accumulation,
             and profiles written before the field.
+        saveable: whether a plan may save this op's outputs at all; False where the front
+            end cannot name them for its runtime (``memfit.jax``: a value JAX's
+            differentiation rules made, NOTE [a jaxpr as a Profile]). True in profiles
+            written before the field.
     """
 
     index: int
@@ -178,6 +182,7 @@ class OpRecord:
     packs: int = 0
     next_packs: int = 0
     forward_op: int | None = None
+    saveable: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,4 @@
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("flax")
