@@ -1,5 +1,5 @@
-"""The README's Quick start and "Does my training job fit this GPU?" run as written, in order
-(the second uses the first's model and inputs), and in the current spelling (no
+"""The README's Quick start, "Does my training job fit this GPU?" and "Options" run as written,
+in order (the later ones use the first's model and inputs), and in the current spelling (no
 DeprecationWarning)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SECTIONS = ("Quick start", "Does my training job fit this GPU?")
+SECTIONS = ("Quick start", "Does my training job fit this GPU?", "Options")
 
 
 def _blocks(section: str) -> list[str]:
@@ -21,7 +21,7 @@ def _blocks(section: str) -> list[str]:
 
 
 def test_each_section_has_one_python_block():
-    assert [len(_blocks(s)) for s in SECTIONS] == [1, 1]
+    assert [len(_blocks(s)) for s in SECTIONS] == [1, 1, 1]
 
 
 @pytest.mark.slow
@@ -38,3 +38,9 @@ def test_the_quick_start_and_the_job_on_a_gpu_run(capsys):
     assert memory is not None and memory.fits and memory.device_memory_bytes == 80 * 2**30
     found = names["found"]
     assert found.batch > 10_000 and found.plan.memory.total_bytes <= 80 * 2**30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(compile(_blocks(SECTIONS[2])[0], "README.md: Options", "exec"), names)
+    plan = names["model"].memfit_plan
+    assert plan.memory is None and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.budget_bytes == int(0.5 * plan.plain_peak_bytes) and plan.solver == "chain"
