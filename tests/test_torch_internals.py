@@ -743,8 +743,9 @@ def test_generator_problem_accepts_what_memfit_passes(generator):
 
 
 def _patch_generator(monkeypatch: pytest.MonkeyPatch, generator: Callable[..., object]) -> None:
-    monkeypatch.setattr(T, "_generator", generator)
-    monkeypatch.setattr(T, "_CHAIN_SEGMENTS_PROBLEM", T.generator_problem(generator))
+    monkeypatch.setattr(T.checkpointing, "_generator", generator)
+    monkeypatch.setattr(T.checkpointing, "_CHAIN_SEGMENTS_PROBLEM",
+                        T.checkpointing.generator_problem(generator))
 
 
 def test_open_checkpoint_drives_a_wrapper_returning_the_generator(monkeypatch):
@@ -983,8 +984,10 @@ def private_torch_uses(path: Path, tree: ast.AST, private_attrs: set[str]) -> li
 
 
 def scan(root: Path) -> list[str]:
-    """Private torch API uses in every module under ``root`` except ``memfit/_torch.py``."""
-    files = sorted(p for p in root.rglob("*.py") if p.name != "_torch.py" or p.parent != root)
+    """Private torch API uses in every module under ``root`` except ``memfit._torch`` (the
+    package ``_torch/``, or a module ``_torch.py``)."""
+    home = {root / "_torch.py", *(root / "_torch").rglob("*.py")}
+    files = sorted(p for p in root.rglob("*.py") if p not in home)
     trees = {p: ast.parse(p.read_text(), str(p)) for p in files}
     attrs = _torch_private_attributes() - _defined_names(list(trees.values()))
     return [hit for p, tree in trees.items() for hit in private_torch_uses(p, tree, attrs)]
