@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.runtime.codecs import BLOCK, CODECS, Exactness, codec
+from memfit.planning.compression import CODEC_SPECS
+from memfit.runtime.codecs import _IMPLEMENTATIONS, BLOCK, CODECS, Exactness, codec
 
 
 def _data(seed: int = 0, n: int = 1000) -> torch.Tensor:
@@ -129,5 +130,27 @@ def test_views_are_kept_whole() -> None:
 
 
 def test_unknown_codec() -> None:
-    with pytest.raises(ValueError, match="unknown codec 'zip'"):
+    with pytest.raises(ValueError, match="unknown codec 'zip'; memfit knows \\['bf16', 'bool_bits'"):
         codec("zip")
+
+
+def test_the_implementations_cover_exactly_the_registry() -> None:
+    # one implementation per registry entry, no other (NOTE [adding a codec])
+    specs = [c.spec for c in _IMPLEMENTATIONS]
+    assert len(specs) == len(set(map(id, specs))) == len(CODEC_SPECS)
+    assert all(s is CODEC_SPECS[s.name] for s in specs)
+    assert list(CODECS) == list(CODEC_SPECS)
+    for name, c in CODECS.items():
+        assert c.name == name and c.spec is CODEC_SPECS[name] and c.exactness is CODEC_SPECS[name].exactness
+
+
+@pytest.mark.parametrize("name", sorted(CODEC_SPECS))
+def test_each_sample_is_what_its_codec_packs(name: str) -> None:
+    # what memfit.measuring.codec_cost times: packed (not kept whole), about the bytes asked
+    c = codec(name)
+    x = c.sample(4096, torch.Generator().manual_seed(0))
+    assert x.untyped_storage().nbytes() == 4096 and c.accepts(x.dtype)
+    p = c.encode(x)
+    # narrow_int is charged at its int32 bound; the sample's indices (< 100) pack to int8
+    packed = x.numel() if name == "narrow_int" else c.packed_bytes(tuple(x.shape), x.dtype)
+    assert not p.raw and p.nbytes == packed

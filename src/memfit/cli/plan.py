@@ -10,7 +10,7 @@ from memfit.cli.job import add_job_arguments, job_of, plan_for_job, run_max_batc
 from memfit.cli.models import UsageError, add_model_arguments, budget_arg, load_from_args
 from memfit.cli.output import emit
 from memfit.cli.profile import profile_model
-from memfit.planning.compression import LOSSY_CODECS
+from memfit.planning.compression import DEFAULT_LOSSY_CODEC, LOSSY_CODECS
 
 __all__ = ["add_parser", "run", "SOLVERS"]
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         from memfit.measuring.codec_cost import codec_costs_for
         from memfit.planning.compress_pass import choose
 
-        codec = args.lossy_codec or "bf16"
+        codec = args.lossy_codec or DEFAULT_LOSSY_CODEC
         p = choose(prof, lambda b: plan_for_budget(prof, budget=b, solver=args.solver), args.budget,
                    mode=args.compress, lossy_codec=codec, costs=codec_costs_for(args.compress, codec))
         refuse_over_budget(p)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from memfit.planning.compression import DEFAULT_LOSSY_CODEC
 from memfit.planning.solvers import SolverName
 
 __all__ = ["Search", "Training", "Parallel", "OLD_FIT_KEYWORDS", "resolve_fit_options"]
@@ -67,7 +68,7 @@ class Search:
     tune: bool = False
     tune_time_limit_s: float | None = None
     compress: str | None = None
-    lossy_codec: str = "bf16"
+    lossy_codec: str = DEFAULT_LOSSY_CODEC
     target: str | None = None
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ class Search:
             raise ValueError(f"tune_time_limit_s must be > 0 seconds, got {self.tune_time_limit_s!r}")
         if self.compress not in _COMPRESS:
             raise ValueError(f"compress must be one of {_COMPRESS}, got {self.compress!r}")
-        if self.lossy_codec != "bf16" and self.compress != "lossy":
+        if self.lossy_codec != DEFAULT_LOSSY_CODEC and self.compress != "lossy":
             raise ValueError(f"lossy_codec={self.lossy_codec!r} chooses the codec of "
                              f"compress='lossy'; got compress={self.compress!r}: pass "
                              "compress='lossy' too, or drop lossy_codec")

@@ -2,8 +2,8 @@
 
 NOTE [codec cost measurement]
     Each codec encodes and decodes a small (16 KiB) and a large (1 MiB) tensor shaped like
-    what it packs (a dropout mask for ``two_level``, relu results for ``sign_bit``, pool
-    indices for ``narrow_int``); the median of ``repeats`` gives a line ``a + b * bytes``:
+    what it packs (its ``Codec.sample``: a dropout mask for ``two_level``, relu results for
+    ``sign_bit``, pool indices for ``narrow_int``); the median of ``repeats`` gives a line ``a + b * bytes``:
     ``b`` per byte for that codec, ``a`` per tensor (the largest over the codecs timed). The
     tagging mode's per-op cost is a no-op ``TorchDispatchMode`` over small matmuls, gelus,
     softmaxes, views and adds, less those ops alone. About 0.1-0.3 s on a CPU; run once per ``fit(compress=...)``.
@@ -19,25 +19,16 @@ from typing import Any
 import torch
 
 from memfit._torch import TorchDispatchMode
-from memfit.planning.compression import DEFAULT_CODEC_COSTS, CodecCosts
+from memfit.planning.compression import (
+    DEFAULT_CODEC_COSTS,
+    DEFAULT_LOSSY_CODEC,
+    LOSSLESS_CODECS,
+    CodecCosts,
+)
 
 __all__ = ["codec_costs", "codec_costs_for"]
 
 _SMALL, _LARGE = 16 * 1024, 1 << 20  # bytes
-
-
-def _sample(name: str, nbytes: int, device: torch.device) -> torch.Tensor:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    if name == "narrow_int":
-        return torch.randint(0, 100, (nbytes // 8,), generator=g).to(device)
-    if name == "bool_bits":
-        return (torch.rand(nbytes, generator=g) > 0.5).to(device)
-    x = torch.rand(nbytes // 4, generator=g).to(device)
-    if name == "two_level":
-        return (x > 0.1).float().div_(0.9)
-    if name == "sign_bit":
-        return torch.relu(x - 0.5)
-    return x
 
 
 def _median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -69,7 +60,7 @@ def codec_costs(names: Iterable[str], *, device: torch.device | str = "cpu", rep
     (NOTE [codec cost measurement]); codecs not named keep the defaults.
 
     Args:
-        names: codec names (``memfit.runtime.codecs.CODECS``).
+        names: codec names (the registry ``memfit.planning.compression.CODEC_SPECS``).
         device: where to time them (default CPU).
         repeats: timed runs per size (the median is used; default 7).
 
@@ -86,7 +77,7 @@ def codec_costs(names: Iterable[str], *, device: torch.device | str = "cpu", rep
         c = codec(name)
         timed = []
         for nbytes in (_SMALL, _LARGE):
-            x = _sample(name, nbytes, dev)
+            x = c.sample(nbytes, torch.Generator(device="cpu").manual_seed(0)).to(dev)
             c.decode(c.encode(x))  # warm-up
             timed.append((x.untyped_storage().nbytes(), _median_s(_round_trip(c, x), repeats, dev)))
         (b0, t0), (b1, t1) = timed
@@ -110,9 +101,7 @@ def codec_costs(names: Iterable[str], *, device: torch.device | str = "cpu", rep
     return CodecCosts(per_byte, fixed if names else DEFAULT_CODEC_COSTS.per_tensor_s, mode)
 
 
-def codec_costs_for(mode: str, lossy_codec: str = "bf16") -> CodecCosts:
+def codec_costs_for(mode: str, lossy_codec: str = DEFAULT_LOSSY_CODEC) -> CodecCosts:
     """``codec_costs`` of the codecs a ``compress=`` mode uses (``"lossy"``: ``lossy_codec``
     too, default bf16)."""
-    from memfit.planning.compression import LOSSLESS_CODECS
-
     return codec_costs(LOSSLESS_CODECS + ((lossy_codec,) if mode == "lossy" else ()))

@@ -34,7 +34,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from memfit.planning.compression import (
+    BOOL_BITS,
     DEFAULT_CODEC_COSTS,
+    DEFAULT_LOSSY_CODEC,
+    NARROW_INT,
+    SIGN_BIT,
+    SIGN_READERS,
+    TWO_LEVEL,
     CodecCosts,
     Compressed,
     check_lossy_codec,
@@ -49,7 +55,6 @@ CompressMode = Literal["lossless", "lossy"]
 
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
              "bool": 1, "uint8": 1, "int8": 1}
-_SIGN_READERS = ("aten.relu.default", "aten.relu_.default")  # memfit.runtime.compress.SIGN_READERS
 
 def codec_seconds(profile: Profile, chosen: Sequence[Candidate], costs: CodecCosts | None = None) -> float:
     """Predicted seconds ``chosen`` adds to a step: per tensor, per byte, and the tagging mode
@@ -91,7 +96,7 @@ def _release(profile: Profile, sid: int) -> int | None:
 
 
 def candidates(profile: Profile, regions: Sequence[Region] = (), *, mode: CompressMode = "lossless",
-               lossy_codec: str = "bf16") -> list[Candidate]:
+               lossy_codec: str = DEFAULT_LOSSY_CODEC) -> list[Candidate]:
     """The saved storages outside ``regions`` that ``mode`` may compress (NOTE [compression
     candidates]), in op order.
 
@@ -170,21 +175,21 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
 def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec: StorageRecord,
                mode: CompressMode, lossy_codec: str) -> str | None:
     saves, created_by = rec.saves, rec.created_by
-    if name in _SIGN_READERS:
+    if name in SIGN_READERS:
         # relu's own node alone saves it (NOTE [sign-only readers]): one save, made right
         # after relu ran (a second save in the same module would also be counted at relu)
         if len(saves) == 1 and saves[0][0] == i:
-            return "sign_bit"
+            return SIGN_BIT.name
         if mode != "lossy":
             return None  # read by value elsewhere; the lossy pass may still take it
     if name == "aten.div_.Scalar" and i > 0 and profile.ops[i - 1].name.startswith("aten.bernoulli_"):
         prev = profile.ops[i - 1].outputs
         if prev and prev[0].storage == rec.id:
-            return "two_level"
+            return TWO_LEVEL.name
     if name.startswith("aten.max_pool") and name.split(".")[1].endswith("with_indices") and index == 1:
-        return "narrow_int"
+        return NARROW_INT.name
     if dtype == "bool":
-        return "bool_bits"
+        return BOOL_BITS.name
     if mode == "lossy" and dtype == "float32" and created_by == i and index == 0:
         return lossy_codec
     return None
@@ -224,7 +229,7 @@ EXHAUSTIVE_UP_TO = 10  # candidates: every subset tried up to this many, greedy 
 
 
 def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "lossless",
-                     lossy_codec: str = "bf16", costs: CodecCosts | None = None,
+                     lossy_codec: str = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None,
                      budget_bytes: int | None = None) -> Plan:
     """``plan`` with candidates outside its regions compressed: its predicted peak from NOTE
     [compressed peak], its ``recompute_s`` plus the codecs' seconds.
@@ -275,7 +280,7 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
 
 def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
            budget: int | float | str | None, *, mode: str = "lossless",
-           lossy_codec: str = "bf16", costs: CodecCosts | None = None) -> Plan:
+           lossy_codec: str = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None) -> Plan:
     """The fastest plan under ``budget`` among recompute-only and compressed ones.
 
     NOTE [compress or recompute]

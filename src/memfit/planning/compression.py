@@ -1,8 +1,25 @@
-"""What a plan compresses: the codecs' torch-free facts and the plan's ``Compressed`` entries.
+"""What a plan compresses: the one registry of codecs (torch-free) and the plan's ``Compressed``.
 
-The codecs themselves (tensor in, packed form out) are ``memfit.runtime.codecs``; planning
-needs only what they are called, whether they are exact, and how many bytes their packed
-form takes for a tensor of a given size (the runtime's ``Codec.packed_bytes`` is this).
+``CODEC_SPECS`` is the registry: per codec its name, :class:`Exactness`, packed-bytes rule,
+default encode + decode cost and what it keeps (its error bound). Planning reads it as is;
+the codecs themselves (tensor in, packed form out) are ``memfit.runtime.codecs``, one
+implementation per registry entry, whose ``Codec.packed_bytes`` is the entry's rule.
+
+NOTE [adding a codec]
+    A codec's name is written once, in its :class:`CodecSpec` below. To add one:
+
+    1. Here: a ``CodecSpec`` (name, exactness, packed bytes from ``(numel, itemsize)``,
+       default seconds per raw byte, what it keeps and its bound), listed in ``CODEC_SPECS``.
+       ``LOSSLESS_CODECS``, ``LOSSY_CODECS``, ``DEFAULT_CODEC_COSTS``, the error for an
+       unknown name, ``fit``'s ``lossy_codec=`` check and the CLI's ``--lossy-codec``
+       choices all follow from the registry.
+    2. In ``memfit.runtime.codecs``: a ``Codec`` subclass with ``spec = <the CodecSpec>``
+       (encode, decode, ``accepts``, ``sample``), listed in ``_IMPLEMENTATIONS``
+       (tests/runtime/test_codecs.py fails while the registry and the implementations differ).
+    3. Only for an exact codec the planner should pick by itself: its rule in
+       ``memfit.planning.compress_pass._codec_for`` (a LOSSY codec is chosen by
+       ``lossy_codec=``, as it is). Every other module refers to ``CodecSpec.name``;
+       tests/planning/test_compression.py fails on a codec name spelled in another module.
 
 NOTE [what lossy means]
     A plan is *lossless* when every codec it uses is EXACT (the decoded tensor is bitwise
@@ -16,11 +33,14 @@ NOTE [what lossy means]
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Exactness", "CODEC_EXACTNESS", "codec_packed_bytes", "Compressed", "BLOCK", "CodecCosts",
-           "DEFAULT_CODEC_COSTS", "LOSSLESS_CODECS", "LOSSY_CODECS", "check_lossy_codec"]
+__all__ = ["Exactness", "CodecSpec", "CODEC_SPECS", "codec_spec", "codec_packed_bytes", "Compressed",
+           "BLOCK", "CodecCosts", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
+           "LOSSY_CODECS", "SIGN_READERS", "check_lossy_codec", "BOOL_BITS", "TWO_LEVEL",
+           "NARROW_INT", "SIGN_BIT", "BF16", "FP8_E4M3", "INT8_BLOCKWISE"]
 
 BLOCK = 256  # elements per int8_blockwise scale
 
@@ -28,20 +48,103 @@ BLOCK = 256  # elements per int8_blockwise scale
 class Exactness(str, enum.Enum):
     EXACT = "exact"  # decode(encode(x)) is bitwise x
     SIGN = "sign"    # only "not x <= 0" survives: exact for a reader that compares with 0 only
-    LOSSY = "lossy"  # bounded error (memfit.runtime.codecs states each bound)
+    LOSSY = "lossy"  # bounded error (each CodecSpec.keeps states its bound)
 
 
-CODEC_EXACTNESS: dict[str, Exactness] = {
-    "bool_bits": Exactness.EXACT, "two_level": Exactness.EXACT, "narrow_int": Exactness.EXACT,
-    "sign_bit": Exactness.SIGN,
-    "bf16": Exactness.LOSSY, "fp8_e4m3": Exactness.LOSSY, "int8_blockwise": Exactness.LOSSY,
-}
+@dataclass(frozen=True)
+class CodecSpec:
+    """One codec's torch-free facts (NOTE [adding a codec]).
 
+    Attributes:
+        name: the codec's name, as plans (``Compressed.codec``) and users write it.
+        exactness: EXACT, SIGN or LOSSY (NOTE [what lossy means]).
+        packed_bytes: ``(numel, itemsize) -> bytes`` of the packed form of a tensor of
+            ``numel`` elements of ``itemsize`` bytes (value-dependent codecs: the bound).
+        per_byte_s: encode + decode seconds per raw byte used when none is measured
+            (``DEFAULT_CODEC_COSTS``).
+        keeps: what the packed form keeps: the codec's error bound.
+    """
+
+    name: str
+    exactness: Exactness
+    packed_bytes: Callable[[int, int], int]
+    per_byte_s: float
+    keeps: str
+
+
+def _bits(numel: int, itemsize: int) -> int:
+    return -(-numel // 8)
+
+
+def _bits_and_value(numel: int, itemsize: int) -> int:
+    return -(-numel // 8) + itemsize
+
+
+def _int32(numel: int, itemsize: int) -> int:
+    return 4 * numel
+
+
+def _two_bytes(numel: int, itemsize: int) -> int:
+    return 2 * numel
+
+
+def _byte_and_scale(numel: int, itemsize: int) -> int:
+    return numel + 4
+
+
+def _byte_and_block_scales(numel: int, itemsize: int) -> int:
+    return numel + 4 * -(-numel // BLOCK)
+
+
+# per_byte_s: measured on this project's 2-core CPU box (torch 2.13) by hand before the
+# measurement ran in fit: encode + decode of 32 KiB and 2 MiB tensors (two_level 247 us and
+# 6.4 ms, sign_bit 3.3 ms and bf16 0.20 ms at 2 MiB). fp8_e4m3 and int8_blockwise are estimates.
+BOOL_BITS = CodecSpec("bool_bits", Exactness.EXACT, _bits, 1.6e-9,
+                      "a bool tensor, 1 bit per element (8x)")
+TWO_LEVEL = CodecSpec("two_level", Exactness.EXACT, _bits_and_value, 3.1e-9,
+                      "a float tensor whose elements are +0 or one value c (dropout's scaled "
+                      "mask): 1 bit per element + c (32x on fp32)")
+NARROW_INT = CodecSpec("narrow_int", Exactness.EXACT, _int32, 0.5e-9,
+                       "an int64 tensor (max-pool indices) in the narrowest of int8, int16, int32 "
+                       "that holds its values (charged at the int32 bound)")
+SIGN_BIT = CodecSpec("sign_bit", Exactness.SIGN, _bits, 1.6e-9,
+                     "only `not x <= 0`, 1 bit per element; decodes to 1.0 / 0.0. Exact for a "
+                     "reader that only compares with 0 (SIGN_READERS), wrong for any other")
+BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
+                 "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x")
+FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,
+                     "float8_e4m3fn with one fp32 scale s = amax / 448: "
+                     "|x' - x| <= 2^-4 |x| + 2^-10 s (+ fp32 rounding)")
+INT8_BLOCKWISE = CodecSpec("int8_blockwise", Exactness.LOSSY, _byte_and_block_scales, 3.0e-9,
+                           f"int8 with one fp32 scale per block of {BLOCK}: |x' - x| <= s_b / 2 "
+                           "(+ fp32 rounding), s_b = amax(block) / 127")
+
+# the registry: every codec memfit knows, by name (NOTE [adding a codec])
+CODEC_SPECS: dict[str, CodecSpec] = {c.name: c for c in (
+    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, BF16, FP8_E4M3, INT8_BLOCKWISE)}
 
 # the codecs a lossless plan may use (SIGN only for a sign-only reader: NOTE [what lossy means])
-LOSSLESS_CODECS = tuple(n for n, e in CODEC_EXACTNESS.items() if e is not Exactness.LOSSY)
+LOSSLESS_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is not Exactness.LOSSY)
 # the codecs ``compress="lossy"`` may put on the other fp32 activations (``lossy_codec=``)
-LOSSY_CODECS = tuple(n for n, e in CODEC_EXACTNESS.items() if e is Exactness.LOSSY)
+LOSSY_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is Exactness.LOSSY)
+DEFAULT_LOSSY_CODEC = BF16.name
+
+# Ops whose node saves its result and reads only its sign (NOTE [sign-only readers] in
+# memfit.runtime.compress), with the name prefix of that node's class: where SIGN_BIT is exact.
+SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "ReluBackward"}
+
+
+def codec_spec(name: object) -> CodecSpec:
+    """The registry's entry for ``name``, else a ValueError naming every codec memfit knows.
+
+    Example:
+        >>> codec_spec("bf16").exactness
+        <Exactness.LOSSY: 'lossy'>
+    """
+    spec = CODEC_SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown codec {name!r}; memfit knows {sorted(CODEC_SPECS)}")
+    return spec
 
 
 def check_lossy_codec(name: object) -> str:
@@ -65,20 +168,7 @@ def codec_packed_bytes(name: str, numel: int, itemsize: int) -> int:
         >>> codec_packed_bytes("two_level", 1000, 4)
         129
     """
-    bits = -(-numel // 8)
-    if name in ("bool_bits", "sign_bit"):
-        return bits
-    if name == "two_level":
-        return bits + itemsize
-    if name == "narrow_int":
-        return 4 * numel
-    if name == "bf16":
-        return 2 * numel
-    if name == "fp8_e4m3":
-        return numel + 4
-    if name == "int8_blockwise":
-        return numel + 4 * -(-numel // BLOCK)
-    raise ValueError(f"unknown codec {name!r}; memfit knows {sorted(CODEC_EXACTNESS)}")
+    return codec_spec(name).packed_bytes(numel, itemsize)
 
 
 @dataclass(frozen=True)
@@ -92,14 +182,9 @@ class CodecCosts:
     mode_per_op_s: float
 
 
-# Measured on this project's 2-core CPU box (torch 2.13) by hand before the measurement ran
-# in fit: encode + decode of 32 KiB and 2 MiB tensors (two_level 247 us and 6.4 ms, sign_bit
-# 3.3 ms and bf16 0.20 ms at 2 MiB), a no-op Python dispatch mode 15 us per op over small
-# matmul/gelu/softmax/view/add ops. fp8_e4m3 and int8_blockwise are estimates. Used when none
-# is measured.
-DEFAULT_CODEC_COSTS = CodecCosts(
-    {"sign_bit": 1.6e-9, "two_level": 3.1e-9, "narrow_int": 0.5e-9, "bool_bits": 1.6e-9,
-     "bf16": 0.1e-9, "fp8_e4m3": 1.5e-9, "int8_blockwise": 3.0e-9}, 150e-6, 15e-6)
+# Used when none is measured: each codec's CodecSpec.per_byte_s; per tensor and a no-op Python
+# dispatch mode's 15 us per op over small matmul/gelu/softmax/view/add ops measured as above.
+DEFAULT_CODEC_COSTS = CodecCosts({c.name: c.per_byte_s for c in CODEC_SPECS.values()}, 150e-6, 15e-6)
 
 
 @dataclass(frozen=True)
@@ -109,7 +194,7 @@ class Compressed:
     Attributes:
         key: ``"<overload>#<k>"``, the k-th call (from 0) of that overload within one call
             of ``module`` (its children's ops counted too).
-        codec: a name of ``CODEC_EXACTNESS``.
+        codec: a name of ``CODEC_SPECS``.
         module: the innermost module running the op (``""``: the root).
         raw_bytes: bytes of the saved storage as autograd would keep it.
         packed_bytes: bytes of its packed form.
@@ -124,12 +209,11 @@ class Compressed:
     output: int = 0
 
     def __post_init__(self) -> None:
-        if self.codec not in CODEC_EXACTNESS:
-            raise ValueError(f"unknown codec {self.codec!r}; memfit knows {sorted(CODEC_EXACTNESS)}")
+        codec_spec(self.codec)
 
     @property
     def lossless(self) -> bool:
-        return CODEC_EXACTNESS[self.codec] is not Exactness.LOSSY
+        return CODEC_SPECS[self.codec].exactness is not Exactness.LOSSY
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "codec": self.codec, "module": self.module,

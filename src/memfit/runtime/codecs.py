@@ -2,26 +2,11 @@
 
 Each codec is a small object with ``encode(tensor) -> Packed``, ``decode(packed) -> tensor``,
 ``packed_bytes(shape, dtype)`` (the bytes its packed form takes, from the shape alone: what
-the planner charges) and an :class:`Exactness`:
-
-=================  ==========  ================================================================
-codec              exactness   what it keeps
-=================  ==========  ================================================================
-``bool_bits``      EXACT       a bool tensor, 1 bit per element (8x)
-``two_level``      EXACT       a float tensor whose elements are +0 or one value ``c`` (dropout's
-                               scaled mask): 1 bit per element + ``c`` (32x on fp32)
-``narrow_int``     EXACT       an int64 tensor (max-pool indices) in the narrowest of int8,
-                               int16, int32 that holds its values
-``sign_bit``       SIGN        only ``not x <= 0``, 1 bit per element; decodes to 1.0 / 0.0. Exact
-                               for a reader that only compares with 0 (relu's backward,
-                               ``threshold_backward``, reads its saved result only as
-                               ``result <= 0``; NaN reads as positive), wrong for any other
-``bf16``           LOSSY       bfloat16: ``|x' - x| <= 2^-8 |x|`` for normal fp32 ``x``
-``fp8_e4m3``       LOSSY       float8_e4m3fn with one fp32 scale ``s = amax / 448``:
-                               ``|x' - x| <= 2^-4 |x| + 2^-10 s`` (+ fp32 rounding)
-``int8_blockwise`` LOSSY       int8 with one fp32 scale per block of 256: ``|x' - x| <= s_b / 2``
-                               (+ fp32 rounding), ``s_b = amax(block) / 127``
-=================  ==========  ================================================================
+the planner charges) and ``sample(nbytes, generator)`` (a tensor like those it packs, for
+timing), implementing one entry of the registry ``memfit.planning.compression.CODEC_SPECS``
+(``Codec.spec``): its name, exactness, packed-bytes rule and error bound (``CodecSpec.keeps``)
+are written there, once (NOTE [adding a codec]). ``CODECS`` holds one implementation per
+registry entry, in the registry's order.
 
 NOTE [exact codecs check what they assume]
     An EXACT codec never trusts the caller: ``two_level`` verifies (on the bit patterns) that
@@ -36,11 +21,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from memfit.planning.compression import BLOCK, Exactness, codec_packed_bytes
+from memfit.planning.compression import (
+    BF16,
+    BLOCK,
+    BOOL_BITS,
+    CODEC_SPECS,
+    FP8_E4M3,
+    INT8_BLOCKWISE,
+    NARROW_INT,
+    SIGN_BIT,
+    TWO_LEVEL,
+    CodecSpec,
+    Exactness,
+    codec_spec,
+)
 
 __all__ = ["Exactness", "Packed", "Codec", "CODECS", "codec", "BLOCK"]
 
@@ -107,10 +105,18 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float
 
 
 class Codec:
-    """Base class; see the module docstring for the codecs and their bounds."""
+    """Base class: the implementation of the registry entry ``spec`` (its name, exactness,
+    packed bytes and bound: ``memfit.planning.compression.CodecSpec``)."""
 
-    name = ""
-    exactness = Exactness.EXACT
+    spec: ClassVar[CodecSpec]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def exactness(self) -> Exactness:
+        return self.spec.exactness
 
     @property
     def lossless(self) -> bool:
@@ -125,11 +131,16 @@ class Codec:
     def decode(self, p: Packed) -> torch.Tensor:
         raise NotImplementedError
 
+    def sample(self, nbytes: int, generator: torch.Generator) -> torch.Tensor:
+        """A tensor of ``nbytes`` like those this codec packs, on the CPU (what
+        ``memfit.measuring.codec_cost`` times): by default fp32 activations in [0, 1)."""
+        return torch.rand(nbytes // 4, generator=generator)
+
     def packed_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Bytes of the packed form of a tensor of ``shape`` and ``dtype`` (for value-dependent
         codecs, ``narrow_int``, the bound from the shape: int32)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return codec_packed_bytes(self.name, math.prod(shape), itemsize)
+        return self.spec.packed_bytes(math.prod(shape), itemsize)
 
     def __repr__(self) -> str:
         return f"codec({self.name!r})"
@@ -140,7 +151,7 @@ def _decode_raw(p: Packed) -> torch.Tensor | None:
 
 
 class _BoolBits(Codec):
-    name, exactness = "bool_bits", Exactness.EXACT
+    spec = BOOL_BITS
 
     def accepts(self, dtype):
         return dtype is torch.bool
@@ -154,10 +165,12 @@ class _BoolBits(Codec):
         raw = _decode_raw(p)
         return raw if raw is not None else unpack_bits(p.data[0], math.prod(p.shape)).view(p.shape)
 
+    def sample(self, nbytes, generator):
+        return torch.rand(nbytes, generator=generator) > 0.5
 
 
 class _TwoLevel(Codec):
-    name, exactness = "two_level", Exactness.EXACT
+    spec = TWO_LEVEL
 
     def accepts(self, dtype):
         return dtype in _INT_VIEW
@@ -181,10 +194,12 @@ class _TwoLevel(Codec):
         mask = unpack_bits(bits, math.prod(p.shape)).view(p.shape)
         return torch.zeros(p.shape, dtype=p.dtype, device=bits.device).masked_fill_(mask, value[0])
 
+    def sample(self, nbytes, generator):
+        return (super().sample(nbytes, generator) > 0.1).float().div_(0.9)  # a dropout mask
 
 
 class _NarrowInt(Codec):
-    name, exactness = "narrow_int", Exactness.EXACT
+    spec = NARROW_INT
     _WIDTHS = (torch.int8, torch.int16, torch.int32)
 
     def accepts(self, dtype):
@@ -204,10 +219,12 @@ class _NarrowInt(Codec):
         raw = _decode_raw(p)
         return raw if raw is not None else p.data[0].to(torch.int64)
 
+    def sample(self, nbytes, generator):
+        return torch.randint(0, 100, (nbytes // 8,), generator=generator)  # pool indices
 
 
 class _SignBit(Codec):
-    name, exactness = "sign_bit", Exactness.SIGN
+    spec = SIGN_BIT
 
     def accepts(self, dtype):
         return dtype.is_floating_point
@@ -224,10 +241,12 @@ class _SignBit(Codec):
             return raw
         return unpack_bits(p.data[0], math.prod(p.shape)).view(p.shape).to(p.dtype)
 
+    def sample(self, nbytes, generator):
+        return torch.relu(super().sample(nbytes, generator) - 0.5)  # relu results
 
 
 class _Bf16(Codec):
-    name, exactness = "bf16", Exactness.LOSSY
+    spec = BF16
 
     def accepts(self, dtype):
         return dtype in (torch.float32, torch.float64)
@@ -244,7 +263,7 @@ class _Bf16(Codec):
 
 
 class _Fp8E4m3(Codec):
-    name, exactness = "fp8_e4m3", Exactness.LOSSY
+    spec = FP8_E4M3
 
     def accepts(self, dtype):
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -267,7 +286,7 @@ class _Fp8E4m3(Codec):
 
 
 class _Int8Blockwise(Codec):
-    name, exactness = "int8_blockwise", Exactness.LOSSY
+    spec = INT8_BLOCKWISE
 
     def accepts(self, dtype):
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -300,21 +319,27 @@ class _Int8Blockwise(Codec):
 
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (
-    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _Bf16(), _Fp8E4m3(), _Int8Blockwise())}
+# one implementation per entry of the registry (NOTE [adding a codec]; tests/runtime/
+# test_codecs.py checks that these and CODEC_SPECS name the same codecs)
+_IMPLEMENTATIONS: tuple[Codec, ...] = (
+    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _Bf16(), _Fp8E4m3(), _Int8Blockwise())
+CODECS: dict[str, Codec] = {name: c for name in CODEC_SPECS for c in _IMPLEMENTATIONS
+                            if c.spec is CODEC_SPECS[name]}
 
 
 def codec(name: str) -> Codec:
-    """The codec called ``name`` (one of ``CODECS``).
+    """The implementation of the registry's codec ``name`` (one of ``CODEC_SPECS``).
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        ValueError: an unknown name (the message lists the registry's names).
 
     Example:
         >>> p = codec("bf16").encode(torch.ones(4)); p.nbytes
         8
     """
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; memfit knows {sorted(CODECS)}") from None
+    spec = codec_spec(name)
+    found = CODECS.get(spec.name)
+    if found is None:
+        raise NotImplementedError(f"the codec {name!r} is in the registry but has no runtime "
+                                  "implementation in memfit.runtime.codecs (NOTE [adding a codec])")
+    return found

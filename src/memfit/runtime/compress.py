@@ -46,13 +46,10 @@ from torch import nn
 
 from memfit._torch import TorchDispatchMode, no_python_dispatch
 from memfit.ops import op_name
+from memfit.planning.compression import SIGN_READERS
 from memfit.runtime.codecs import Codec, Exactness, Packed, codec
 
 __all__ = ["Compressor", "SIGN_READERS"]
-
-# Ops whose node saves its result and reads only its sign (NOTE [sign-only readers]), with
-# the name prefix of that node's class.
-SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "ReluBackward"}
 
 Entry = tuple[str, str, str, int]  # (module path, "<overload>#<k>", codec name, output index)
 

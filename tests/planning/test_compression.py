@@ -1,0 +1,96 @@
+"""memfit.planning.compression: the one codec registry (NOTE [adding a codec]), read without torch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from memfit.planning.compression import (
+    CODEC_SPECS,
+    DEFAULT_CODEC_COSTS,
+    LOSSLESS_CODECS,
+    LOSSY_CODECS,
+    Compressed,
+    Exactness,
+    codec_packed_bytes,
+    codec_spec,
+)
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "memfit"
+REGISTRY = PACKAGE / "planning" / "compression.py"
+
+# "bf16" is also bfloat16's short name: these modules read it as a dtype, never as the codec
+DTYPE_ALIASES = {("bf16", "profiling/optimizer.py"), ("bf16", "job/device_memory.py"),
+                 ("bf16", "zoo/specs.py"), ("bf16", "integrations/deepspeed.py")}
+
+
+def _names_spelled(path: Path, names: set[str]) -> list[tuple[str, int]]:
+    """The string constants in ``path`` that are a codec's whole name, with their lines."""
+    return [(node.value, node.lineno) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+
+
+def test_codec_names_are_spelled_only_in_the_registry() -> None:
+    names = set(CODEC_SPECS)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if path == REGISTRY:
+            continue
+        found += [f"{rel}:{line}: {name!r}" for name, line in _names_spelled(path, names)
+                  if (name, rel) not in DTYPE_ALIASES]
+    assert not found, ("codec names outside memfit/planning/compression.py (refer to the "
+                       "registry's CodecSpec.name instead):\n" + "\n".join(found))
+
+
+def test_the_registry_spells_each_name_once() -> None:
+    spelled = [name for name, _ in _names_spelled(REGISTRY, set(CODEC_SPECS))]
+    assert sorted(spelled) == sorted(CODEC_SPECS)
+
+
+def test_the_scan_sees_a_name_spelled_elsewhere(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""two_level in prose is fine."""\nCODEC = "two_level"\nOTHER = "two_levels"\n')
+    assert _names_spelled(probe, set(CODEC_SPECS)) == [("two_level", 2)]
+
+
+# (name, exactness, packed bytes of 1000 fp32 elements, of 1 element): counted by hand
+SPECS = [
+    ("bool_bits", Exactness.EXACT, 125, 1),
+    ("two_level", Exactness.EXACT, 125 + 4, 1 + 4),
+    ("narrow_int", Exactness.EXACT, 4000, 4),
+    ("sign_bit", Exactness.SIGN, 125, 1),
+    ("bf16", Exactness.LOSSY, 2000, 2),
+    ("fp8_e4m3", Exactness.LOSSY, 1000 + 4, 1 + 4),
+    ("int8_blockwise", Exactness.LOSSY, 1000 + 4 * 4, 1 + 4),
+]
+
+
+@pytest.mark.parametrize(("name", "exactness", "packed_1000", "packed_1"), SPECS, ids=[s[0] for s in SPECS])
+def test_each_codec_facts(name: str, exactness: Exactness, packed_1000: int, packed_1: int) -> None:
+    spec = codec_spec(name)
+    assert spec.name == name and spec.exactness is exactness
+    assert codec_packed_bytes(name, 1000, 4) == packed_1000
+    assert codec_packed_bytes(name, 1, 4) == packed_1
+    assert DEFAULT_CODEC_COSTS.per_byte_s[name] == spec.per_byte_s > 0
+    assert spec.keeps
+
+
+def test_the_lists_follow_the_registry() -> None:
+    assert [s[0] for s in SPECS] == list(CODEC_SPECS)
+    assert LOSSLESS_CODECS == ("bool_bits", "two_level", "narrow_int", "sign_bit")
+    assert LOSSY_CODECS == ("bf16", "fp8_e4m3", "int8_blockwise")
+    assert set(DEFAULT_CODEC_COSTS.per_byte_s) == set(CODEC_SPECS)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda: codec_spec("zip"), id="codec_spec"),
+    pytest.param(lambda: codec_packed_bytes("zip", 10, 4), id="codec_packed_bytes"),
+    pytest.param(lambda: Compressed("aten.relu.default#0", "zip"), id="Compressed"),
+])
+def test_an_unknown_codec_lists_the_registry(call) -> None:
+    listed = str(sorted(CODEC_SPECS)).replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(ValueError, match=f"unknown codec 'zip'; memfit knows {listed}"):
+        call()
