@@ -35,9 +35,13 @@ def test_device_memory_plans_the_zero_stages_sharding(stage: int, sharding: str,
     ({"stage": 2, "reduce_bucket_size": 1e3, "overlap_comm": True},
      (("reduce_bucket_size x2 (overlap_comm)", 8000),)),
     ({"stage": 1, "contiguous_gradients": False}, ()),
-    ({"stage": 3, "reduce_bucket_size": 1000}, ()),
+    ({"stage": 3, "reduce_bucket_size": 1000}, ()),  # 16 + 4 elements: under 1e5, persistent
+    # the 16-element weight is over the threshold: gathered whole, float32
+    ({"stage": 3, "stage3_param_persistence_threshold": 10}, (("stage3_max_live_parameters", 64),)),
+    ({"stage": 3, "stage3_param_persistence_threshold": 0}, (("stage3_max_live_parameters", 80),)),
     ({"stage": 0}, ()),
-], ids=["zero1-default", "zero2-set", "overlap", "not-contiguous", "zero3", "zero0"])
+], ids=["zero1-default", "zero2-set", "overlap", "not-contiguous", "zero3", "zero3-released",
+        "zero3-all-released", "zero0"])
 def test_engine_memory_counts_the_gradient_bucket(zero: dict, expected: tuple) -> None:
     assert memfit_ds.engine_memory({"zero_optimization": zero}, _model()) == expected
     half = memfit_ds.engine_memory({"zero_optimization": zero}, _model(torch.bfloat16))
