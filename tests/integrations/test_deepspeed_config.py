@@ -102,3 +102,30 @@ def test_initialize_without_deepspeed_says_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ImportError, match=r"needs DeepSpeed: pip install --no-build-isolation"):
         memfit_ds.initialize(model=_model(), config={}, budget=0.5)
+
+
+class _PartitionAfterPlan:
+    """A timeline whose step adds ``extra`` bytes to the plan's peak + buffers (as ZeRO-2's
+    gradient partition can, NOTE [DeepSpeed's gradients in the timeline])."""
+
+    def __init__(self, buffers: int, extra: int) -> None:
+        self.buffers, self.extra, self.seen = buffers, extra, []
+
+    def peak(self, plan: memfit.Plan) -> int:
+        self.seen.append(plan.budget_bytes)
+        return plan.predicted_peak_bytes + self.buffers + self.extra
+
+
+def test_a_step_over_the_budget_is_planned_again_for_less() -> None:
+    model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=128, seed=0)
+    x = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    plain = memfit.profile(model, (x, x)).peak_bytes
+    cap, bucket, extra = plain // 2, 20_000, 30_000
+    timeline = _PartitionAfterPlan(bucket, extra)
+    memfit_ds._fit_with_engine(model, (("reduce_bucket_size", bucket),), (x, x), None, None,
+                               {"budget": cap}, timeline)  # type: ignore[arg-type]
+    engine = model.memfit_engine
+    assert engine.budget_bytes == cap
+    assert timeline.seen[0] == cap - bucket  # first: the budget less the bucket
+    assert len(timeline.seen) >= 2 and timeline.seen[1] <= cap - bucket - 1  # then for less
+    assert engine.predicted_peak_bytes == timeline.peak(model.memfit_plan) <= cap
