@@ -331,7 +331,8 @@ def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLik
     if _zero_stage(cfg) == 3:
         _zero3_linear(cfg)  # rule 7: profile the linear the engine will run
     lines = engine_memory(cfg, model)
-    timeline = _Timeline(cfg, model, example_inputs, loss_fn, step)
+    # the step's timeline, for a budget (a device job keeps the upper bound: rule 8)
+    timeline = None if "job" in args else _Timeline(cfg, model, example_inputs, loss_fn, step)
     _fit_with_engine(model, lines, example_inputs, loss_fn, step, args, timeline)
     out = deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
     _hide_gathers(out[0])
