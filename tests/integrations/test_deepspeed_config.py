@@ -35,9 +35,13 @@ def test_device_memory_plans_the_zero_stages_sharding(stage: int, sharding: str,
     ({"stage": 2, "reduce_bucket_size": 1e3, "overlap_comm": True},
      (("reduce_bucket_size x2 (overlap_comm)", 8000),)),
     ({"stage": 1, "contiguous_gradients": False}, ()),
-    ({"stage": 3, "reduce_bucket_size": 1000}, ()),
+    ({"stage": 3, "reduce_bucket_size": 1000}, ()),  # 16 + 4 elements: under 1e5, persistent
+    # the 16-element weight is over the threshold: gathered whole, float32
+    ({"stage": 3, "stage3_param_persistence_threshold": 10}, (("stage3_max_live_parameters", 64),)),
+    ({"stage": 3, "stage3_param_persistence_threshold": 0}, (("stage3_max_live_parameters", 80),)),
     ({"stage": 0}, ()),
-], ids=["zero1-default", "zero2-set", "overlap", "not-contiguous", "zero3", "zero0"])
+], ids=["zero1-default", "zero2-set", "overlap", "not-contiguous", "zero3", "zero3-released",
+        "zero3-all-released", "zero0"])
 def test_engine_memory_counts_the_gradient_bucket(zero: dict, expected: tuple) -> None:
     assert memfit_ds.engine_memory({"zero_optimization": zero}, _model()) == expected
     half = memfit_ds.engine_memory({"zero_optimization": zero}, _model(torch.bfloat16))
@@ -98,3 +102,30 @@ def test_initialize_without_deepspeed_says_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ImportError, match=r"needs DeepSpeed: pip install --no-build-isolation"):
         memfit_ds.initialize(model=_model(), config={}, budget=0.5)
+
+
+class _PartitionAfterPlan:
+    """A timeline whose step adds ``extra`` bytes to the plan's peak + buffers (as ZeRO-2's
+    gradient partition can, NOTE [DeepSpeed's gradients in the timeline])."""
+
+    def __init__(self, buffers: int, extra: int) -> None:
+        self.buffers, self.extra, self.seen = buffers, extra, []
+
+    def peak(self, plan: memfit.Plan) -> int:
+        self.seen.append(plan.budget_bytes)
+        return plan.predicted_peak_bytes + self.buffers + self.extra
+
+
+def test_a_step_over_the_budget_is_planned_again_for_less() -> None:
+    model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=128, seed=0)
+    x = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    plain = memfit.profile(model, (x, x)).peak_bytes
+    cap, bucket, extra = plain // 2, 20_000, 30_000
+    timeline = _PartitionAfterPlan(bucket, extra)
+    memfit_ds._fit_with_engine(model, (("reduce_bucket_size", bucket),), (x, x), None, None,
+                               {"budget": cap}, timeline)  # type: ignore[arg-type]
+    engine = model.memfit_engine
+    assert engine.budget_bytes == cap
+    assert timeline.seen[0] == cap - bucket  # first: the budget less the bucket
+    assert len(timeline.seen) >= 2 and timeline.seen[1] <= cap - bucket - 1  # then for less
+    assert engine.predicted_peak_bytes == timeline.peak(model.memfit_plan) <= cap

@@ -53,10 +53,19 @@ NOTE [planning under a DeepSpeed engine]
        less the buckets (a fraction is resolved on the profile, then the model is planned
        again for the bytes left), and a budget the buckets alone fill is an
        ``InfeasibleBudget`` naming them. ``model.memfit_engine`` holds the lines and the
-       step's predicted peak. An upper bound: the gradients copied into the bucket are also
-       in the activation peak. Not counted: ZeRO-3's gathered parameters in flight (a
-       parameter under ``stage3_param_persistence_threshold`` elements stays whole and is
-       counted with the weights).
+       step's predicted peak: with ``budget``, the plan's timeline with the gradients moved
+       into the engine's buffers as DeepSpeed moves them (NOTE [DeepSpeed's gradients in the
+       timeline] in ``memfit.integrations.deepspeed_peak``; the plain model is traced once
+       more for it), and the plan made again for less when that exceeds the budget (ZeRO-2's
+       gradient partition, which the bound leaves out); with ``device_memory``, or where the
+       timeline cannot be modelled (``overlap_comm``, no ``contiguous_gradients``, mixed
+       gradient dtypes), the upper bound: activation peak + buffers.
+    9. ZeRO-3's gathered parameters in flight: a parameter over
+       ``stage3_param_persistence_threshold`` elements (DeepSpeed's default 1e5) is gathered
+       whole in forward and, its reuse in backward being within ``stage3_max_reuse_distance``
+       (default 1e9 elements), kept until then: the line ``stage3_max_live_parameters`` is
+       their bytes, at most that many elements (default 1e9). One under the threshold stays
+       whole and is counted with the weights.
 
 Example:
     >>> from memfit.integrations import deepspeed as memfit_ds
@@ -214,6 +223,8 @@ def engine_memory(config: Mapping[str, Any], model: nn.Module) -> tuple[tuple[st
         (('reduce_bucket_size', 4000),)
     """
     zero = config.get("zero_optimization") or {}
+    if isinstance(zero, Mapping) and _zero_stage(config) == 3:
+        return _gathered(zero, model)
     if not isinstance(zero, Mapping) or _zero_stage(config) not in (1, 2):
         return ()
     if not zero.get("contiguous_gradients", True):
@@ -224,6 +235,21 @@ def engine_memory(config: Mapping[str, Any], model: nn.Module) -> tuple[tuple[st
     size = sum(torch.empty((), dtype=d).element_size() for d in dtypes)
     name = "reduce_bucket_size" + (" x2 (overlap_comm)" if buffers == 2 else "")
     return ((name, elements * buffers * size),)
+
+
+def _gathered(zero: Mapping[str, Any], model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """ZeRO-3's gathered parameters in flight (rule 9): every parameter over
+    ``stage3_param_persistence_threshold`` elements (DeepSpeed's default 1e5) is gathered
+    whole in forward and, within ``stage3_max_reuse_distance`` (default 1e9 elements) of its
+    use in backward, kept until then; at most ``stage3_max_live_parameters`` (default 1e9)
+    elements."""
+    threshold = int(float(zero.get("stage3_param_persistence_threshold", 1e5)))
+    released = [p for p in model.parameters() if p.numel() > threshold]
+    if not released:
+        return ()
+    live = int(float(zero.get("stage3_max_live_parameters", 1e9)))
+    elements = min(sum(p.numel() for p in released), max(live, max(p.numel() for p in released)))
+    return (("stage3_max_live_parameters", elements * released[0].element_size()),)
 
 
 def _with_job(args: dict[str, Any]) -> dict[str, Any]:
@@ -304,14 +330,60 @@ def initialize(*, model: nn.Module, config: Mapping[str, Any] | str | os.PathLik
         deepspeed.init_distributed()  # what initialize would do; fit plans one plan per job
     if _zero_stage(cfg) == 3:
         _zero3_linear(cfg)  # rule 7: profile the linear the engine will run
-    _fit_with_engine(model, engine_memory(cfg, model), example_inputs, loss_fn, step, args)
+    lines = engine_memory(cfg, model)
+    # the step's timeline, for a budget (a device job keeps the upper bound: rule 8)
+    timeline = None if "job" in args else _Timeline(cfg, model, example_inputs, loss_fn, step)
+    _fit_with_engine(model, lines, example_inputs, loss_fn, step, args, timeline)
     out = deepspeed.initialize(model=model, config=cfg, **deepspeed_kwargs)
     _hide_gathers(out[0])
     return out
 
 
+class _Timeline:
+    """The plain model's profile (traced before the plan is applied) and what the engine does
+    to its gradients on this rank: ``peak(plan)`` is the step's predicted peak (NOTE
+    [DeepSpeed's gradients in the timeline] in ``memfit.integrations.deepspeed_peak``)."""
+
+    def __init__(self, config: Mapping[str, Any], model: nn.Module, example_inputs: Any,
+                 loss_fn: Any, step: Any) -> None:
+        from memfit.integrations.deepspeed_peak import partition_elements
+        from memfit.profiling.tracer import trace
+        from memfit.step.families import family_of
+        from memfit.step.harness import Step
+
+        zero = config.get("zero_optimization") or {}
+        self.stage = _zero_stage(config)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        size = trainable[0].element_size() if trainable else 0
+        contiguous = isinstance(zero, Mapping) and zero.get("contiguous_gradients", True)
+        overlap = isinstance(zero, Mapping) and zero.get("overlap_comm", False)
+        self.modelled = bool(contiguous) and not overlap and len({p.dtype for p in trainable}) <= 1
+        self.bucket_bytes = (int(float(zero.get("reduce_bucket_size", 5e8))) * size
+                             if isinstance(zero, Mapping) and self.stage in (1, 2) else 0)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.partition_bytes = size * partition_elements(
+            [p.numel() for p in trainable], _world_size(), rank) if self.stage in (1, 2) else 0
+        self.gathered_bytes = (sum(n for _, n in _gathered(zero, model))
+                               if isinstance(zero, Mapping) and self.stage == 3 else 0)
+        self.profile = None
+        if self.modelled and self.stage in (1, 2, 3):
+            the_step = (Step.of(model, call=step) if step is not None
+                        else Step.of(model, example_inputs, loss_fn=loss_fn))
+            with family_of(model, the_step.kwargs).cache_off_for_training(model):  # as fit
+                self.profile = trace(the_step, repeats=1)
+
+    def peak(self, plan: Any) -> int | None:
+        from memfit.integrations.deepspeed_peak import step_peak
+
+        if self.profile is None:
+            return None
+        return step_peak(self.profile, plan, stage=self.stage, bucket_bytes=self.bucket_bytes,
+                         partition_bytes=self.partition_bytes, gathered_bytes=self.gathered_bytes)
+
+
 def _fit_with_engine(model: nn.Module, lines: tuple[tuple[str, int], ...], example_inputs: Any,
-                     loss_fn: Any, step: Any, args: dict[str, Any]) -> None:
+                     loss_fn: Any, step: Any, args: dict[str, Any],
+                     timeline: _Timeline | None = None) -> None:
     """``memfit.fit`` with the engine's buffers inside the budget (rule 8)."""
     from memfit.errors import InfeasibleBudget
     from memfit.units import format_bytes
@@ -339,8 +411,21 @@ def _fit_with_engine(model: nn.Module, lines: tuple[tuple[str, int], ...], examp
                 f"reduce_bucket_size in the config's zero_optimization (DeepSpeed's default is "
                 f"5e8 elements) or raise the budget", budget_bytes=cap, min_feasible_bytes=engine)
         memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **{**args, "budget": cap - engine})
+    peak = timeline.peak(_plan(model)) if timeline is not None and "job" not in args else None
+    if cap is not None and peak is not None and peak > cap:  # the partition the bounds missed
+        over = peak - cap
+        for _ in range(3):  # lower the activations' budget by the excess, plan again
+            lowered = _plan(model).budget_bytes - over
+            memfit.unapply(model)
+            memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **{**args, "budget": lowered})
+            peak = timeline.peak(_plan(model)) if timeline is not None else None
+            if peak is None or peak <= cap:
+                break
+            over = peak - cap
+    if peak is None:  # an upper bound: the gradients in the bucket counted twice
+        peak = _plan(model).predicted_peak_bytes + engine
     setattr(model, "memfit_engine",  # noqa: B010  (an attribute of the user's module)
-            EngineMemory(lines, cap, _plan(model).predicted_peak_bytes + engine))
+            EngineMemory(lines, cap, peak))
 
 
 def _plan(model: nn.Module) -> Any:

@@ -59,7 +59,9 @@ NOTE [engine memory]
 
     so the activation budget is ``device_memory - reserve - weights - states - engine``, and
     each is a line of the breakdown. An upper bound: the gradients the engine copies into
-    its buckets are counted in the activation peak too.
+    its buckets are counted in the activation peak too (with a budget instead of a device,
+    the DeepSpeed integration replaces them on the plan's timeline: NOTE [DeepSpeed's
+    gradients in the timeline] in ``memfit.integrations.deepspeed_peak``).
 
 NOTE [reserve]
     Memory the job needs that no tensor accounts for. On a CPU it is 0 (malloc, no context).
