@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import statistics
@@ -154,7 +155,8 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
 
 def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, float]:
     """The fitted calibration and the plain step's seconds (NOTE [calibration cost])."""
-    from memfit.measuring.dispatch_cost import measure_dispatch_charges
+    from memfit.measuring.dispatch_cost import measure_dispatch_charges, model_mesh
+    from memfit.parallel.distributed import plan_once
     from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import time_terms
     from memfit.planning.solvers.baselines import NoBlocks
@@ -166,8 +168,8 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
                                    "baseline plans are not timed on it"), plain
     plans: dict[str, Plan] = {}
     for name in _PLANS:
-        try:
-            p = plan_for_budget(prof, budget=1.0, solver=name)
+        try:  # one plan per job: the timed steps run the ranks' collectives together
+            p = plan_once(functools.partial(plan_for_budget, prof, budget=1.0, solver=name))
         except NoBlocks:
             return Calibration.default("no checkpointable blocks: no recompute to time"), plain
         if name == "every_block" and len(p.regions) < MIN_BLOCKS:
@@ -176,7 +178,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
         if all(tuple(p.regions) != tuple(q.regions) for q in plans.values()):
             plans[name] = p
     terms = {name: time_terms(prof, p) for name, p in plans.items()}  # before any step runs
-    charges = measure_dispatch_charges(model_device(model))
+    charges = measure_dispatch_charges(model_device(model), mesh=model_mesh(model))
     prior = dataclasses.replace(prof.calibration or Calibration(), region_s=charges.region_s,
                                 op_s=charges.op_s, selective_op_s=charges.selective_op_s,
                                 keep_s_per_element=charges.keep_s_per_element,
