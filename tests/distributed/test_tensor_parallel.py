@@ -16,9 +16,9 @@ NOTE [collective outputs held by gloo]
     Every excess seen is a sum of whole collective outputs: 65,536 B (one attention
     all-reduce output, the +8.2% of the attention blocks at "min") or 131,072 B on 2 ranks;
     under TP x FSDP2 on 4 ranks up to 181,440 B, under the 201,472 B of two of FSDP's
-    100,736 B parameter all-gathers. It fits a bound of the outputs of the last collectives
-    each of gloo's 2 worker threads (``ProcessGroupGloo``'s default) ran, which memfit does
-    not model: a plan's budget leaves no room for them.
+    100,736 B parameter all-gathers: consistent with each of gloo's 2 worker threads
+    (``ProcessGroupGloo``'s default) holding its last work's output a moment longer. memfit
+    does not model it: a plan's budget leaves no room for it.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def _blocks(case: str, tmp_path: Path) -> list[dict]:
 
 def _calibrated(res: dict) -> None:
     """The profile's time model was timed on the job's own plans, every rank running the
-    same ones (before: each rank planned its own and apply refused them, PlansDiffer), with
-    the dispatch charges of DTensor ops (NOTE [measured dispatch charges])."""
+    same ones (before: each rank planned its own and apply refused them, PlansDiffer), and
+    its dispatch charges measured (NOTE [measured dispatch charges])."""
     assert not res["calibration"]["reason"].startswith("calibration failed"), res["calibration"]
     assert {"op_s", "selective_op_s", "region_s"} <= set(res["calibration"]["charges_measured"]), res["calibration"]
 

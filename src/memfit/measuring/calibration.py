@@ -128,6 +128,10 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
     already carries a plan, a plan that fails), the profile gets the default time model and
     the reason.
 
+    In a distributed job every rank calls it: the baseline plans are made on rank 0 and
+    given to every rank (``plan_once``), since their timed steps run the job's collectives
+    (tensor parallelism) and every rank must run the same regions.
+
     A failure of the calibration itself (a baseline plan the simulator rejects, a step that
     fails once planned) is logged and gives the default time model with the reason: it never
     fails the profile.
@@ -155,7 +159,7 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
 
 def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, float]:
     """The fitted calibration and the plain step's seconds (NOTE [calibration cost])."""
-    from memfit.measuring.dispatch_cost import measure_dispatch_charges, model_mesh
+    from memfit.measuring.dispatch_cost import measure_dispatch_charges
     from memfit.parallel.distributed import plan_once
     from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import time_terms
@@ -178,7 +182,7 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
         if all(tuple(p.regions) != tuple(q.regions) for q in plans.values()):
             plans[name] = p
     terms = {name: time_terms(prof, p) for name, p in plans.items()}  # before any step runs
-    charges = measure_dispatch_charges(model_device(model), mesh=model_mesh(model))
+    charges = measure_dispatch_charges(model_device(model))
     prior = dataclasses.replace(prof.calibration or Calibration(), region_s=charges.region_s,
                                 op_s=charges.op_s, selective_op_s=charges.selective_op_s,
                                 keep_s_per_element=charges.keep_s_per_element,

@@ -28,16 +28,6 @@ NOTE [measured dispatch charges]
     (timing noise larger than what it measures) keeps the default, and the result says so.
     On a CUDA device the host work overlaps the kernels (NOTE [host overhead on an async
     device] in ``memfit.planning``): nothing is measured there and the defaults stay.
-    A model whose parameters are DTensors (tensor parallelism) runs every op through
-    DTensor's dispatch, and under the selective mode's dispatch modes through its Python
-    path: a DTensor op's charges are several times a plain op's. There the synthetic step's
-    tensors are DTensors replicated on the model's mesh (local ops only: no collective), so
-    the charges are those of the model's ops. Measured on the 2 gloo ranks of
-    ``tests/distributed/tp_blocks_ranks.py`` (2-core CPU, torch 2.13): ``selective_op_s``
-    about 0.2-0.4 ms per DTensor op, where the plain-tensor charges had made a selective plan
-    look 3.7 ms faster than whole blocks while it ran 15-20 ms slower. The plausible range
-    of a charge grows with the forward seconds of one synthetic op (``16 x`` the larger of
-    the default and that), since a heavier op's charges are heavier too.
     The same call times what keeping a draw costs per element (``keep_s_per_element``, NOTE
     [kept draws] in ``memfit.runtime.draws``): the copy ``x != 0`` and the write back
     ``x.copy_(kept)`` of a 1M-element float tensor, medians of the same rounds.
@@ -51,7 +41,6 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +52,7 @@ from memfit.timemodel.calibration import (
     DEFAULT_SELECTIVE_OP_S,
 )
 
-__all__ = ["DispatchCharges", "measure_dispatch_charges", "model_mesh", "SHAPES", "ROUNDS"]
+__all__ = ["DispatchCharges", "measure_dispatch_charges", "SHAPES", "ROUNDS"]
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +93,9 @@ class _Mul(nn.Module):
         return x
 
 
-def measure_dispatch_charges(device: torch.device | str = "cpu", *, rounds: int = ROUNDS,
-                             mesh: Any = None) -> DispatchCharges:
+def measure_dispatch_charges(device: torch.device | str = "cpu", *, rounds: int = ROUNDS) -> DispatchCharges:
     """Measure the fixed charges on ``device`` (NOTE [measured dispatch charges]), once per
-    process, device and mesh (they are the machine's, not a model's).
-
-    Args:
-        device: where the synthetic step runs (default ``"cpu"``; elsewhere nothing is measured).
-        rounds: interleaved timing rounds (default ``ROUNDS``).
-        mesh: a ``DeviceMesh`` for a tensor-parallel model: the synthetic tensors are DTensors
-            replicated on it (default None: plain tensors).
+    process and device (they are the machine's, not a model's).
 
     Takes about 1.3 s on a 2-core CPU. Autograd state, RNG and the caller's tensors are not
     touched; nothing of the synthetic step outlives the call.
@@ -123,16 +105,11 @@ def measure_dispatch_charges(device: torch.device | str = "cpu", *, rounds: int 
         >>> c.op_s > 0
         True
     """
-    return _measured(torch.device(device).type, rounds, mesh)
-
-
-def model_mesh(model: nn.Module) -> Any:
-    """The ``DeviceMesh`` of ``model``'s first DTensor parameter; None when it has none."""
-    return next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    return _measured(torch.device(device).type, rounds)
 
 
 @functools.lru_cache(maxsize=4)
-def _measured(device_type: str, rounds: int, mesh: Any = None) -> DispatchCharges:
+def _measured(device_type: str, rounds: int) -> DispatchCharges:
     from memfit.runtime.checkpoint import run_region
     from memfit.runtime.policies import recompute_all
 
@@ -162,20 +139,11 @@ def _measured(device_type: str, rounds: int, mesh: Any = None) -> DispatchCharge
         del h
         return dt
 
-    def lift(t: torch.Tensor) -> torch.Tensor:  # a DTensor replicated on ``mesh``
-        if mesh is None:
-            return t
-        from torch.distributed.tensor import DTensor, Replicate
-
-        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
     modes = ("plain", "checkpoint", "selective")
     setups = []
     for k, n in SHAPES:
         blocks = [_Mul(n) for _ in range(k)]
-        for b in blocks:
-            b.w = lift(b.w)
-        x = lift(torch.ones(8, device=dev)).requires_grad_()
+        x = torch.ones(8, device=dev, requires_grad=True)
         setups.append((k, n, blocks, x))
     times: dict[tuple[int, str], list[float]] = {(i, m): [] for i in range(len(setups)) for m in modes}
     fwd: list[float] = []
@@ -209,14 +177,12 @@ def _measured(device_type: str, rounds: int, mesh: Any = None) -> DispatchCharge
     op = (d1 - k1 * region) / (k1 * n1) - f
     sel = statistics.mean([(med[(i, "selective")] - med[(i, "checkpoint")]) / (k * n)
                            for i, (k, n, *_) in enumerate(setups)])
-    return _checked(region, op, sel, statistics.median(keep), op_forward_s=f)
+    return _checked(region, op, sel, statistics.median(keep))
 
 
-def _checked(region: float, op: float, sel: float, keep: float | None = None, *,
-             op_forward_s: float = 0.0) -> DispatchCharges:
+def _checked(region: float, op: float, sel: float, keep: float | None = None) -> DispatchCharges:
     """Keep each measured charge that is plausible; the default otherwise, saying why
-    (``keep``: None when not measured; ``op_forward_s``: one synthetic op's forward seconds,
-    which raises the bound for heavier ops, NOTE [measured dispatch charges])."""
+    (``keep``: None when not measured)."""
     got: dict[str, float] = {}
     bad = []
     charges = [("region_s", region, DEFAULT_REGION_S), ("op_s", op, DEFAULT_OP_S),
@@ -224,8 +190,7 @@ def _checked(region: float, op: float, sel: float, keep: float | None = None, *,
     if keep is not None:
         charges.append(("keep_s_per_element", keep, DEFAULT_KEEP_S_PER_ELEMENT))
     for name, value, default in charges:
-        bound = default if name == "keep_s_per_element" else max(default, op_forward_s)
-        if 0.0 <= value <= _PLAUSIBLE * bound:
+        if 0.0 <= value <= _PLAUSIBLE * default:
             got[name] = value
         else:
             bad.append(f"{name} {value * 1e6:.1f} us")
