@@ -13,6 +13,12 @@ NOTE [collective outputs held by gloo]
     it too (a rank's profile once read +64 KiB), and so do torch's every-block checkpoint
     and plain TP. So each case measures 3 steps and checks the smallest peak against the
     budget; the largest is in the rank's JSON.
+    Every excess seen is a sum of whole collective outputs: 65,536 B (one attention
+    all-reduce output, the +8.2% of the attention blocks at "min") or 131,072 B on 2 ranks;
+    under TP x FSDP2 on 4 ranks up to 181,440 B, under the 201,472 B of two of FSDP's
+    100,736 B parameter all-gathers: consistent with each of gloo's 2 worker threads
+    (``ProcessGroupGloo``'s default) holding its last work's output a moment longer. memfit
+    does not model it: a plan's budget leaves no room for it.
 """
 
 from __future__ import annotations
@@ -53,7 +59,16 @@ def _blocks(case: str, tmp_path: Path) -> list[dict]:
                 digests = {r["plan_digest"] for r in row["every_rank"]}
                 assert digests == {row["report"]["plan_digest"]}, name
                 assert [r["rank"] for r in row["every_rank"]] == [0, 1]
+        _calibrated(res)
     return results
+
+
+def _calibrated(res: dict) -> None:
+    """The profile's time model was timed on the job's own plans, every rank running the
+    same ones (before: each rank planned its own and apply refused them, PlansDiffer), and
+    its dispatch charges measured (NOTE [measured dispatch charges])."""
+    assert not res["calibration"]["reason"].startswith("calibration failed"), res["calibration"]
+    assert {"op_s", "selective_op_s", "region_s"} <= set(res["calibration"]["charges_measured"]), res["calibration"]
 
 
 def test_megatron_mlp_blocks_recomputed_whole_at_every_block_peak(tmp_path: Path) -> None:
@@ -87,6 +102,12 @@ def test_attention_by_heads_replays_or_keeps_the_all_reduce(tmp_path: Path) -> N
         assert kept["saves"] == ["_c10d_functional.all_reduce.default#0"]
         assert kept["predicted_collectives"]["count"] == 0 and kept["predicted_collectives"]["saved"] == 1
         assert kept["backward_collectives"] == plain
+        # at the peak memfit predicts for torch's every-block checkpoint, the fastest plan
+        # there: no slower than every block by the time model (its step time:
+        # benchmarks/tp_recompute.py), each rank re-sending what its report says
+        at_peak = plans["at_every_block_peak"]
+        assert at_peak["report"]["recompute_s"] <= res["every_block_recompute_s"]
+        assert at_peak["backward_collectives"] == plain + at_peak["report"]["collectives"]
         low = plans["min"]
         assert low["backward_collectives"] == plain + low["report"]["collectives"]
         assert low["report"]["collective_bytes"] == low["report"]["collectives"] * 4 * 64 * 64 * 4
@@ -95,6 +116,30 @@ def test_attention_by_heads_replays_or_keeps_the_all_reduce(tmp_path: Path) -> N
         # docs/distributed.md, Limits): checked against torch's every-block checkpoint.
         assert low["report"]["predicted_peak_bytes"] <= low["report"]["budget_bytes"]
         assert low["peak"] <= 1.05 * max(plans["every_block"]["peaks"]), (low["peaks"], plans["every_block"]["peaks"])
+
+
+def test_tp_x_fsdp2_on_a_2d_mesh(tmp_path: Path) -> None:
+    """TP on the mesh's ``tp`` dimension, FSDP2 on its ``dp`` dimension, 4 processes: one plan
+    per job, gradients bitwise plain TP x FSDP2's. Measured (2 runs x 4 ranks), the smallest
+    of 3 steps' peaks was within the budget, by 1-10%; one run in four before had a rank over it
+    on all 3 steps."""
+    results = launch("", tmp_path, script="tp_fsdp_ranks.py", ranks=4)
+    assert sorted((r["dp"], r["tp"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for res in results:
+        _calibrated(res)
+        assert res["n_grads"] == 32
+        assert res["plans"]["every_block"]["unequal"] == []
+        for name in ("min", "at_every_block_peak"):
+            row = res["plans"][name]
+            assert row["unequal"] == [], f"{name}: {row['unequal']} differ from plain TP x FSDP2"
+            assert {r["plan_digest"] for r in row["every_rank"]} == {row["report"]["plan_digest"]}
+            assert [r["rank"] for r in row["every_rank"]] == [0, 1, 2, 3]
+            assert row["report"]["predicted_peak_bytes"] <= row["report"]["budget_bytes"]
+            # both sides race with gloo's threads (NOTE [collective outputs held by gloo]:
+            # here FSDP's 100 KiB gathers too): the smallest of 3 steps against the largest
+            # of torch's every-block checkpoint's
+            assert row["peak"] <= 1.05 * max(res["plans"]["every_block"]["peaks"]), (name, row["peaks"])
+        assert res["plans"]["min"]["peak"] < 0.7 * res["plain_peak"]
 
 
 def test_sequence_parallel_blocks(tmp_path: Path) -> None:

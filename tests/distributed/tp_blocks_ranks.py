@@ -224,7 +224,9 @@ def main() -> None:
     record("every_block", peer, None)
     prof = memfit.profile(tp(), x)
     out["profile_peak"] = prof.peak_bytes
-    every = memfit.plan(prof, budget=1.0, solver="every_block")
+    cal = prof.calibration  # timed on this rank, with the job's plans (NOTE [calibration])
+    out["calibration"] = {"reason": cal.reason, "charges_measured": list(cal.charges_measured)} if cal else None
+    every = plan_once(lambda: memfit.plan(prof, budget=1.0, solver="every_block"))  # rank 0's numbers
     out["every_block_recompute_s"] = every.recompute_s
     out["every_block_collectives"] = replayed_collectives(prof, every.regions).to_dict()
     budgets: list[Any] = ["min", 0.6, 0.8] if case == "mlp" else ["min"]

@@ -9,6 +9,8 @@ replay's stop."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from profile_builders import TICK, StepBuilder
 
@@ -23,7 +25,9 @@ ALL_REDUCE = "_c10d_functional.all_reduce.default"
 KEY = f"{ALL_REDUCE}#0"  # the attention's all-reduce in a block's op keys
 
 
-def _profile(comm_s: float, n_blocks: int = 2) -> Profile:
+def _profile(comm_s: float, n_blocks: int = 2, *, attn_module: bool = True) -> Profile:
+    """``attn_module=False``: the attention's ops run in the block's own forward (no
+    submodule to checkpoint around the all-reduce)."""
     b = StepBuilder("tp")
     (h,) = b.op("aten.clone.default", [b.input(ACT)], ACT)
     b.container("layers", "ModuleList")
@@ -33,7 +37,7 @@ def _profile(comm_s: float, n_blocks: int = 2) -> Profile:
             # a scaling that saves nothing: the previous block's output is no saved tensor,
             # so that block's replay stops at its last save (as a real profile's packs say)
             (hs,) = b.op("aten.mul.Tensor", [h], ACT)
-            with b.module(f"layers.{k}.attn", "Attention"):
+            with b.module(f"layers.{k}.attn", "Attention") if attn_module else contextlib.nullcontext():
                 (u,) = b.op("aten.mm.default", [hs, w], 4 * ACT, saves=[hs, w], params=[w])
                 (y,) = b.op("aten.mm.default", [u, w], ACT, saves=[u, w], params=[w])
                 (r,) = b.op(ALL_REDUCE, [y], ACT, time_s=comm_s)
@@ -100,6 +104,34 @@ def test_planner_sends_nothing_again_when_it_can_and_replays_at_the_least_memory
     tight = plan_for_budget(prof, budget="min", solver="milp")
     assert tight.predicted_peak_bytes < roomy.predicted_peak_bytes
     assert replayed_collectives(prof, tight.regions).count >= 1
+
+
+@pytest.mark.parametrize("comm_ticks,keeps", [(1000, True), (0, False)], ids=["slow-link", "free-link"])
+def test_planner_keeps_the_all_reduce_output_when_replaying_it_costs_more(comm_ticks, keeps):
+    """Blocks without an attention submodule (nothing to checkpoint around the all-reduce),
+    at the peak of whole blocks that keep their attention's all-reduce output: over a slow
+    link the plan keeps it (Megatron's selective recompute, nothing sent again); over a free
+    one it re-runs the all-reduce and keeps other outputs instead."""
+    prof = _profile(comm_s=comm_ticks * TICK, attn_module=False)
+    kept = tuple(Region((f"layers.{k}",), {KEY: OpPolicy.SAVE}) for k in range(2))
+    budget = simulate(prof, Plan(kept, 0, 0.0, None, "hand", "")).peak_bytes
+    plan = plan_for_budget(prof, budget=budget, solver="milp")
+    sent = replayed_collectives(prof, plan.regions)
+    assert plan.predicted_peak_bytes <= budget < prof.peak_bytes
+    blocks = [r for r in plan.regions if r.modules[0].count(".") == 1]
+    assert blocks, plan  # a whole block: the budget needs one
+    if keeps:
+        assert all(KEY in r.save for r in blocks), plan
+        assert (sent.count, sent.saved) == (0, len(blocks))
+    else:
+        assert not any(KEY in r.save for r in plan.regions), plan
+        assert (sent.count, sent.saved) == (len(blocks), 0)
+    # by the time model, the same regions with the other choice are slower (a free link:
+    # no faster, and keeping the output costs its bytes until backward)
+    flipped = tuple(Region(r.modules, {**{k: p for k, p in r.ops if k != KEY}, **({} if keeps else {KEY: OpPolicy.SAVE})})
+                    for r in plan.regions)
+    other = simulate(prof, Plan(flipped, 0, 0.0, None, "hand", ""))
+    assert plan.recompute_s < other.recompute_s if keeps else plan.recompute_s <= other.recompute_s
 
 
 @pytest.mark.parametrize("name,moves", [

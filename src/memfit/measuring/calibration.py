@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import statistics
@@ -127,6 +128,10 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
     already carries a plan, a plan that fails), the profile gets the default time model and
     the reason.
 
+    In a distributed job every rank calls it: the baseline plans are made on rank 0 and
+    given to every rank (``plan_once``), since their timed steps run the job's collectives
+    (tensor parallelism) and every rank must run the same regions.
+
     A failure of the calibration itself (a baseline plan the simulator rejects, a step that
     fails once planned) is logged and gives the default time model with the reason: it never
     fails the profile.
@@ -155,6 +160,7 @@ def calibrate(prof: Profile, step: Step, *, rounds: int = 4) -> Profile:
 def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, float]:
     """The fitted calibration and the plain step's seconds (NOTE [calibration cost])."""
     from memfit.measuring.dispatch_cost import measure_dispatch_charges
+    from memfit.parallel.distributed import plan_once
     from memfit.planning.planner import plan_for_budget
     from memfit.planning.simulate import time_terms
     from memfit.planning.solvers.baselines import NoBlocks
@@ -166,8 +172,8 @@ def _calibration(prof: Profile, step: Step, rounds: int) -> tuple[Calibration, f
                                    "baseline plans are not timed on it"), plain
     plans: dict[str, Plan] = {}
     for name in _PLANS:
-        try:
-            p = plan_for_budget(prof, budget=1.0, solver=name)
+        try:  # one plan per job: the timed steps run the ranks' collectives together
+            p = plan_once(functools.partial(plan_for_budget, prof, budget=1.0, solver=name))
         except NoBlocks:
             return Calibration.default("no checkpointable blocks: no recompute to time"), plain
         if name == "every_block" and len(p.regions) < MIN_BLOCKS:
