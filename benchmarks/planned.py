@@ -74,11 +74,11 @@ def _plan(planner: Any, prof: Any, spec: BudgetSpec) -> tuple[Any, float]:
     t0 = time.perf_counter()
     if spec.value == MIN_FEASIBLE:
         try:
-            plan = planner.plan(prof, budget=1)
+            plan = planner.plan_for_budget(prof, budget=1)
         except InfeasibleBudget as e:
-            plan = planner.plan(prof, budget=int(e.min_feasible_bytes))
+            plan = planner.plan_for_budget(prof, budget=int(e.min_feasible_bytes))
     else:
-        plan = planner.plan(prof, budget=spec.value)
+        plan = planner.plan_for_budget(prof, budget=spec.value)
     return plan, time.perf_counter() - t0
 
 
@@ -156,7 +156,7 @@ def build_memfit(case: Case, specs: Sequence[BudgetSpec], *, prof: Any = None, t
             continue
         model = copy.deepcopy(case.model).train()
         try:
-            runtime_apply.apply(model, plan)
+            runtime_apply.apply_plan(model, plan)
         except Exception as e:  # noqa: BLE001
             out.methods.append(Method(spec.name, label, Family.MEMFIT,
                                       reason=f"apply failed: {type(e).__name__}: {e}", info=info))

@@ -366,12 +366,12 @@ def _sections(text: str, pattern: str) -> dict[int, str]:
             for i, m in enumerate(found)}
 
 
-def test_help_and_readme_list_each_error_class_under_its_code():
+def test_help_and_the_cli_docs_list_each_error_class_under_its_code():
     from memfit.cli.main import EPILOG
     from memfit.cli.models import UsageError
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme[readme.index("| code | meaning |"):].split("\n\n")[0]
+    docs = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    table = docs[docs.index("| code | meaning |"):].split("\n\n")[0]
     for doc in (_sections(EPILOG.split("\n\n")[0], r"^  (\d+)  "), _sections(table, r"^\| (\d+) \| ")):
         assert sorted(doc) == [0, 1, 2, 3, 4, 130]
         for cls, code in EXIT_CODES:

@@ -117,10 +117,15 @@ class _PartitionAfterPlan:
 
 
 def test_a_step_over_the_budget_is_planned_again_for_less() -> None:
-    model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=128, seed=0)
-    x = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
-    plain = memfit.profile(model, (x, x)).peak_bytes
-    cap, bucket, extra = plain // 2, 20_000, 30_000
+    """Fake mode (a model on the meta device): the same profile and plans on any machine."""
+    with torch.device("meta"):
+        model = memfit.zoo.gpt(n_layer=2, d_model=32, n_head=2, seq_len=64, vocab_size=128, seed=0)
+    x = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    prof = memfit.profile(model, (x, x), mode="fake")
+    cap, bucket = prof.peak_bytes // 2, 20_000
+    first = memfit.plan(prof, budget=cap - bucket)
+    # the partition takes the first plan's step 1 B over the budget
+    extra = cap - bucket - first.predicted_peak_bytes + 1
     timeline = _PartitionAfterPlan(bucket, extra)
     memfit_ds._fit_with_engine(model, (("reduce_bucket_size", bucket),), (x, x), None, None,
                                {"budget": cap}, timeline)  # type: ignore[arg-type]

@@ -162,7 +162,7 @@ def test_cuda_profile_takes_op_times_from_the_timing_runs_only(monkeypatch):
 
     monkeypatch.setattr(tracer_mod, "OpTimer", Counting)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    prof = tracer_mod.profile(model, torch.randn(4, 8), repeats=1)
+    prof = tracer_mod.trace(model, torch.randn(4, 8), repeats=1)
     assert runs, "no timing run on CUDA with repeats=1"
     assert [op.time_s for op in prof.ops] == [1e-3] * len(prof.ops)
 
@@ -188,10 +188,10 @@ def test_cpu_profile_takes_op_times_from_the_timing_runs_only(monkeypatch):
 
     monkeypatch.setattr(tracer_mod, "OpTimer", Scripted)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    prof = tracer_mod.profile(model, torch.randn(4, 8), repeats=3)
+    prof = tracer_mod.trace(model, torch.randn(4, 8), repeats=3)
     assert len(runs) == 2
     assert [op.time_s for op in prof.ops] == [2e-3] * len(prof.ops)
     runs.clear()
-    one = tracer_mod.profile(model, torch.randn(4, 8), repeats=1)
+    one = tracer_mod.trace(model, torch.randn(4, 8), repeats=1)
     assert not runs
     assert all(op.time_s > 0.0 and op.time_s not in (1e-3, 2e-3, 3e-3) for op in one.ops)

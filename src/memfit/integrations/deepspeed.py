@@ -414,8 +414,9 @@ def _fit_with_engine(model: nn.Module, lines: tuple[tuple[str, int], ...], examp
     peak = timeline.peak(_plan(model)) if timeline is not None and "job" not in args else None
     if cap is not None and peak is not None and peak > cap:  # the partition the bounds missed
         over = peak - cap
-        for _ in range(3):  # lower the activations' budget by the excess, plan again
-            lowered = _plan(model).budget_bytes - over
+        for _ in range(3):  # lower the activations' peak by the excess, plan again
+            planned = _plan(model)
+            lowered = min(planned.budget_bytes, planned.predicted_peak_bytes) - over
             memfit.unapply(model)
             memfit.fit(model, example_inputs, loss_fn=loss_fn, step=step, **{**args, "budget": lowered})
             peak = timeline.peak(_plan(model)) if timeline is not None else None
