@@ -113,20 +113,26 @@ def test_the_check_sees_an_upward_import(tmp_path):
         bad.unlink()
 
 
+# The start of a child process in which importing torch fails.
+_NO_TORCH = textwrap.dedent("""
+    import sys
+
+    class NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch is blocked in this test")
+
+    sys.meta_path.insert(0, NoTorch())
+""")
+
+
 @pytest.mark.processes
 def test_the_planner_imports_and_plans_without_torch():
     """Every planning module imports, and a hand-built profile is planned, in a process where
     importing torch fails (the JAX front end plans without it; NOTE [torch-free facts] in
     memfit.ops)."""
-    code = textwrap.dedent("""
-        import importlib, pkgutil, sys
-
-        class NoTorch:
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("torch is blocked in this test")
-
-        sys.meta_path.insert(0, NoTorch())
+    code = _NO_TORCH + textwrap.dedent("""
+        import importlib, pkgutil
         import memfit.planning
         for m in pkgutil.walk_packages(memfit.planning.__path__, "memfit.planning."):
             importlib.import_module(m.name)
@@ -150,15 +156,7 @@ def test_the_jax_front_end_imports_without_torch():
     """``memfit.jax`` needs memfit's planner and data, not torch (skipped where jax is not
     installed: it is the ``jax`` extra)."""
     pytest.importorskip("jax")
-    code = textwrap.dedent("""
-        import sys
-
-        class NoTorch:
-            def find_spec(self, name, path=None, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("torch is blocked in this test")
-
-        sys.meta_path.insert(0, NoTorch())
+    code = _NO_TORCH + textwrap.dedent("""
         import memfit.jax
         print(sorted(memfit.jax.__all__), "torch" in sys.modules)
     """)
