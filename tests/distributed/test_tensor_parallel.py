@@ -143,10 +143,12 @@ def test_tp_x_fsdp2_on_a_2d_mesh(tmp_path: Path) -> None:
             assert {r["plan_digest"] for r in row["every_rank"]} == {row["report"]["plan_digest"]}
             assert [r["rank"] for r in row["every_rank"]] == [0, 1, 2, 3]
             assert row["report"]["predicted_peak_bytes"] <= row["report"]["budget_bytes"]
-            # both sides race with gloo's threads (NOTE [collective outputs held by gloo]:
-            # here FSDP's 100 KiB gathers too): the smallest of 3 steps against the largest
-            # of torch's every-block checkpoint's
-            assert row["peak"] <= 1.05 * max(res["plans"]["every_block"]["peaks"]), (name, row["peaks"])
+            # both sides race with gloo's 2 worker threads (NOTE [collective outputs held by
+            # gloo]), each of which may hold its last FSDP all-gather output: the smallest of 3
+            # steps against the largest of torch's every-block checkpoint's, plus those two
+            # (CI once measured +80,508 B, within 2 x 100,736 B)
+            held = 2 * res["fsdp_gather_bytes"]
+            assert row["peak"] <= max(res["plans"]["every_block"]["peaks"]) + held, (name, row["peaks"], held)
         assert res["plans"]["min"]["peak"] < 0.7 * res["plain_peak"]
 
 

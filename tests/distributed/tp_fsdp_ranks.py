@@ -31,6 +31,11 @@ import memfit
 from memfit.parallel.distributed import gather_ranks, plan_once, rank_report
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A TP-sharded parameter's shard (a DTensor's local tensor), or the parameter itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -41,10 +46,14 @@ def main() -> None:
     # one batch per data-parallel rank, shared by its tensor-parallel pair
     x = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1 + dp))
 
+    gather_bytes: list[int] = []  # each block's FSDP all-gather output: its TP-local parameters
+
     def sharded() -> Net:
         m = copy.deepcopy(base)
+        gather_bytes.clear()
         for b in m.blocks:
             parallelize_module(b, mesh["tp"], ATTN_PLAN)
+            gather_bytes.append(sum(p.numel() * p.element_size() for p in map(_local, b.parameters())))
             fully_shard(b, mesh=mesh["dp"])
         fully_shard(m, mesh=mesh["dp"])
         return m
@@ -52,7 +61,8 @@ def main() -> None:
     plain = step(sharded(), x)
     out: dict[str, Any] = {"rank": rank, "dp": dp, "tp": mesh["tp"].get_local_rank(),
                            "plain_peak": plain["peak"], "plain_peaks": plain["peaks"],
-                           "n_grads": len(plain["grads"]), "plans": {}}
+                           "n_grads": len(plain["grads"]), "fsdp_gather_bytes": max(gather_bytes),
+                           "plans": {}}
     peer = sharded()
     peer.every_block = True
     got = step(peer, x)
