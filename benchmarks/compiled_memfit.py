@@ -8,6 +8,11 @@ compiled graph saves what the plan saves (NOTE [policies under torch.compile] in
 ``memfit.runtime.checkpoint``), and inductor's fusions change the transients around it, so the
 measured peak is what the tables report.
 
+Two plans per budget: ``compiled_memfit*`` from the eager profile's costs, and
+``compiled_memfit_cc*`` from the compiled costs of ``memfit.Search(compiled=True)`` (NOTE
+[compiled costs] in ``memfit.profiling.compiled_costs``: pointwise ops fused for free, no per-op
+charges), both compiled the same way.
+
 ``extend`` adds the methods to the eager memfit sweep, so that the trade-off run checks,
 meters and times them with every other method (interleaved).
 """
@@ -22,21 +27,25 @@ from benchmarks.models import Case
 from benchmarks.peers import Method, warm_compiled
 from benchmarks.planned import MIN_FEASIBLE, BudgetSpec, MemfitSweep, build_memfit
 
-__all__ = ["PREFIX", "specs", "compile_method", "extend", "comparisons"]
+__all__ = ["PREFIX", "CC_PREFIX", "specs", "compile_method", "extend", "comparisons"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "compiled_memfit"
+CC_PREFIX = "compiled_memfit_cc"  # planned with compiled costs
 FRACTIONS = (0.6, 0.4)
 QUICK_FRACTIONS = (0.4,)
 
 
-def specs(peer_peaks: Mapping[str, int], *, quick: bool) -> list[BudgetSpec]:
-    """Fractions, the smallest feasible peak, then each compile peer's measured peak."""
-    out = [BudgetSpec(f"{PREFIX}_{f:.2f}", float(f))
-           for f in (QUICK_FRACTIONS if quick else FRACTIONS)]
-    out.append(BudgetSpec(f"{PREFIX}_min", MIN_FEASIBLE))
-    out.extend(BudgetSpec(f"{PREFIX}@{peer}", int(peak), peer=peer)
+def specs(peer_peaks: Mapping[str, int], *, quick: bool, prefix: str = PREFIX,
+          at_peers_only: bool = False) -> list[BudgetSpec]:
+    """Fractions, the smallest feasible peak, then each compile peer's measured peak (only
+    those with ``at_peers_only``)."""
+    out = [] if at_peers_only else [BudgetSpec(f"{prefix}_{f:.2f}", float(f))
+                                     for f in (QUICK_FRACTIONS if quick else FRACTIONS)]
+    if not at_peers_only:
+        out.append(BudgetSpec(f"{prefix}_min", MIN_FEASIBLE))
+    out.extend(BudgetSpec(f"{prefix}@{peer}", int(peak), peer=peer)
                for peer, peak in peer_peaks.items() if peer.startswith("compile_budget"))
     return out
 
@@ -59,21 +68,38 @@ def compile_method(method: Method) -> Method:
 
 
 def extend(sweep: MemfitSweep, case: Case, peer_peaks: Mapping[str, int], *,
-           quick: bool) -> MemfitSweep:
+           quick: bool, at_peers_only: bool = False) -> MemfitSweep:
     """Append compiled memfit methods (compiled and warmed) to ``sweep``; nothing if no
     compile peer ran."""
-    wanted = specs(peer_peaks, quick=quick)
+    wanted = specs(peer_peaks, quick=quick, at_peers_only=at_peers_only)
     if not any(s.peer for s in wanted):
         return sweep
     built = build_memfit(case, wanted, tune=False)  # tuned rows are eager ones: planned.py
     sweep.errors.extend(f"{PREFIX}: {e}" for e in built.errors)
-    for method in built.methods:
+    cc = build_memfit(case, specs(peer_peaks, quick=quick, prefix=CC_PREFIX,
+                                  at_peers_only=at_peers_only),
+                      prof=_compiled_costs_profile(case), tune=False)
+    sweep.errors.extend(f"{CC_PREFIX}: {e}" for e in cc.errors)
+    for method in [*built.methods, *cc.methods]:
         compiled = compile_method(method)
         if compiled.applicable:
             log.info("%s: compiling %s", case.name, compiled.name)
             warm_compiled(compiled)
         sweep.methods.append(compiled)
     return sweep
+
+
+def _compiled_costs_profile(case: Case) -> Any:
+    """The profile ``fit(search=memfit.Search(compiled=True))`` plans: measured, not fitted
+    to eager steps, with compiled costs."""
+    import copy
+
+    from memfit.measuring import calibration
+    from memfit.profiling.compiled_costs import for_compiler
+
+    model = copy.deepcopy(case.model).train()
+    return for_compiler(calibration.profile(model, case.inputs, loss_fn=case.loss_fn,
+                                            calibrate_time=False))
 
 
 def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -83,30 +109,34 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for peer in records:
         if not peer["name"].startswith("compile_budget") or not peer["step_s"] or not peer["peak_bytes"]:
             continue
-        mine = by_name.get(f"{PREFIX}@{peer['name']}")
-        row: dict[str, Any] = {"peer": peer["name"], "peer_peak_bytes": peer["peak_bytes"],
-                               "peer_step_s": peer["step_s"]}
-        if mine is not None and mine["step_s"] and mine["peak_bytes"]:
-            row.update(matched=mine["name"], matched_peak_bytes=mine["peak_bytes"],
-                       matched_step_s=mine["step_s"],
-                       matched_time_ratio=mine["step_s"] / peer["step_s"],
-                       matched_peak_ok=mine["peak_bytes"] <= peer["peak_bytes"])
-        out.append(row)
+        for prefix, costs in ((PREFIX, "eager"), (CC_PREFIX, "compiled")):
+            row: dict[str, Any] = {"peer": peer["name"], "peer_peak_bytes": peer["peak_bytes"],
+                                   "peer_step_s": peer["step_s"], "costs": costs}
+            mine = by_name.get(f"{prefix}@{peer['name']}")
+            if mine is not None and mine["step_s"] and mine["peak_bytes"]:
+                row.update(matched=mine["name"], matched_peak_bytes=mine["peak_bytes"],
+                           matched_step_s=mine["step_s"],
+                           matched_time_ratio=mine["step_s"] / peer["step_s"],
+                           matched_peak_ok=mine["peak_bytes"] <= peer["peak_bytes"],
+                           matched_grads_equal=mine.get("grads_equal"))
+            if mine is not None:
+                out.append(row)
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     """Markdown: compile's budget vs compiled memfit's plans (peak, step, ratio)."""
     recs = [r for r in result["methods"]
-            if r["name"].startswith(("compile_budget", PREFIX)) or r["name"] == "none"]
+            if r["name"].startswith(("compile_", PREFIX)) or r["name"] == "none"]
     if not any(r["name"].startswith(PREFIX) for r in recs):
         return ""
     mib = 2**20
     base = next((r["step_s"] for r in recs if r["name"] == "none"), None)
-    lines = ["torch.compile + memfit (planned from memfit's eager profile, compiled with "
-             "inductor) vs torch.compile's activation_memory_budget:", "",
-             "| method | budget | peak MiB | predicted MiB | step s | vs eager none | notes |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["torch.compile + memfit (planned from memfit's profile with eager costs, "
+             f"``{CC_PREFIX}``: with compiled costs; compiled with inductor) vs torch.compile's "
+             "activation_memory_budget:", "",
+             "| method | budget | peak MiB | predicted MiB | step s | vs eager none | grads = compiled plain (max diff) | notes |",
+             "|---|---|---:|---:|---:|---:|:-:|---|"]
     for r in recs:
         info = r["info"]
         budget = info.get("budget", info.get("budget_spec", "-"))
@@ -120,13 +150,15 @@ def table(result: dict[str, Any]) -> str:
         note = (r.get("reason") or r.get("error") or "").replace("|", "/")[:120]
         if info.get("same_plan_as"):
             note = f"same plan as {info['same_plan_as']}"
-        lines.append(f"| {r['name']} | {budget} | {peak} | {pred} | {step} | {vs} | {note} |")
+        eq = r.get("grads_equal_compiled_plain")
+        bitwise = "-" if eq is None else "yes" if eq else f"NO ({r['max_abs_grad_diff_compiled_plain']:.1e})"
+        lines.append(f"| {r['name']} | {budget} | {peak} | {pred} | {step} | {vs} | {bitwise} | {note} |")
     for c in result.get("compiled_comparisons", []):
         if "matched_time_ratio" in c:
             lines.append("")
             lines.append(
                 f"At {c['peer']}'s measured peak ({c['peer_peak_bytes'] / mib:.1f} MiB): compiled "
-                f"memfit {c['matched_peak_bytes'] / mib:.1f} MiB, time ratio "
+                f"memfit ({c.get('costs', 'eager')} costs) {c['matched_peak_bytes'] / mib:.1f} MiB, time ratio "
                 f"{c['matched_time_ratio']:.3f} (memfit / compile; below 1: memfit faster), "
                 f"peak within: {'yes' if c['matched_peak_ok'] else 'NO'}.")
     return "\n".join(lines)

@@ -47,9 +47,10 @@ def _peer_case(s: Setup) -> Any:
     return Case(r.case.name, r.case.description, r.base, r.inputs, r.case.loss_fn, blocks, hf=r.case.hf)
 
 
-def _planned(s: Setup, name: str, budget: int) -> tuple[Method, dict[str, Any]]:
-    """memfit's plan for ``budget`` bytes applied to a fresh copy, and what it was."""
-    plan, note = plan_at(s.prof, budget)
+def _planned(s: Setup, name: str, budget: int, prof: Any = None) -> tuple[Method, dict[str, Any]]:
+    """memfit's plan for ``budget`` bytes (of ``prof``, default the case's profile) applied to a
+    fresh copy, and what it was."""
+    plan, note = plan_at(s.prof if prof is None else prof, budget)
     model = memfit.apply(s.runner.fresh(), plan)
     return s.runner.method(name, model), {"budget_bytes": budget, "planned_at_bytes": plan.budget_bytes,
                                           "predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -200,6 +201,7 @@ def compiled(s: Setup, *, rounds: int, deadline: Deadline) -> dict[str, Any]:
     peak, compiled (``benchmarks.compiled_memfit``), timed with the plain step."""
     from benchmarks import peers
     from benchmarks.compiled_memfit import compile_method
+    from memfit.profiling.compiled_costs import for_compiler
 
     peer = peers.compiled(_peer_case(s), COMPILE_BUDGET)
     with s.runner.autocast():
@@ -207,17 +209,22 @@ def compiled(s: Setup, *, rounds: int, deadline: Deadline) -> dict[str, Any]:
     if not peer.applicable:
         return {"error": peer.reason}
     peaks = {peer.name: s.runner.peak(peer)}
-    name = f"compiled_memfit@{peer.name}"
-    eager, plan = _planned(s, name, peaks[peer.name])
-    ours = compile_method(eager)
-    with s.runner.autocast():
-        peers.warm_compiled(ours)
-    if not ours.applicable:
-        return {"peaks": peaks, "plans": {name: plan}, "error": ours.reason}
-    peaks[name] = s.runner.peak(ours)
-    timed = time_rounds(s.runner, {"plain": s.plain, peer.name: peer, name: ours}, rounds=rounds,
+    # eager costs, and compiled costs (memfit.Search(compiled=True): NOTE [compiled costs])
+    ours: dict[str, Method] = {}
+    plans: dict[str, Any] = {}
+    for prefix, prof in (("compiled_memfit", s.prof), ("compiled_memfit_cc", for_compiler(s.prof))):
+        name = f"{prefix}@{peer.name}"
+        eager, plans[name] = _planned(s, name, peaks[peer.name], prof)
+        ours[name] = compile_method(eager)
+        with s.runner.autocast():
+            peers.warm_compiled(ours[name])
+        if not ours[name].applicable:
+            return {"peaks": peaks, "plans": plans, "error": ours[name].reason}
+        peaks[name] = s.runner.peak(ours[name])
+    timed = time_rounds(s.runner, {"plain": s.plain, peer.name: peer, **ours}, rounds=rounds,
                         deadline=deadline)
-    return {**timed, "peaks": peaks, "compile_s": {peer.name: peer.info.get("first_call_s"),
-                                                   name: ours.info.get("first_call_s")},
-            "comparisons": _versus([peer.name], "compiled_memfit@{}", peaks, timed["median_s"],
-                                   {name: plan})}
+    return {**timed, "peaks": peaks,
+            "compile_s": {n: m.info.get("first_call_s") for n, m in {peer.name: peer, **ours}.items()},
+            "comparisons": [*_versus([peer.name], "compiled_memfit@{}", peaks, timed["median_s"], plans),
+                            *_versus([peer.name], "compiled_memfit_cc@{}", peaks, timed["median_s"],
+                                     plans)]}

@@ -63,6 +63,9 @@ class Family(str, enum.Enum):
     MEMFIT = "memfit"
 
 
+COMPILED_PLAIN = "compile_plain"  # torch.compile without a budget: the compiled methods' reference
+
+
 class NotApplicable(Exception):
     """A method cannot be applied honestly to a model; the message says why."""
 
@@ -211,14 +214,18 @@ def selective(case: Case) -> Method:
                    how="create_selective_checkpoint_contexts: MUST_SAVE mm/addmm/bmm/conv, PREFER_RECOMPUTE rest")
 
 
-def compiled(case: Case, budget: float) -> Method:
-    """``torch.compile`` whose partitioner keeps activations within ``budget`` (a fraction).
+def compiled(case: Case, budget: float, *, name: str | None = None) -> Method:
+    """``torch.compile`` whose partitioner keeps activations within ``budget`` (a fraction);
+    ``name`` given: the compiled plain step (``budget`` 1.0, the partitioner's default), the
+    reference of the compiled methods' gradients.
 
     The budget is read when AOTAutograd partitions the joint graph, so it is set inside this
     method's own backend; each compiled method has its own backend, hence its own dynamo cache
     entry, and methods can be called in any order afterwards.
     """
-    name, label = f"compile_budget_{budget:g}", f"torch.compile budget {budget:g}"
+    family = Family.PEER if name is None else Family.NONE
+    label = f"torch.compile budget {budget:g}" if name is None else "torch.compile, no budget"
+    name = name or f"compile_budget_{budget:g}"
     model = _fresh(case)
     try:
         import torch._functorch.config as functorch_config
@@ -237,7 +244,7 @@ def compiled(case: Case, budget: float) -> Method:
         return loss_fn(out), out
 
     fn = torch.compile(forward_loss, backend=backend)
-    method = Method(name, label, Family.PEER, model, fn, case.inputs, info={"budget": budget})
+    method = Method(name, label, family, model, fn, case.inputs, info={"budget": budget})
     return method
 
 
@@ -268,4 +275,6 @@ def build_peers(case: Case, *, compile_budgets: tuple[float, ...] = (0.5, 0.2)) 
     """The plain step and every peer, each on its own copy of the case's model."""
     methods = [plain(case), every_block(case), sqrt_sequential(case), selective(case)]
     methods.extend(compiled(case, b) for b in compile_budgets)
+    if compile_budgets:
+        methods.append(compiled(case, 1.0, name=COMPILED_PLAIN))
     return methods

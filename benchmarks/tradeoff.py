@@ -52,13 +52,19 @@ class Settings:
     match_peers: bool = True
     seed: int = 0
     quick: bool = False
+    compiled_only: bool = False  # the plain steps, the compile peers and compiled memfit at their peaks
 
     @classmethod
-    def make(cls, *, quick: bool, threads: int, no_compile: bool = False) -> Settings:
+    def make(cls, *, quick: bool, threads: int, no_compile: bool = False,
+             compiled_only: bool = False) -> Settings:
+        if compiled_only and no_compile:
+            raise ValueError("--compiled-only times the torch.compile peers: drop --no-compile")
         if quick:
             return cls(threads=threads, warmup=1, repeats=3, fractions=(0.6, 0.4),
-                       compile_budgets=() if no_compile else (0.5,), quick=True)
-        return cls(threads=threads, compile_budgets=() if no_compile else (0.5, 0.2))
+                       compile_budgets=() if no_compile else (0.5,), quick=True,
+                       compiled_only=compiled_only)
+        return cls(threads=threads, compile_budgets=() if no_compile else (0.5, 0.2),
+                   compiled_only=compiled_only)
 
 
 def _record(method: Any, **numbers: Any) -> dict[str, Any]:
@@ -91,7 +97,12 @@ def _record(method: Any, **numbers: Any) -> dict[str, Any]:
     }
 
 
-def _check_and_measure(method: Any, ref: Any, rec: dict[str, Any], seed: int) -> None:
+def _is_compiled(name: str) -> bool:
+    return name.startswith(("compile_", "compiled_memfit"))
+
+
+def _check_and_measure(method: Any, ref: Any, rec: dict[str, Any], seed: int,
+                       compiled_ref: Any = None) -> None:
     """Gradients and peak memory of one method, from one seeded step that nothing times.
 
     The peak comes from the CPU allocator's own events (memfit's ``allocator_peak``, the ground
@@ -122,9 +133,14 @@ def _check_and_measure(method: Any, ref: Any, rec: dict[str, Any], seed: int) ->
         return box["loss"]
 
     try:
-        check = harness.compare_grads(ref, harness.seeded_step_grads(method.model, metered_step, seed=seed))
+        got = harness.seeded_step_grads(method.model, metered_step, seed=seed)
+        check = harness.compare_grads(ref, got)
         rec.update(peak_bytes=int(box["peak"]), grads_equal=check.grads_equal, loss_equal=check.loss_equal,
                    buffers_equal=check.buffers_equal, max_abs_grad_diff=check.max_abs_grad_diff)
+        if compiled_ref is not None and _is_compiled(method.name):  # against the compiled plain step
+            cc = harness.compare_grads(compiled_ref, got)
+            rec.update(grads_equal_compiled_plain=cc.grads_equal,
+                       max_abs_grad_diff_compiled_plain=cc.max_abs_grad_diff)
     except Exception as e:  # noqa: BLE001 - record and go on with the other methods
         log.exception("%s failed", method.name)
         rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -143,6 +159,8 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
     case = models.build_case(name)
     log.info("%s: %s", name, case.description)
     methods = peers.build_peers(case, compile_budgets=settings.compile_budgets)
+    if settings.compiled_only:
+        methods = [m for m in methods if m.name == "none" or m.name.startswith("compile")]
     plain = methods[0]
     records: dict[str, dict[str, Any]] = {m.name: _record(m) for m in methods}
     errors: list[str] = []
@@ -155,10 +173,13 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
                                    info={**records[m.name]["info"], **m.info})
 
     ref = harness.seeded_step_grads(plain.model, plain.step, seed=settings.seed)  # type: ignore[arg-type]
+    compiled_plain = next((m for m in methods if m.name == peers.COMPILED_PLAIN and m.applicable), None)
+    cref = None if compiled_plain is None else harness.seeded_step_grads(
+        compiled_plain.model, compiled_plain.step, seed=settings.seed)  # type: ignore[arg-type]
     for m in methods:
         if m.applicable:
             log.info("%s: checking and metering %s", name, m.name)
-            _check_and_measure(m, ref, records[m.name], settings.seed)
+            _check_and_measure(m, ref, records[m.name], settings.seed, cref)
 
     # ---- memfit ----
     peer_peaks = {m.name: records[m.name]["peak_bytes"] for m in methods
@@ -166,14 +187,15 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
     specs = planned.budget_specs(settings.fractions, peer_peaks if settings.match_peers else {},
                                  include_min=settings.include_min)
     log.info("%s: memfit profile + %d plans", name, len(specs))
-    sweep = planned.build_memfit(case, specs)
-    sweep = compiled_memfit.extend(sweep, case, peer_peaks, quick=settings.quick)  # compile + memfit
+    sweep = planned.MemfitSweep() if settings.compiled_only else planned.build_memfit(case, specs)
+    sweep = compiled_memfit.extend(sweep, case, peer_peaks, quick=settings.quick,  # compile + memfit
+                                   at_peers_only=settings.compiled_only)
     errors.extend(sweep.errors)
     for m in sweep.methods:
         records[m.name] = _record(m)
         if m.applicable:
             log.info("%s: checking and metering %s", name, m.name)
-            _check_and_measure(m, ref, records[m.name], settings.seed)
+            _check_and_measure(m, ref, records[m.name], settings.seed, cref)
     all_methods = methods + sweep.methods
 
     # ---- timing, interleaved ----
@@ -194,8 +216,9 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
         if alias:
             src = records[alias]
             for k in ("peak_bytes", "step_s", "step_times_s", "step_min_s", "cpu_s", "cpu_times_s", "grads_equal",
-                      "loss_equal", "buffers_equal", "max_abs_grad_diff", "plan"):
-                rec[k] = src[k]
+                      "loss_equal", "buffers_equal", "max_abs_grad_diff", "plan",
+                      "grads_equal_compiled_plain", "max_abs_grad_diff_compiled_plain"):
+                rec[k] = src.get(k, rec.get(k))
         if rec["step_s"] is not None and base_s:
             rec["overhead"] = rec["step_s"] / base_s - 1.0
         if rec.get("cpu_s") is not None and base_cpu:
@@ -289,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results", type=Path)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="only the plain steps, the torch.compile peers and compiled memfit at their peaks")
     parser.add_argument("--no-reexec", action="store_true", help="do not re-execute with the pinned malloc")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds per method (default 7, 3 with --quick)")
@@ -304,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
     env = harness.collect_environment(args.threads).to_dict()
-    settings = Settings.make(quick=args.quick, threads=args.threads, no_compile=args.no_compile)
+    settings = Settings.make(quick=args.quick, threads=args.threads, no_compile=args.no_compile,
+                             compiled_only=args.compiled_only)
     if args.repeats is not None:
         settings = dataclasses.replace(settings, repeats=args.repeats)
     names = model_names() if args.model == "all" else [args.model]

@@ -178,7 +178,12 @@ def _profile(the_step: Step, search: Search) -> Profile:
     mode = "fake" if _on_meta(the_step.model) else "measure"
     if mode == "measure":
         warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.parallel.distributed
-    return profile(the_step, mode=mode, target=search.target or "cpu")
+    if not search.compiled:
+        return profile(the_step, mode=mode, target=search.target or "cpu")
+    from memfit.profiling.compiled_costs import for_compiler
+
+    # NOTE [compiled costs]: not fitted to timed eager steps
+    return for_compiler(profile(the_step, mode=mode, target=search.target or "cpu", calibrate_time=False))
 
 
 def _plan(prof: Profile, the_step: Step, example_inputs: Any, budget: Any, job: Job | None,
@@ -255,6 +260,7 @@ def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: 
     guard's ``plans`` and ``ranges``."""
     from memfit.job.shape_plans import inputs_of_shape, plan_range
     from memfit.measuring.calibration import profile
+    from memfit.profiling.compiled_costs import costs_like
     from memfit.runtime.shapes import signature_of
 
     if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or not shapes:
@@ -267,9 +273,7 @@ def _plan_shapes(step: Step, example_inputs: Any, shapes: Sequence[Any], first: 
     profiles = [first]
     for g in given:
         s = step.with_inputs(*_normalized(inputs_of_shape(example_inputs, g))).with_input_copies()
-        p = profile(s, mode=mode, target=target, calibrate_time=False)
-        if first.calibration is not None:
-            p = dataclasses.replace(p, calibration=first.calibration)
+        p = costs_like(profile(s, mode=mode, target=target, calibrate_time=False), first)
         if all(p.input_signature != q.input_signature for q in profiles):
             profiles.append(p)
     assert first_plan.budget_bytes is not None

@@ -103,6 +103,15 @@ def test_compiled_planned_gpt_trains_bitwise_like_compiled_plain(plain_run, budg
     _assert_bitwise(model, grads, plain_run)
 
 
+def test_plan_with_compiled_costs_trains_bitwise_like_compiled_plain(plain_run):
+    """``Search(compiled=True)`` (NOTE [compiled costs]): the plan says so and the compiled
+    model trains bitwise like the compiled plain one (aot_eager)."""
+    model = memfit.fit(_model(), _batch(0), budget=0.5, search=memfit.Search(compiled=True))
+    assert any(n.startswith("costs as torch.compile runs the step") for n in model.memfit_plan.notes)
+    assert model.memfit_plan.regions
+    _assert_bitwise(model, _train(model), plain_run)
+
+
 # ---- segments (NOTE [segments under torch.compile] in memfit.runtime.segment_compiled) ----
 # One segment over both blocks saving block 0's first q@k (B*nh,T,T) and block 1's qkv
 # projection (B*T,3C): the first addmm of block 1 is the segment's fifth. Had block 1 counted

@@ -58,6 +58,11 @@ class Search:
         target: for a model on the meta device (profiled in fake mode), the device preset it is
             planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels and cost model;
             default None (``"cpu"``).
+        compiled: plan for a model that ``torch.compile`` will run: recompute priced as the
+            compiled step pays it (NOTE [compiled costs] in ``memfit.profiling.compiled_costs``:
+            pointwise ops fuse for free, no per-op charges). Compile the fitted model
+            afterwards (``torch.compile(model)``); the compiled graph saves what the plan saves.
+            Default False (eager costs).
 
     Example:
         >>> Search(solver="milp", tune=True)
@@ -70,6 +75,7 @@ class Search:
     compress: str | None = None
     lossy_codec: str = DEFAULT_LOSSY_CODEC
     target: str | None = None
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         from memfit.planning.solvers import solver_names
@@ -87,6 +93,17 @@ class Search:
             raise ValueError(f"lossy_codec={self.lossy_codec!r} chooses the codec of "
                              f"compress='lossy'; got compress={self.compress!r}: pass "
                              "compress='lossy' too, or drop lossy_codec")
+        if not isinstance(self.compiled, bool):
+            raise TypeError(f"compiled must be True or False, got {self.compiled!r}")
+        if self.compiled and self.tune:
+            raise ValueError("Search(compiled=True, tune=True): tuning times the candidate plans "
+                             "eagerly, which ranks them by eager costs, not compiled ones; drop "
+                             "tune, or time compiled candidates yourself")
+        if self.compiled and self.compress is not None:
+            raise ValueError(f"Search(compiled=True, compress={self.compress!r}): compressed "
+                             "saved tensors under torch.compile are not supported (not tested "
+                             "against the compiled graph); drop compress, or plan for eager "
+                             "(compiled=False)")
         if self.compress == "lossy":
             from memfit.planning.compression import check_lossy_codec
 

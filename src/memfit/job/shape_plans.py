@@ -62,6 +62,7 @@ import torch
 from memfit.errors import InfeasibleBudget, MemfitError
 from memfit.job.device_memory import Job
 from memfit.planning.plan import Plan
+from memfit.profiling.compiled_costs import for_compiler, is_for_compiler
 from memfit.profiling.profile import Profile
 from memfit.runtime.shapes import OnNewShape, ShapeRange, Signature, describe, signature_of
 from memfit.step.harness import Step
@@ -151,6 +152,7 @@ class Replanner:
                  target: str, around: Callable[[torch.nn.Module], Any] | None = None) -> None:
         self.step = step.with_inputs((), {})
         self.calibration = first.calibration
+        self.compiled = is_for_compiler(first)
         self.planned_for = first.input_signature
         self.plan_profile = plan_profile
         self.mode = mode
@@ -178,6 +180,8 @@ class Replanner:
         prof = profile(s, mode=self.mode, target=self.target, calibrate_time=False)
         if self.calibration is not None:
             prof = dataclasses.replace(prof, calibration=self.calibration)
+        if getattr(self, "compiled", False):  # NOTE [compiled costs]; pickles of before
+            prof = for_compiler(prof)
         return _planned(prof, self.plan_profile, (
             f"memfit: {prof.model} was called on inputs "
             f"{describe(signature_of(prof.input_signature))}, planned for "
