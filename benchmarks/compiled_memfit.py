@@ -8,10 +8,12 @@ compiled graph saves what the plan saves (NOTE [policies under torch.compile] in
 ``memfit.runtime.checkpoint``), and inductor's fusions change the transients around it, so the
 measured peak is what the tables report.
 
-Two plans per budget: ``compiled_memfit*`` from the eager profile's costs, and
+Three plans per budget: ``compiled_memfit*`` from the eager profile's costs,
 ``compiled_memfit_cc*`` from the compiled costs of ``memfit.Search(compiled=True)`` (NOTE
 [compiled costs] in ``memfit.profiling.compiled_costs``: pointwise ops fused for free, no per-op
-charges), both compiled the same way.
+charges), both compiled the same way, and at the compile peers' peaks ``memfit_compile@*``:
+``memfit.compile``, which re-plans on the compiled step's measured peak (NOTE [budgets measured
+under compilation] in ``memfit.compiled``).
 
 ``extend`` adds the methods to the eager memfit sweep, so that the trade-off run checks,
 meters and times them with every other method (interleaved).
@@ -27,12 +29,13 @@ from benchmarks.models import Case
 from benchmarks.peers import Method, warm_compiled
 from benchmarks.planned import MIN_FEASIBLE, BudgetSpec, MemfitSweep, build_memfit
 
-__all__ = ["PREFIX", "CC_PREFIX", "specs", "compile_method", "extend", "comparisons"]
+__all__ = ["PREFIX", "CC_PREFIX", "LOOP_PREFIX", "specs", "compile_method", "extend", "comparisons"]
 
 log = logging.getLogger(__name__)
 
 PREFIX = "compiled_memfit"
 CC_PREFIX = "compiled_memfit_cc"  # planned with compiled costs
+LOOP_PREFIX = "memfit_compile"  # memfit.compile: compiled costs, re-planned on measured peaks
 FRACTIONS = (0.6, 0.4)
 QUICK_FRACTIONS = (0.4,)
 
@@ -86,7 +89,39 @@ def extend(sweep: MemfitSweep, case: Case, peer_peaks: Mapping[str, int], *,
             log.info("%s: compiling %s", case.name, compiled.name)
             warm_compiled(compiled)
         sweep.methods.append(compiled)
+    sweep.methods.extend(loop_method(case, peer, peak) for peer, peak in peer_peaks.items()
+                         if peer.startswith("compile_budget"))
     return sweep
+
+
+def loop_method(case: Case, peer: str, peak: int) -> Method:
+    """``memfit.compile`` at ``peer``'s measured peak (bytes) on a fresh copy; the loss runs
+    eagerly after the compiled model."""
+    import copy
+    import time
+
+    import memfit
+    from benchmarks.peers import Family
+
+    name, label = f"{LOOP_PREFIX}@{peer}", f"memfit.compile @ {peer}"
+    model = copy.deepcopy(case.model).train()
+    log.info("%s: memfit.compile at %s's peak (%d B)", case.name, peer, peak)
+    t0 = time.perf_counter()
+    try:
+        compiled = memfit.compile(model, case.inputs, budget=int(peak), loss_fn=case.loss_fn)
+    except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
+        return Method(name, label, Family.MEMFIT, reason=f"memfit.compile failed: {type(e).__name__}: {e}")
+    plan = model.memfit_plan
+    loss_fn = case.loss_fn
+
+    def forward_loss(*inputs: Any) -> Any:
+        out = compiled(*inputs)
+        return loss_fn(out), out
+
+    return Method(name, label, Family.MEMFIT, model, forward_loss, case.inputs, info={
+        "budget_spec": "bytes", "matched_peer": peer, "budget_bytes": int(peak),
+        "predicted_peak_bytes": int(plan.predicted_peak_bytes), "compile_s": time.perf_counter() - t0,
+        "rounds": [r.to_dict() for r in model.memfit_compiled], "plan": plan.to_dict()["regions"]})
 
 
 def _compiled_costs_profile(case: Case) -> Any:
@@ -109,7 +144,8 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for peer in records:
         if not peer["name"].startswith("compile_budget") or not peer["step_s"] or not peer["peak_bytes"]:
             continue
-        for prefix, costs in ((PREFIX, "eager"), (CC_PREFIX, "compiled")):
+        for prefix, costs in ((PREFIX, "eager"), (CC_PREFIX, "compiled"),
+                              (LOOP_PREFIX, "compiled, re-planned on measured peaks")):
             row: dict[str, Any] = {"peer": peer["name"], "peer_peak_bytes": peer["peak_bytes"],
                                    "peer_step_s": peer["step_s"], "costs": costs}
             mine = by_name.get(f"{prefix}@{peer['name']}")
@@ -118,7 +154,7 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            matched_step_s=mine["step_s"],
                            matched_time_ratio=mine["step_s"] / peer["step_s"],
                            matched_peak_ok=mine["peak_bytes"] <= peer["peak_bytes"],
-                           matched_grads_equal=mine.get("grads_equal"))
+                           matched_grads_equal_compiled_plain=mine.get("grads_equal_compiled_plain"))
             if mine is not None:
                 out.append(row)
     return out
@@ -127,7 +163,7 @@ def comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(result: dict[str, Any]) -> str:
     """Markdown: compile's budget vs compiled memfit's plans (peak, step, ratio)."""
     recs = [r for r in result["methods"]
-            if r["name"].startswith(("compile_", PREFIX)) or r["name"] == "none"]
+            if r["name"].startswith(("compile_", PREFIX, LOOP_PREFIX)) or r["name"] == "none"]
     if not any(r["name"].startswith(PREFIX) for r in recs):
         return ""
     mib = 2**20

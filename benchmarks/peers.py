@@ -269,6 +269,12 @@ def warm_compiled(method: Method) -> None:
     hits.update({k: after.get("aot_autograd", {}).get(k, 0) - before.get("aot_autograd", {}).get(k, 0)
                  for k in ("autograd_cache_hit", "autograd_cache_miss")})
     method.info["compile_cache"] = hits
+    graphs = (after.get("stats", {}).get("unique_graphs", 0)
+              - before.get("stats", {}).get("unique_graphs", 0))
+    if graphs == 0:  # dynamo ran the frame eagerly (its recompile limit): not a compiled step
+        method.forward_loss = None
+        method.reason = ("torch.compile compiled no graph on the first call (dynamo's recompile "
+                         "limit?): it would run eagerly")
 
 
 def build_peers(case: Case, *, compile_budgets: tuple[float, ...] = (0.5, 0.2)) -> list[Method]:

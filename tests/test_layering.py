@@ -32,7 +32,7 @@ FLOORS = {
     "parallel": 5,
     "measuring": 6,
     "job": 7,
-    "api": 8, "": 8,  # "" is the package itself: the public face (memfit/__init__.py)
+    "api": 8, "compiled": 8, "": 8,  # "" is the package itself: the public face (memfit/__init__.py)
     "integrations": 9, "jax": 9,  # memfit.jax: a second front end, never imported below
     "cli": 10, "zoo": 10, "__main__": 10,
 }

@@ -60,6 +60,8 @@ _LAZY = {
     "capabilities": "memfit.torch_support.capabilities",
     "Capabilities": "memfit.torch_support.capabilities",
     "fit": "memfit.api",
+    "compile": ("memfit.compiled", "compile_planned"),
+    "CompiledRound": "memfit.compiled",
     "verify": "memfit.measuring.verification",
     "VerifyReport": "memfit.measuring.verification",
     "sweep": "memfit.measuring.tradeoff",

@@ -104,6 +104,18 @@ def fit(
         >>> model = memfit.fit(model, x, budget="80%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
+    return fit_with_profile(model, example_inputs, job, budget=budget, loss_fn=loss_fn, step=step,
+                            search=search, training=training, parallel=parallel,
+                            old_keywords=old_keywords)[0]
+
+
+def fit_with_profile(model: M, example_inputs: Any, job: Job | None, *, budget: Any, loss_fn: Any,
+                     step: Any, search: Search | None, training: Training | None,
+                     parallel: Parallel | None, old_keywords: dict[str, Any],
+                     profile: Profile | None = None) -> tuple[M, Profile]:
+    """``fit``, returning the profile it planned too; with ``profile`` (of this model's step,
+    from an earlier call), that one is planned instead of a new one (``memfit.compile``'s
+    rounds: NOTE [budgets measured under compilation])."""
     from memfit.job.device_memory import OLD_KEYWORDS, resolve_job
     from memfit.job.fit_options import resolve_fit_options
     from memfit.job.shape_plans import PlanForShape
@@ -122,7 +134,7 @@ def fit(
     previous = _unapply_previous(model)  # NOTE [re-fitting]
     try:
         with family.cache_off_for_training(model):
-            prof = _profile(the_step, search)
+            prof = _profile(the_step, search) if profile is None else profile
             new_plan = _plan(prof, the_step, example_inputs, budget, job, search, parallel)
         refuse_over_budget(new_plan)  # a baseline's fixed plan may not fit
         # another shape's plan: the same budget in bytes (or device), NOTE [a fitted model pickles]
@@ -142,7 +154,7 @@ def fit(
     _apply_fitted(model, new_plan, the_step, prof, for_shape, shaped, family, search, training,
                   parallel, stepped=step is not None)
     log.info("%s", new_plan)
-    return model
+    return model, prof
 
 
 def _pop(keywords: dict[str, Any], known: Any, *, all_: bool = False) -> dict[str, Any]:
