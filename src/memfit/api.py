@@ -104,28 +104,27 @@ def fit(
         >>> model = memfit.fit(model, x, budget="80%")   # doctest: +SKIP
         >>> print(model.memfit_plan)                     # doctest: +SKIP
     """
-    return fit_with_profile(model, example_inputs, job, budget=budget, loss_fn=loss_fn, step=step,
-                            search=search, training=training, parallel=parallel,
-                            old_keywords=old_keywords)[0]
-
-
-def fit_with_profile(model: M, example_inputs: Any, job: Job | None, *, budget: Any, loss_fn: Any,
-                     step: Any, search: Search | None, training: Training | None,
-                     parallel: Parallel | None, old_keywords: dict[str, Any],
-                     profile: Profile | None = None) -> tuple[M, Profile]:
-    """``fit``, returning the profile it planned too; with ``profile`` (of this model's step,
-    from an earlier call), that one is planned instead of a new one (``memfit.compile``'s
-    rounds: NOTE [budgets measured under compilation])."""
     from memfit.job.device_memory import OLD_KEYWORDS, resolve_job
     from memfit.job.fit_options import resolve_fit_options
-    from memfit.job.shape_plans import PlanForShape
-    from memfit.planning.planner import refuse_over_budget
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit expects an nn.Module, got {type(model).__name__}")
     budget, job = resolve_job("fit", job, _pop(old_keywords, OLD_KEYWORDS), budget)
     search, training, parallel = resolve_fit_options(search, training, parallel,
                                                      _pop(old_keywords, OLD_FIT_KEYWORDS, all_=True))
+    return fit_with_profile(model, example_inputs, job, budget=budget, loss_fn=loss_fn, step=step,
+                            search=search, training=training, parallel=parallel)[0]
+
+
+def fit_with_profile(model: M, example_inputs: Any, job: Job | None, *, budget: Any, loss_fn: Any,
+                     step: Any, search: Search, training: Training, parallel: Parallel,
+                     profile: Profile | None = None) -> tuple[M, Profile]:
+    """``fit`` with its options resolved, returning the profile it planned too; with
+    ``profile`` (of this model's step, from an earlier call), that one is planned instead of a
+    new one (``memfit.compile``'s rounds: NOTE [budgets measured under compilation])."""
+    from memfit.job.shape_plans import PlanForShape
+    from memfit.planning.planner import refuse_over_budget
+
     the_step = _the_step(model, example_inputs, loss_fn, step)
     refuse_fit_arguments(model, budget, job, search, training, parallel,
                          stepped=step is not None, on_meta=_on_meta(model))

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from memfit.errors import InfeasibleBudget, MemfitError
-from memfit.job.fit_options import Search, Training
+from memfit.job.fit_options import Parallel, Search, Training
 
 __all__ = ["CompiledRound", "compile_planned"]
 
@@ -113,6 +113,9 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
     from memfit.api import fit_with_profile
     from memfit.planning.plan import Plan
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memfit.compile expects an nn.Module, got {type(model).__name__}")
+
     search = search if search is not None else Search(compiled=True)
     if not search.compiled:
         raise ValueError("memfit.compile plans with compiled costs: pass "
@@ -125,8 +128,8 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
 
     def fitted(b: Any, prof: Any = None) -> tuple[Plan, Any]:
         _, p = fit_with_profile(model, example_inputs, None, budget=b, loss_fn=loss_fn, step=None,
-                                search=search, training=training, parallel=None, old_keywords={},
-                                profile=prof)
+                                search=search, training=training or Training(),
+                                parallel=Parallel(), profile=prof)
         return model.__dict__["memfit_plan"], p
 
     plan, prof = fitted(budget)
