@@ -26,6 +26,14 @@ NOTE [budgets measured under compilation]
     Every round recompiles (a new plan is a new graph): with ``rounds=3`` the call compiles up
     to five times. ``"min"`` needs no round. The rounds are on ``model.memfit_compiled``
     (``CompiledRound``: the budget each was planned for, its predicted and measured peaks).
+
+    A region whose forward mutates Python state is a dynamo graph break under compilation
+    ("HOP: Unsafe side effect"), which runs the region eagerly. Where the model's family says
+    that state is bookkeeping (``ModelFamily.bookkeeping_side_effects``: Hugging Face's output
+    collector), the compiles run with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``
+    (only inside this call: a later recompile, on a new shape, breaks the graph again). On a
+    4-layer HF Llama that took the planned compiled step from 0.418 s (14 graph breaks) to
+    0.300 s (one graph), against 0.293 s compiled without a plan.
 """
 
 from __future__ import annotations
@@ -139,7 +147,8 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
 
     def run(plan: Plan, planned_for: int) -> tuple[Any, CompiledRound]:
         compiled = compile_fn(model)
-        peak = _compiled_peak(compiled, model, example_inputs, loss_fn)
+        with side_effects():  # the first call compiles
+            peak = _compiled_peak(compiled, model, example_inputs, loss_fn)
         r = CompiledRound(planned_for, int(plan.predicted_peak_bytes), peak, float(plan.recompute_s),
                           cap is None or peak <= cap)
         done.append(r)
@@ -148,6 +157,7 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
                  "(budget %s B)", planned_for, r.predicted_peak_bytes, peak, cap)
         return compiled, r
 
+    side_effects = _side_effects_skipped(model, example_inputs)
     compiled, last = run(plan, int(plan.budget_bytes or plan.predicted_peak_bytes))
     if cap is not None:
         for _ in range(rounds):
@@ -169,11 +179,30 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
             "or more rounds", budget_bytes=int(cap or 0),
             min_feasible_bytes=min(r.measured_peak_bytes for r in done))
     best = max(ok, key=lambda r: r.planned_for_bytes)
-    if best is not last:
+    if best is not last:  # compiled (and measured) again, in this call
         plan, _ = fitted(best.planned_for_bytes, prof)
-        compiled = compile_fn(model)
+        compiled, _ = run(plan, best.planned_for_bytes)
     model.memfit_compiled = tuple(done)  # type: ignore[assignment]
     return compiled
+
+
+def _side_effects_skipped(model: nn.Module, example_inputs: Any) -> Callable[[], Any]:
+    """A context for the compiling calls: dynamo's replay of forward side effects in a
+    checkpoint's backward skipped where the model's family says they are bookkeeping."""
+    import contextlib
+
+    from memfit.step.families import family_of
+    from memfit.step.inputs import normalize_inputs
+
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return contextlib.nullcontext
+    _, kwargs = normalize_inputs(example_inputs)
+    if not family_of(model, kwargs).bookkeeping_side_effects \
+            or not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext
+    return lambda: dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def _next_budget(done: list[CompiledRound], cap: int, tolerance: float) -> int | None:

@@ -48,12 +48,17 @@ class ModelFamily:
             (or model settings) that a plan would break.
         cache_off_for_training: ``model -> context manager``: the model's caching off in calls
             with grad while the block runs.
+        bookkeeping_side_effects: the family's forwards mutate Python state that no number
+            depends on (Hugging Face's output collector), so a compiled region may skip
+            replaying it in backward (``memfit.compile``: NOTE [budgets measured under
+            compilation]); default False.
     """
 
     name: str
     claims: Callable[[nn.Module, dict[str, Any]], bool]
     refuse_carried_state: Callable[[nn.Module, dict[str, Any]], None]
     cache_off_for_training: Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
+    bookkeeping_side_effects: bool = False
 
 
 def _claims_nothing(model: nn.Module, kwargs: dict[str, Any]) -> bool:
