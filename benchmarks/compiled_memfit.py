@@ -198,3 +198,56 @@ def table(result: dict[str, Any]) -> str:
                 f"{c['matched_time_ratio']:.3f} (memfit / compile; below 1: memfit faster), "
                 f"peak within: {'yes' if c['matched_peak_ok'] else 'NO'}.")
     return "\n".join(lines)
+
+
+# ---- several runs' table: python -m benchmarks.compiled_memfit RUN_DIR... ----------------------
+MODELS = ("gpt", "gpt-act", "unet3d", "resnet", "llama")
+_VARIANTS = ((PREFIX, "eager costs"), (CC_PREFIX, "compiled costs"), (LOOP_PREFIX, "memfit.compile"))
+_COSTS = {PREFIX: "eager", CC_PREFIX: "compiled", LOOP_PREFIX: "compiled, re-planned on measured peaks"}
+
+
+def runs_table(runs: list[dict[str, dict[str, Any]]]) -> str:
+    """Markdown: per model and compile budget, each variant's measured peak and time ratio to
+    the compile peer at its peak, one value per run (``runs``: model name -> result JSON)."""
+    mib = 2**20
+    head = "| model | budget | compile peer: peak MiB, step s |" + "".join(
+        f" {label}: peak MiB, ratio |" for _, label in _VARIANTS)
+    lines = [head, "|---|---|---|" + "---|" * len(_VARIANTS)]
+    for model in MODELS:
+        results = [r[model] for r in runs if model in r]
+        if not results:
+            continue
+        for peer in sorted({c["peer"] for res in results for c in res.get("compiled_comparisons", [])},
+                           reverse=True):
+            rows = [{(c["peer"], c["costs"]): c for c in res["compiled_comparisons"]} for res in results]
+            peer_cell = " / ".join(f"{row[(peer, 'eager')]['peer_peak_bytes'] / mib:.1f}, "
+                                   f"{row[(peer, 'eager')]['peer_step_s']:.3f}"
+                                   for row in rows if (peer, "eager") in row)
+            cells = []
+            for prefix, _ in _VARIANTS:
+                got = [row.get((peer, _COSTS[prefix])) for row in rows]
+                cells.append(" / ".join(
+                    "-" if c is None or "matched_time_ratio" not in c else
+                    f"{c['matched_peak_bytes'] / mib:.1f}{'' if c['matched_peak_ok'] else ' (over)'}, "
+                    f"{c['matched_time_ratio']:.3f}" for c in got))
+            budget = peer.removeprefix("compile_budget_")
+            lines.append(f"| {model} | {budget} | {peer_cell} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="compiled memfit vs torch.compile's budget, several "
+                                                 "runs of `benchmarks.tradeoff --compiled-only`")
+    parser.add_argument("runs", nargs="+", type=Path, help="each run's --out folder")
+    args = parser.parse_args(argv)
+    runs = [{m: json.loads((d / f"{m}.json").read_text()) for m in MODELS if (d / f"{m}.json").exists()}
+            for d in args.runs]
+    print(runs_table(runs))
+
+
+if __name__ == "__main__":
+    main()
