@@ -191,18 +191,14 @@ def _side_effects_skipped(model: nn.Module, example_inputs: Any) -> Callable[[],
     checkpoint's backward skipped where the model's family says they are bookkeeping."""
     import contextlib
 
+    from memfit._torch import checkpoint_side_effects_skipped
     from memfit.step.families import family_of
     from memfit.step.inputs import normalize_inputs
 
-    try:
-        import torch._dynamo.config as dynamo_config
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return contextlib.nullcontext
     _, kwargs = normalize_inputs(example_inputs)
-    if not family_of(model, kwargs).bookkeeping_side_effects \
-            or not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    if not family_of(model, kwargs).bookkeeping_side_effects or checkpoint_side_effects_skipped() is None:
         return contextlib.nullcontext
-    return lambda: dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return checkpoint_side_effects_skipped
 
 
 def _next_budget(done: list[CompiledRound], cap: int, tolerance: float) -> int | None:

@@ -187,3 +187,23 @@ def test_enable_max_length_plans_every_shorter_length_up_front():
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()  # inside the range: no re-plan
     assert input_guard(model).replans == 0
+
+
+def test_memfit_compile_skips_replaying_hf_bookkeeping_only_for_hf_models():
+    """NOTE [budgets measured under compilation]: the compiling calls of memfit.compile skip
+    dynamo's replay of forward side effects for an HF model (transformers' output collector),
+    and only there."""
+    import torch._dynamo.config as dynamo_config
+
+    from memfit.compiled import _side_effects_skipped
+
+    flag = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if not hasattr(dynamo_config, flag):
+        pytest.skip(f"this torch has no dynamo setting {flag}")
+    before = getattr(dynamo_config, flag)
+    with _side_effects_skipped(llama(), batch())():
+        assert getattr(dynamo_config, flag) is True
+    assert getattr(dynamo_config, flag) == before  # only inside the call
+    with _side_effects_skipped(memfit.zoo.gpt(n_layer=1, d_model=16, n_head=2, seq_len=8),
+                               torch.zeros(1, 8, dtype=torch.long))():
+        assert getattr(dynamo_config, flag) == before

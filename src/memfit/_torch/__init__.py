@@ -65,6 +65,7 @@ __all__ = [
     "traced_source_fn", "require_chain_segments", "open_checkpoint", "close_checkpoint",
     "cpu_memory_events", "profiler_marker", "cpu_marked_spans", "profiler_active",
     "sdp_priority_order", "cuda_fake_ops", "has_cuda_fake_ops", "feature_problems",
+    "checkpoint_side_effects_skipped",
 ]
 
 require_supported_torch()  # rule 0
@@ -297,6 +298,20 @@ def profiler_active() -> bool:
     back empty). False where torch cannot tell."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(enabled()) if enabled is not None else False
+
+
+def checkpoint_side_effects_skipped() -> Any:
+    """A context in which dynamo compiles a checkpoint whose forward mutates Python state
+    without replaying that in backward (``torch._dynamo.config.
+    skip_fwd_side_effects_in_bwd_under_checkpoint``; memfit.compile, NOTE [budgets measured
+    under compilation]); None where this torch has no such setting."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:  # pragma: no cover - a torch without dynamo
+        return None
+    if not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return None
+    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 # ---- CUDA kernels fake mode dispatches (NOTE [CUDA kernels in fake mode], profiling.cuda_kernels)
