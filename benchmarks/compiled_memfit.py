@@ -111,7 +111,8 @@ def loop_method(case: Case, peer: str, peak: int) -> Method:
         compiled = memfit.compile(model, case.inputs, budget=int(peak), loss_fn=case.loss_fn)
     except Exception as e:  # noqa: BLE001 - a benchmark records failures and goes on
         return Method(name, label, Family.MEMFIT, reason=f"memfit.compile failed: {type(e).__name__}: {e}")
-    plan = model.memfit_plan
+    plan = model.__dict__["memfit_plan"]
+    rounds = model.__dict__["memfit_compiled"]
     loss_fn = case.loss_fn
 
     def forward_loss(*inputs: Any) -> Any:
@@ -121,7 +122,7 @@ def loop_method(case: Case, peer: str, peak: int) -> Method:
     return Method(name, label, Family.MEMFIT, model, forward_loss, case.inputs, info={
         "budget_spec": "bytes", "matched_peer": peer, "budget_bytes": int(peak),
         "predicted_peak_bytes": int(plan.predicted_peak_bytes), "compile_s": time.perf_counter() - t0,
-        "rounds": [r.to_dict() for r in model.memfit_compiled], "plan": plan.to_dict()["regions"]})
+        "rounds": [r.to_dict() for r in rounds], "plan": plan.to_dict()["regions"]})
 
 
 def _compiled_costs_profile(case: Case) -> Any:

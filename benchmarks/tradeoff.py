@@ -97,24 +97,12 @@ def _record(method: Any, **numbers: Any) -> dict[str, Any]:
     }
 
 
-def _fresh_compiler(n_budgets: int) -> None:
-    """Each model compiles from an empty dynamo cache, with room for all its compiled methods.
-
-    Every compiled method runs the same ``forward_loss`` code, so dynamo counts each one's
-    graph as a recompilation of that frame: past ``recompile_limit`` (8) it runs the frame
-    eagerly without a word in the results (seen: the fourth model of ``--model all`` measured
-    every compiled method at the eager plain step's peak).
-    """
+def _fresh_compiler() -> None:
+    """Each model compiles from an empty dynamo cache (``peers.room_for_recompiles`` keeps
+    its compiled methods from running eagerly past dynamo's recompile limit)."""
     import torch
-    import torch._dynamo.config as dynamo_config
 
     torch.compiler.reset()
-    # the peers, compile_plain, and compiled memfit at 3 budgets + the peers' peaks, two ways
-    wanted = 4 * (n_budgets + 4)
-    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across releases
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), wanted))
-            break
 
 
 def _is_compiled(name: str) -> bool:
@@ -176,7 +164,7 @@ def run_case(name: str, settings: Settings) -> dict[str, Any]:
     from benchmarks import compiled_memfit, models, peers, planned
 
     t_start = time.perf_counter()
-    _fresh_compiler(len(settings.compile_budgets))
+    _fresh_compiler()
     case = models.build_case(name)
     log.info("%s: %s", name, case.description)
     methods = peers.build_peers(case, compile_budgets=settings.compile_budgets)

@@ -552,6 +552,19 @@ def _profiler_marker() -> None:
         T.cpu_marked_spans(object(), "memfit.test")
 
 
+def _checkpoint_side_effects_skipped() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    ctx = T.checkpoint_side_effects_skipped()
+    if ctx is None:  # this torch has no such setting: nothing to patch
+        assert not hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+        return
+    before = dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    with ctx:
+        assert dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint is True
+    assert dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint == before
+
+
 def _profiler_active() -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -673,6 +686,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "profiler_marker": _profiler_marker,
     "cpu_marked_spans": _profiler_marker,
     "profiler_active": _profiler_active,
+    "checkpoint_side_effects_skipped": _checkpoint_side_effects_skipped,
     "sdp_priority_order": _sdp_priority_order,
     "cuda_fake_ops": _cuda_fake_ops,
 }
