@@ -17,6 +17,7 @@ from memfit.planning.compress_pass import (
     compressed_peak,
     with_compression,
 )
+from memfit.planning.compression import Compressed
 from memfit.planning.plan import Plan
 from memfit.planning.simulate import simulate
 
@@ -48,14 +49,61 @@ def test_cnn_candidates() -> None:
     p = memfit.profile(_cnn(), torch.randn(2, 2, 8, 8))
     got = [(c.entry.key, c.entry.codec, c.entry.raw_bytes, c.entry.packed_bytes, c.entry.output)
            for c in candidates(p)]
-    assert [c.entry.module for c in candidates(p)] == ["2", "4", "6", "7"]
-    # relu#0's result is also max-pool's saved input: not a candidate (NOTE [sign-only readers])
+    assert [c.entry.module for c in candidates(p)] == ["1", "2", "4", "6", "7"]
+    # relu#0's result is also max-pool's saved input, read for its geometry alone: its bits,
+    # and shape_only for max pool's save (NOTE [geometry-only readers]), one candidate
     assert got == [
+        ("aten.relu.default#0", "sign_bit", 1152, 36, 0),
         ("aten.max_pool2d_with_indices.default#0", "narrow_int", 576, 288, 1),
         ("aten.div_.Scalar#0", "two_level", 288, 13, 0),
         ("aten.relu.default#0", "sign_bit", 64, 2, 0),
         ("aten.div_.Scalar#0", "two_level", 64, 6, 0),
     ]
+    relu = candidates(p)[0]
+    assert relu.extra == (Compressed("aten.max_pool2d_with_indices.default#0", "shape_only", "2"),)
+    # only relu's own save is decoded in backward (the shape_only one decodes to no bytes)
+    assert len(relu.reads) == 1
+
+
+def _stem() -> nn.Module:
+    # a CNN stem: conv -> batch norm -> relu (in place) -> max pool, then a body whose saved
+    # activations put the peak after the stem's backward would need relu's result
+    torch.manual_seed(0)
+    body = [m for _ in range(3) for m in (nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())]
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), *body,
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+
+
+def test_stem_relu_result_freed_bitwise_at_the_predicted_peak() -> None:
+    """relu's result, saved by relu and by max pool, kept as bits and a shape: freed at its
+    last forward use; the step bitwise plain, the peak as predicted, lower than plain's by
+    what the model says."""
+    model, x = _stem(), torch.randn(4, 3, 32, 32)
+    p = memfit.profile(model, x)
+    plan = with_compression(p, _plain(p))
+    codecs = {(c.module, c.codec) for c in plan.compressed}
+    assert {("2", "sign_bit"), ("3", "shape_only"), ("3", "narrow_int")} <= codecs
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    plain = memfit.verify(memfit.apply(copy.deepcopy(model), _plain(p)), x)
+    assert report.ok and report.bitwise
+    # the CPU allocator's peak: within 32 bytes of the prediction (as for the other codecs),
+    # less what narrow_int packs under its int32 bound: max pool's (4, 16, 16, 16) indices
+    # into a 32x32 plane are int16, 32,768 B, charged as int32, 65,536 B
+    slack = 65_536 - 32_768
+    assert abs(plan.predicted_peak_bytes - slack - report.peak_bytes) <= 32, (report.peak_bytes, plan.predicted_peak_bytes)
+    assert abs(plain.peak_bytes - p.peak_bytes) <= 32, (plain.peak_bytes, p.peak_bytes)
+    # relu's (4, 16, 32, 32) fp32 result is 262,144 B; at least that, less its 8,192 B of
+    # bits, leaves the peak
+    assert p.peak_bytes - plan.predicted_peak_bytes >= 262_144 - 8_192
+
+
+def test_a_max_pool_in_a_region_keeps_relus_result_whole() -> None:
+    from memfit.planning.plan import Region
+
+    p = memfit.profile(_stem(), torch.randn(4, 3, 32, 32))
+    regions = [Region(("3",))]  # the max pool recomputed: its saves are the checkpoint's
+    assert [c.entry.codec for c in candidates(p, regions) if c.entry.module in ("2", "3")] == []
 
 
 def test_gpt_lossless_candidates(gpt_case) -> None:

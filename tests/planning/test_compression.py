@@ -62,6 +62,7 @@ SPECS = [
     ("two_level", Exactness.EXACT, 125 + 4, 1 + 4),
     ("narrow_int", Exactness.EXACT, 4000, 4),
     ("sign_bit", Exactness.SIGN, 125, 1),
+    ("shape_only", Exactness.SHAPE, 0, 0),
     ("bf16", Exactness.LOSSY, 2000, 2),
     ("fp8_e4m3", Exactness.LOSSY, 1000 + 4, 1 + 4),
     ("int8_blockwise", Exactness.LOSSY, 1000 + 4 * 4, 1 + 4),
@@ -74,13 +75,15 @@ def test_each_codec_facts(name: str, exactness: Exactness, packed_1000: int, pac
     assert spec.name == name and spec.exactness is exactness
     assert codec_packed_bytes(name, 1000, 4) == packed_1000
     assert codec_packed_bytes(name, 1, 4) == packed_1
-    assert DEFAULT_CODEC_COSTS.per_byte_s[name] == spec.per_byte_s > 0
+    # shape_only does no work per byte (it keeps no bytes): its cost is the per-tensor one
+    assert DEFAULT_CODEC_COSTS.per_byte_s[name] == spec.per_byte_s
+    assert spec.per_byte_s > 0 or exactness is Exactness.SHAPE
     assert spec.keeps
 
 
 def test_the_lists_follow_the_registry() -> None:
     assert [s[0] for s in SPECS] == list(CODEC_SPECS)
-    assert LOSSLESS_CODECS == ("bool_bits", "two_level", "narrow_int", "sign_bit")
+    assert LOSSLESS_CODECS == ("bool_bits", "two_level", "narrow_int", "sign_bit", "shape_only")
     assert LOSSY_CODECS == ("bf16", "fp8_e4m3", "int8_blockwise")
     assert set(DEFAULT_CODEC_COSTS.per_byte_s) == set(CODEC_SPECS)
 

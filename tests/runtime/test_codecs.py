@@ -122,6 +122,19 @@ def test_packed_bytes_from_the_shape(name: str) -> None:
     assert (c.exactness is Exactness.EXACT) == c.lossless
 
 
+def test_shape_only_keeps_the_geometry_and_no_bytes() -> None:
+    x = torch.relu(_data(n=60)).view(3, 4, 5)
+    p = codec("shape_only").encode(x)
+    assert p.nbytes == 0 and p.shape == (3, 4, 5) and p.dtype == torch.float32
+    back = codec("shape_only").decode(p)
+    # zeros of the same shape, dtype and device, as a stride-0 view: no storage of its size
+    assert back.shape == x.shape and back.dtype == x.dtype and back.device == x.device
+    assert back.stride() == (0, 0, 0) and back.untyped_storage().nbytes() == 4
+    assert torch.equal(back, torch.zeros(3, 4, 5))
+    # a channels-last tensor is kept whole (its zeros would suggest another memory format)
+    assert codec("shape_only").encode(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)).raw
+
+
 def test_views_are_kept_whole() -> None:
     x = _data(n=64).view(8, 8).t()
     for c in CODECS.values():

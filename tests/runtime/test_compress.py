@@ -133,7 +133,7 @@ def test_bad_decisions() -> None:
         Compressed("aten.relu.default#0", "zip")
 
 
-def test_unet_pool_indices_narrowed_bitwise() -> None:
+def test_unet_pool_indices_narrowed_and_its_input_freed_bitwise() -> None:
     import memfit
     from memfit.planning.compress_pass import with_compression
 
@@ -141,9 +141,18 @@ def test_unet_pool_indices_narrowed_bitwise() -> None:
     x = torch.randn(1, 1, 8, 8, 8)
     prof = memfit.profile(model, x)
     plan = with_compression(prof, Plan((), prof.peak_bytes, 0.0, None, "none", prof.signature))
-    # every relu result is also the next conv's or the pool's saved input: only the indices
-    assert [(c.module, c.codec, c.raw_bytes) for c in plan.compressed] == [("pool", "narrow_int", 1024)]
+    # the encoder's last relu result is saved by relu and by the pool (its geometry only:
+    # NOTE [geometry-only readers]): its bits and shape_only; the other relu results are the
+    # next conv's saved inputs; the pool's indices narrowed
+    assert [(c.module, c.codec, c.raw_bytes) for c in plan.compressed] == [
+        ("down.0.act", "sign_bit", 4096), ("pool", "shape_only", 0), ("pool", "narrow_int", 1024)]
+    # the block's one relu module runs twice; the second call's result is the pool's input
+    assert [c.call for c in plan.compressed] == [1, None, None]
+    assert plan.compressed[0].key == "aten.relu.default#0"
+    assert Plan.from_dict(plan.to_dict()).compressed == plan.compressed
     apply_plan(model, plan)
     assert_bitwise_twin(model, twin, (x,))
-    # (1, 2, 4, 4, 4) int64 indices into an 8^3 plane (values < 512): int16, 256 B
-    assert (compressor(model).raw_bytes, compressor(model).packed_bytes) == (1024, 256)
+    # (1, 2, 8, 8, 8) fp32 relu result: 1,024 bits, 128 B; (1, 2, 4, 4, 4) int64 indices into
+    # an 8^3 plane (values < 512): int16, 256 B
+    comp = compressor(model)
+    assert (comp.raw_bytes, comp.packed_bytes, comp.geometry_saves) == (4096 + 1024, 128 + 256, 1)

@@ -6,8 +6,11 @@ NOTE [compression candidates]
     ``memfit.runtime.compress`` counts them) outside every region are named:
 
     - ``sign_bit`` (SIGN): the result of ``relu`` when relu's own node is the only one that
-      saves it (NOTE [sign-only readers] in ``memfit.runtime.compress``); saved also by
-      another node (the next convolution's input) the bits would free nothing.
+      saves it by value (NOTE [sign-only readers] in ``memfit.runtime.compress``); saved also
+      by another node that reads its values (the next convolution's input) the bits would
+      free nothing. A max pool's save of it (its input) reads the geometry alone: that save
+      becomes ``shape_only`` (SHAPE, 0 bytes; NOTE [geometry-only readers]), an entry of the
+      same candidate (``Candidate.extra``), and the result is then held by no node.
     - ``two_level`` (EXACT): the mask ``div_`` writes right after ``bernoulli_`` on the same
       storage (dropout on CPU): +0 or ``1/(1-p)``.
     - ``narrow_int`` (EXACT): the int64 indices of ``max_pool*_with_indices`` (charged at the
@@ -38,6 +41,8 @@ from memfit.planning.compression import (
     DEFAULT_CODEC_COSTS,
     DEFAULT_LOSSY_CODEC,
     NARROW_INT,
+    SHAPE_ONLY,
+    SHAPE_READERS,
     SIGN_BIT,
     SIGN_READERS,
     TWO_LEVEL,
@@ -62,9 +67,9 @@ def codec_seconds(profile: Profile, chosen: Sequence[Candidate], costs: CodecCos
     costs = costs or DEFAULT_CODEC_COSTS
     spans = {m.path: m.last_op - m.first_op + 1 for m in profile.modules
              if m.first_op is not None and m.last_op is not None}
-    per = sum(costs.per_tensor_s + costs.per_byte_s.get(c.entry.codec, 0.0) * c.entry.raw_bytes
-              for c in chosen)
-    return per + costs.mode_per_op_s * sum(spans.get(m, 0) for m in {c.entry.module for c in chosen})
+    entries = [e for c in chosen for e in c.entries]
+    per = sum(costs.per_tensor_s + costs.per_byte_s.get(e.codec, 0.0) * e.raw_bytes for e in entries)
+    return per + costs.mode_per_op_s * sum(spans.get(m, 0) for m in {e.module for e in entries})
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,13 @@ class Candidate:
     created: int
     last_forward_use: int
     release: int | None  # the backward op after which autograd let its last save go
-    reads: tuple[tuple[int, int], ...] = ()  # per save: (first unpack, release) in backward
+    reads: tuple[tuple[int, int], ...] = ()  # per save decoded whole: (first unpack, release)
+    extra: tuple[Compressed, ...] = ()  # the other nodes' saves of it (shape_only), 0 bytes
+
+    @property
+    def entries(self) -> tuple[Compressed, ...]:
+        """The plan's entries for this storage: its codec's, then the ``extra`` ones."""
+        return (self.entry, *self.extra)
 
 
 def _in_regions(path: str, regions: Sequence[Region]) -> bool:
@@ -141,13 +152,14 @@ def _region_inputs(profile: Profile, regions: Sequence[Region]) -> set[int]:
 def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mode: CompressMode,
           lossy_codec: str, seen: set[int]) -> list[Candidate]:
     starts = {m.path: m.first_op for m in profile.modules if m.first_op is not None}
+    calls = _ModuleCalls(profile)
     out: list[Candidate] = []
     for op in profile.ops[first: last + 1]:
         if _in_regions(op.module, regions) or op.module not in starts:
             continue
         # the key counts within the op's module's call (NOTE [compression through saved-tensor
         # hooks] in memfit.runtime.compress)
-        k = sum(1 for o in profile.ops[starts[op.module]: op.index] if o.name == op.name)
+        k, call = _key_in_call(profile, op.index, calls)
         for index, meta in enumerate(op.outputs):
             rec = profile.storage(meta.storage)
             itemsize = _ITEMSIZE.get(meta.dtype)
@@ -159,26 +171,82 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
                 numel *= d
             if numel == 0 or numel * itemsize != rec.nbytes:
                 continue  # a view of part of a storage: packing it frees nothing
-            codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec)
+            geometry = _geometry_saves(profile, op.index, rec, regions, starts)
+            codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec,
+                               geometry)
             if codec is None:
                 continue
             seen.add(rec.id)
             entry = Compressed(f"{op.name}#{k}", codec, op.module, rec.nbytes,
-                               codec_packed_bytes(codec, numel, itemsize), index)
+                               codec_packed_bytes(codec, numel, itemsize), index, call)
+            extra: tuple[Compressed, ...] = ()
+            if codec == SIGN_BIT.name:
+                extra = tuple(Compressed(f"{profile.ops[j].name}#{kj}", SHAPE_ONLY.name, module, call=cj)
+                              for module, j, (kj, cj) in ((m, j, _key_in_call(profile, j, calls))
+                                                          for _, m, j in geometry))
+            by_shape = {j for _, _, j in geometry} if extra else set()
             used = rec.last_forward_use if rec.last_forward_use is not None else op.index
-            reads = tuple((u, r if r is not None else u) for _, u, r in rec.saves if u is not None)
+            reads = tuple((u, r if r is not None else u) for j, u, r in rec.saves
+                          if u is not None and j not in by_shape)
             out.append(Candidate(entry, rec.id, op.index, max(used, op.index),
-                                 _release(profile, rec.id), reads))
+                                 _release(profile, rec.id), reads, extra))
     return out
 
 
+class _ModuleCalls:
+    """Where each call of a module begins: runs of consecutive forward ops inside the module
+    (its children's included), computed per module on first use."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.starts: dict[str, list[int]] = {}
+
+    def of(self, path: str) -> list[int]:
+        found = self.starts.get(path)
+        if found is None:
+            # over the whole forward: a module's record spans its first call only
+            inside = [path == "" or o.module == path or o.module.startswith(path + ".")
+                      for o in self.profile.ops[: self.profile.n_forward]]
+            found = [n for n, ok in enumerate(inside) if ok and (n == 0 or not inside[n - 1])]
+            self.starts[path] = found
+        return found
+
+
+def _key_in_call(profile: Profile, j: int, calls: _ModuleCalls) -> tuple[int, int | None]:
+    """Op ``j``'s count among its overload's calls within its module's call, and which call of
+    the module that is (None where the forward calls the module once)."""
+    op = profile.ops[j]
+    starts = calls.of(op.module)
+    n = sum(1 for s in starts if s <= j) - 1
+    k = sum(1 for o in profile.ops[starts[n]: j] if o.name == op.name)
+    return k, (n if len(starts) > 1 else None)
+
+
+def _geometry_saves(profile: Profile, i: int, rec: StorageRecord, regions: Sequence[Region],
+                    starts: dict[str, int]) -> list[tuple[str, str, int]]:
+    """``(key, module, op)`` of each save of ``rec`` after op ``i``'s by a max pool reading it
+    as its input outside every region (NOTE [geometry-only readers]); [] unless every save
+    after op ``i``'s is one."""
+    found = []
+    for j, _, _ in rec.saves:
+        if j == i:
+            continue
+        op = profile.ops[j]
+        if (op.name not in SHAPE_READERS or not op.inputs or op.inputs[0] != rec.id
+                or _in_regions(op.module, regions) or op.module not in starts):
+            return []
+        k = sum(1 for o in profile.ops[starts[op.module]: j] if o.name == op.name)
+        found.append((f"{op.name}#{k}", op.module, j))
+    return found
+
+
 def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec: StorageRecord,
-               mode: CompressMode, lossy_codec: str) -> str | None:
+               mode: CompressMode, lossy_codec: str, geometry: Sequence[tuple[str, str, int]] = ()) -> str | None:
     saves, created_by = rec.saves, rec.created_by
     if name in SIGN_READERS:
-        # relu's own node alone saves it (NOTE [sign-only readers]): one save, made right
-        # after relu ran (a second save in the same module would also be counted at relu)
-        if len(saves) == 1 and saves[0][0] == i:
+        # relu's own node alone saves it by value (NOTE [sign-only readers]): its save first,
+        # made right after relu ran, and any other by a max pool that reads its geometry
+        if saves and saves[0][0] == i and len(saves) == 1 + len(geometry):
             return SIGN_BIT.name
         if mode != "lossy":
             return None  # read by value elsewhere; the lossy pass may still take it
@@ -274,7 +342,8 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
     kind = "lossy" if any(not c.entry.lossless for c in chosen) else "lossless"
     note = (f"{len(chosen)} saved tensor(s) compressed ({kind}), +{codec_s * 1e3:.2f} ms of codecs "
             "counted in the recompute time")
-    return dataclasses.replace(plan, compressed=tuple(c.entry for c in chosen), predicted_peak_bytes=peak(chosen),
+    return dataclasses.replace(plan, compressed=tuple(e for c in chosen for e in c.entries),
+                               predicted_peak_bytes=peak(chosen),
                                recompute_s=plan.recompute_s + codec_s, notes=(*plan.notes, note))
 
 

@@ -23,7 +23,8 @@ NOTE [adding a codec]
 
 NOTE [what lossy means]
     A plan is *lossless* when every codec it uses is EXACT (the decoded tensor is bitwise
-    the saved one) or SIGN used only for a node that reads the sign alone (relu's): its step
+    the saved one), SIGN used only for a node that reads the sign alone (relu's) or SHAPE
+    only for a node that reads the geometry alone (max pool's saved input): its step
     is then bitwise the plain step, and ``verify`` checks that. A plan with any LOSSY codec
     (bf16, fp8_e4m3, int8_blockwise) changes the gradients: ``verify`` then reports their
     largest relative error over parameters (``gradient_rel_error``) and never claims bitwise
@@ -39,7 +40,8 @@ from typing import Any
 
 __all__ = ["Exactness", "CodecSpec", "CODEC_SPECS", "codec_spec", "codec_packed_bytes", "Compressed",
            "BLOCK", "CodecCosts", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
-           "LOSSY_CODECS", "SIGN_READERS", "check_lossy_codec", "BOOL_BITS", "TWO_LEVEL",
+           "LOSSY_CODECS", "SIGN_READERS", "SHAPE_READERS", "SHAPE_ONLY", "check_lossy_codec", "BOOL_BITS",
+           "TWO_LEVEL",
            "NARROW_INT", "SIGN_BIT", "BF16", "FP8_E4M3", "INT8_BLOCKWISE"]
 
 BLOCK = 256  # elements per int8_blockwise scale
@@ -48,6 +50,7 @@ BLOCK = 256  # elements per int8_blockwise scale
 class Exactness(str, enum.Enum):
     EXACT = "exact"  # decode(encode(x)) is bitwise x
     SIGN = "sign"    # only "not x <= 0" survives: exact for a reader that compares with 0 only
+    SHAPE = "shape"  # only the shape, dtype and device survive: exact for a reader of those only
     LOSSY = "lossy"  # bounded error (each CodecSpec.keeps states its bound)
 
 
@@ -80,6 +83,10 @@ def _bits_and_value(numel: int, itemsize: int) -> int:
     return -(-numel // 8) + itemsize
 
 
+def _nothing(numel: int, itemsize: int) -> int:
+    return 0
+
+
 def _int32(numel: int, itemsize: int) -> int:
     return 4 * numel
 
@@ -110,6 +117,11 @@ NARROW_INT = CodecSpec("narrow_int", Exactness.EXACT, _int32, 0.5e-9,
 SIGN_BIT = CodecSpec("sign_bit", Exactness.SIGN, _bits, 1.6e-9,
                      "only `not x <= 0`, 1 bit per element; decodes to 1.0 / 0.0. Exact for a "
                      "reader that only compares with 0 (SIGN_READERS), wrong for any other")
+SHAPE_ONLY = CodecSpec("shape_only", Exactness.SHAPE, _nothing, 0.0,
+                       "nothing but the shape, dtype and device; decodes to zeros (a stride-0 view "
+                       "of one element). Exact for a node that reads its saved input's geometry "
+                       "alone (SHAPE_READERS: max pool's backward scatters by its indices), wrong "
+                       "for any other")
 BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
                  "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x")
 FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,
@@ -121,9 +133,9 @@ INT8_BLOCKWISE = CodecSpec("int8_blockwise", Exactness.LOSSY, _byte_and_block_sc
 
 # the registry: every codec memfit knows, by name (NOTE [adding a codec])
 CODEC_SPECS: dict[str, CodecSpec] = {c.name: c for c in (
-    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, BF16, FP8_E4M3, INT8_BLOCKWISE)}
+    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, SHAPE_ONLY, BF16, FP8_E4M3, INT8_BLOCKWISE)}
 
-# the codecs a lossless plan may use (SIGN only for a sign-only reader: NOTE [what lossy means])
+# the codecs a lossless plan may use (SIGN, SHAPE only for their readers: NOTE [what lossy means])
 LOSSLESS_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is not Exactness.LOSSY)
 # the codecs ``compress="lossy"`` may put on the other fp32 activations (``lossy_codec=``)
 LOSSY_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is Exactness.LOSSY)
@@ -132,6 +144,13 @@ DEFAULT_LOSSY_CODEC = BF16.name
 # Ops whose node saves its result and reads only its sign (NOTE [sign-only readers] in
 # memfit.runtime.compress), with the name prefix of that node's class: where SIGN_BIT is exact.
 SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "ReluBackward"}
+
+# Ops whose node saves their input 0 and reads only its geometry (NOTE [geometry-only readers]
+# in memfit.runtime.compress), with the name of the ``torch.nn.functional`` call that runs
+# them: where SHAPE_ONLY is exact (max pool's backward writes the gradient where the indices
+# point; it reads the input for its sizes and memory format only).
+SHAPE_READERS = {"aten.max_pool2d_with_indices.default": "max_pool2d",
+                 "aten.max_pool3d_with_indices.default": "max_pool3d"}
 
 
 def codec_spec(name: object) -> CodecSpec:
@@ -199,6 +218,9 @@ class Compressed:
         raw_bytes: bytes of the saved storage as autograd would keep it.
         packed_bytes: bytes of its packed form.
         output: which of the op's outputs (max-pool's indices: 1).
+        call: which call of ``module`` in the forward (from 0), for a module the forward
+            calls more than once (a block's one ``relu`` module used after each norm); None:
+            every call.
     """
 
     key: str
@@ -207,6 +229,7 @@ class Compressed:
     raw_bytes: int = 0
     packed_bytes: int = 0
     output: int = 0
+    call: int | None = None
 
     def __post_init__(self) -> None:
         codec_spec(self.codec)
@@ -216,14 +239,19 @@ class Compressed:
         return CODEC_SPECS[self.codec].exactness is not Exactness.LOSSY
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "codec": self.codec, "module": self.module,
-                "raw_bytes": self.raw_bytes, "packed_bytes": self.packed_bytes, "output": self.output}
+        out: dict[str, Any] = {"key": self.key, "codec": self.codec, "module": self.module,
+                               "raw_bytes": self.raw_bytes, "packed_bytes": self.packed_bytes,
+                               "output": self.output}
+        if self.call is not None:  # written only where set: older plans' JSON is unchanged
+            out["call"] = self.call
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Compressed:
         return cls(str(data["key"]), str(data["codec"]), str(data.get("module", "")),
                    int(data.get("raw_bytes", 0)), int(data.get("packed_bytes", 0)),
-                   int(data.get("output", 0)))
+                   int(data.get("output", 0)),
+                   None if data.get("call") is None else int(data["call"]))
 
 
 def compressed_lines(entries: tuple[Compressed, ...]) -> list[str]:
@@ -237,9 +265,11 @@ def compressed_lines(entries: tuple[Compressed, ...]) -> list[str]:
     out = [f"  compressed: {len(entries)} saved tensor(s), {format_bytes(saved)} less kept; "
            + ("LOSSY: gradients differ from the plain step's (verify reports their relative error)"
               if lossy else "lossless: the step stays bitwise equal to the plain one")]
-    w = max(len(c.module or "<root>") for c in entries)
+    w = max(len(c.module or "<root>") + (0 if c.call is None else len(f" (call {c.call})"))
+            for c in entries)
     k = max(len(c.key) for c in entries)
     for c in entries:
-        out.append(f"    {(c.module or '<root>').ljust(w)}  {c.key.ljust(k)}  {c.codec:<14}  "
+        where = (c.module or "<root>") + ("" if c.call is None else f" (call {c.call})")
+        out.append(f"    {where.ljust(w)}  {c.key.ljust(k)}  {c.codec:<14}  "
                    f"{format_bytes(c.raw_bytes):>10} -> {format_bytes(c.packed_bytes):>10}")
     return out

@@ -321,7 +321,8 @@ def _compress(model: nn.Module, plan: Plan, applied: _Applied) -> None:
         return
     from memfit.runtime.compress import Compressor
 
-    comp = applied.compressor = Compressor((c.module, c.key, c.codec, c.output) for c in plan.compressed)
+    comp = applied.compressor = Compressor((c.module, c.key, c.codec, c.output, c.call)
+                                                  for c in plan.compressed)
     applied.compress_hooks = comp.install(model)
 
 

@@ -33,6 +33,7 @@ from memfit.planning.compression import (
     FP8_E4M3,
     INT8_BLOCKWISE,
     NARROW_INT,
+    SHAPE_ONLY,
     SIGN_BIT,
     TWO_LEVEL,
     CodecSpec,
@@ -245,6 +246,27 @@ class _SignBit(Codec):
         return torch.relu(super().sample(nbytes, generator) - 0.5)  # relu results
 
 
+class _ShapeOnly(Codec):
+    spec = SHAPE_ONLY
+
+    def accepts(self, dtype):
+        return True
+
+    def encode(self, t):
+        # a contiguous tensor only: its zeros decode as a stride-0 view, whose suggested
+        # memory format is the contiguous one, as the saved tensor's was (NOTE
+        # [geometry-only readers] in memfit.runtime.compress)
+        if not _packable(t):
+            return _raw(t)
+        return Packed(self.name, tuple(t.shape), t.dtype, (), (t.device,))
+
+    def decode(self, p):
+        raw = _decode_raw(p)
+        if raw is not None:
+            return raw
+        return torch.zeros((), dtype=p.dtype, device=p.meta[0]).expand(p.shape)
+
+
 class _Bf16(Codec):
     spec = BF16
 
@@ -322,7 +344,8 @@ class _Int8Blockwise(Codec):
 # one implementation per entry of the registry (NOTE [adding a codec]; tests/runtime/
 # test_codecs.py checks that these and CODEC_SPECS name the same codecs)
 _IMPLEMENTATIONS: tuple[Codec, ...] = (
-    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _Bf16(), _Fp8E4m3(), _Int8Blockwise())
+    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _ShapeOnly(), _Bf16(), _Fp8E4m3(),
+    _Int8Blockwise())
 CODECS: dict[str, Codec] = {name: c for name in CODEC_SPECS for c in _IMPLEMENTATIONS
                             if c.spec is CODEC_SPECS[name]}
 

@@ -21,6 +21,8 @@ NOTE [compression through saved-tensor hooks]
     4. Inside a checkpointed region the checkpoint's own saved-tensor hooks take the saves
        (innermost hooks win), so a region's ops are never compressed here: the planner names
        only ops outside regions.
+    5. ``shape_only`` (NOTE [geometry-only readers]) names a max pool: a function mode over
+       the module marks that call's input while the call runs; its node's save of it is packed.
     The codecs' own ops run with Python dispatch off, so they are neither counted nor traced.
 
 NOTE [sign-only readers]
@@ -43,15 +45,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from memfit._torch import TorchDispatchMode, no_python_dispatch
 from memfit.ops import op_name
-from memfit.planning.compression import SIGN_READERS
+from memfit.planning.compression import SHAPE_READERS, SIGN_READERS
 from memfit.runtime.codecs import Codec, Exactness, Packed, codec
 
 __all__ = ["Compressor", "SIGN_READERS"]
 
-Entry = tuple[str, str, str, int]  # (module path, "<overload>#<k>", codec name, output index)
+# (module path, "<overload>#<k>", codec name, output index[, call of the module or None: every call])
+Entry = tuple[Any, ...]
+# per overload (or max pool functional), per k: per call of the module (None: any) the codec and output
+Planned = dict[str, dict[int, dict[int | None, tuple["Codec", int]]]]
 
 
 class _Begin:
@@ -78,13 +84,17 @@ class _TaggingHooks:
     """A compressed module's hooks: the tagging mode over its forward (one per call, nested
     calls stacked)."""
 
-    def __init__(self, compressor: Compressor, ops: Any) -> None:
+    def __init__(self, compressor: Compressor, ops: Planned, shape: bool = False) -> None:
         self.compressor = compressor
         self.ops = ops
-        self.modes: list[_Tagging] = []
+        self.shape = shape  # a function mode's (shape_only calls, keyed by the functional's name)
+        self.modes: list[Any] = []
+        self.calls = 0  # calls of the module in this forward (Compressor.__enter__ resets)
 
     def enter(self, m: nn.Module, a: Any) -> None:
-        mode = _Tagging(self.compressor, self.ops)
+        call, self.calls = self.calls, self.calls + 1
+        mode: Any = (_ShapeTagging(self.compressor, self.ops, call) if self.shape
+                     else _Tagging(self.compressor, self.ops, call))
         self.modes.append(mode)
         mode.__enter__()
 
@@ -113,8 +123,10 @@ class Compressor:
     """
 
     def __init__(self, entries: Iterable[Entry]) -> None:
-        self.by_module: dict[str, dict[str, dict[int, tuple[Codec, int]]]] = {}
-        for module, key, name, output in entries:
+        self.by_module: dict[str, Planned] = {}
+        self.shape_by_module: dict[str, Planned] = {}
+        for module, key, name, output, *rest in entries:
+            call = rest[0] if rest else None
             overload, sep, k = key.rpartition("#")
             if not sep or not k.isdigit():
                 raise ValueError(f"compress key {key!r} is not of the form '<overload>#<k>'")
@@ -122,15 +134,26 @@ class Compressor:
             if c.exactness is Exactness.SIGN and overload not in SIGN_READERS:
                 raise ValueError(f"{key}: the codec {name!r} keeps only the sign, which only the "
                                  f"nodes of {sorted(SIGN_READERS)} read alone")
-            self.by_module.setdefault(module, {}).setdefault(overload, {})[int(k)] = (c, int(output))
+            if c.exactness is Exactness.SHAPE:
+                if overload not in SHAPE_READERS:
+                    raise ValueError(f"{key}: the codec {name!r} keeps only the geometry, which only "
+                                     f"the nodes of {sorted(SHAPE_READERS)} read alone (their input)")
+                calls = self.shape_by_module.setdefault(module, {})
+                calls.setdefault(SHAPE_READERS[overload], {}).setdefault(int(k), {})[call] = (c, int(output))
+                continue
+            planned = self.by_module.setdefault(module, {}).setdefault(overload, {})
+            planned.setdefault(int(k), {})[call] = (c, int(output))
         self.raw_bytes = 0
         self.packed_bytes = 0
         self.kept_whole = 0
+        self.geometry_saves = 0  # saves packed as shape_only (no bytes: not in raw/packed_bytes)
+        self.shape: tuple[weakref.ref, Codec] | None = None  # NOTE [geometry-only readers]
         # storage address -> (the storage, weakly; codec; the shared Packed, weakly, or None)
         self.tagged: dict[int, tuple[weakref.ref, Codec, Any]] = {}
         self.sign: tuple[weakref.ref, Codec, str] | None = None  # NOTE [sign-only readers]
         self._hooks: Any = None
         self._depth = 0
+        self._tagging: list[_TaggingHooks] = []
 
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks on ``model`` (saved-tensor hooks over its forward) and on each named module
@@ -143,13 +166,16 @@ class Compressor:
         # pickles] in memfit.job.shape_plans)
         handles = [model.register_forward_pre_hook(_Begin(self)),
                    model.register_forward_hook(_End(self), always_call=True)]
-        for path, ops in self.by_module.items():
+        modules = [(path, ops, False) for path, ops in self.by_module.items()]
+        modules += [(path, calls, True) for path, calls in self.shape_by_module.items()]
+        for path, ops, shape in modules:
             try:
                 module = model.get_submodule(path)
             except AttributeError:
                 raise ValueError(f"the plan compresses an op of module {path!r}, which "
                                  f"{type(model).__name__} does not have") from None
-            tagging = _TaggingHooks(self, ops)
+            tagging = _TaggingHooks(self, ops, shape)
+            self._tagging.append(tagging)
             # prepended/appended around the root's hooks: the tagging mode sits inside them
             handles.append(module.register_forward_pre_hook(tagging.enter))
             handles.append(module.register_forward_hook(tagging.leave, always_call=True))
@@ -158,6 +184,8 @@ class Compressor:
     def __enter__(self) -> Compressor:
         self._depth += 1
         if self._depth == 1:
+            for tagging in self._tagging:  # a new forward: its modules' calls count from 0
+                tagging.calls = 0
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._hooks.__enter__()
         return self
@@ -168,10 +196,18 @@ class Compressor:
             hooks, self._hooks = self._hooks, None
             self.tagged.clear()  # the forward is over: nothing more is saved
             self.sign = None
+            self.shape = None
             if hooks is not None:
                 hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self.shape is not None and self.shape[0]() is t.untyped_storage():
+            packed = self.shape[1].encode(t)  # no ops: nothing to dispatch
+            if packed.raw:
+                self.kept_whole += 1
+                return t
+            self.geometry_saves += 1
+            return packed
         tag = self._take(t)
         if tag is None:
             return t
@@ -220,10 +256,11 @@ class _Tagging(TorchDispatchMode):
     """Over one call of a named module: counts the named overloads' calls (from 0) and tags
     the outputs of the named ones in its Compressor."""
 
-    def __init__(self, owner: Compressor, ops: dict[str, dict[int, tuple[Codec, int]]]) -> None:
+    def __init__(self, owner: Compressor, ops: Planned, call: int) -> None:
         super().__init__()
         self.owner = owner
         self.ops = ops
+        self.call = call
         self.counts: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -236,7 +273,7 @@ class _Tagging(TorchDispatchMode):
             return out
         k = self.counts.get(name, 0)
         self.counts[name] = k + 1
-        found = planned.get(k)
+        found = _for_call(planned.get(k), self.call)
         if found is None:
             return out
         c, index = found
@@ -250,3 +287,46 @@ class _Tagging(TorchDispatchMode):
         else:
             owner.tagged[storage.data_ptr()] = (weakref.ref(storage), c, None)
         return out
+
+
+# torch.nn.functional's max pools (and torch's own), by name: the SHAPE_READERS call each runs
+_SHAPE_CALLS = {name: call for call in SHAPE_READERS.values()
+                for name in (call, f"{call}_with_indices")}
+
+
+class _ShapeTagging(TorchFunctionMode):
+    """Over one call of a named module: counts its max pool calls (from 0) and marks the
+    planned one's input while it runs (NOTE [geometry-only readers])."""
+
+    def __init__(self, owner: Compressor, calls: Planned, call: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.calls = calls
+        self.call = call
+        self.counts: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        call = _SHAPE_CALLS.get(getattr(func, "__name__", ""))
+        planned = None if call is None else self.calls.get(call)
+        if planned is None:
+            return func(*args, **kwargs)
+        k = self.counts.get(call, 0)
+        self.counts[call] = k + 1
+        found = _for_call(planned.get(k), self.call)
+        x = args[0] if args else kwargs.get("input")
+        if found is None or not isinstance(x, torch.Tensor):
+            return func(*args, **kwargs)
+        self.owner.shape = (weakref.ref(x.untyped_storage()), found[0])
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.owner.shape = None
+
+
+def _for_call(by_call: dict[int | None, tuple[Codec, int]] | None, call: int) -> tuple[Codec, int] | None:
+    """The codec and output planned for this call of the module (or for every call), if any."""
+    if not by_call:
+        return None
+    found = by_call.get(call)
+    return found if found is not None else by_call.get(None)
