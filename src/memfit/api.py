@@ -221,7 +221,7 @@ def _plan(prof: Profile, the_step: Step, example_inputs: Any, budget: Any, job: 
         from memfit.planning.compress_pass import choose
 
         return choose(prof, solve, budget, mode=search.compress, lossy_codec=search.lossy_codec,
-                      costs=codec_costs_for(search.compress, search.lossy_codec))
+                      costs=codec_costs_for(search.compress, search.lossy_codec, prof))
 
     try:
         if parallel.in_flight is not None:  # a stage's own plan: no one plan per job

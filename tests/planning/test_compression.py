@@ -97,3 +97,30 @@ def test_an_unknown_codec_lists_the_registry(call) -> None:
     listed = str(sorted(CODEC_SPECS)).replace("[", r"\[").replace("]", r"\]")
     with pytest.raises(ValueError, match=f"unknown codec 'zip'; memfit knows {listed}"):
         call()
+
+
+def test_codec_costs_on_another_device_from_the_passes() -> None:
+    from memfit.planning.compression import CODEC_SPECS, codec_costs_on
+
+    c = codec_costs_on(900e9, 5e-6)
+    assert c.per_byte_s == {n: s.passes / 900e9 for n, s in CODEC_SPECS.items()}
+    assert c.per_byte_s["shape_only"] == 0.0 and c.per_byte_s["sign_bit"] == 5.5 / 900e9
+    # the most launches of any codec (two_level, int8_blockwise: 12) at 5 us each
+    assert c.per_tensor_s == pytest.approx(12 * 5e-6, rel=1e-12)
+    assert c.mode_per_op_s == DEFAULT_CODEC_COSTS.mode_per_op_s
+
+
+def test_a_fake_gpu_profile_is_priced_for_its_preset_not_this_machine() -> None:
+    import torch
+    from torch import nn
+
+    import memfit
+    from memfit.measuring.codec_cost import codec_costs_for
+    from memfit.planning.compression import codec_costs_on
+    from memfit.timemodel.devices import preset
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    prof = memfit.profile(model, torch.empty(4, 8, device="meta"), mode="fake", target="v100")
+    v100 = preset("v100")
+    assert codec_costs_for("lossless", profile=prof) == codec_costs_on(v100.bandwidth_bytes_per_s, v100.op_overhead_s)

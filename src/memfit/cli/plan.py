@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
         codec = args.lossy_codec or DEFAULT_LOSSY_CODEC
         p = choose(prof, lambda b: plan_for_budget(prof, budget=b, solver=args.solver), args.budget,
-                   mode=args.compress, lossy_codec=codec, costs=codec_costs_for(args.compress, codec))
+                   mode=args.compress, lossy_codec=codec,
+                   costs=codec_costs_for(args.compress, codec, prof))
         refuse_over_budget(p)
     else:
         p = plan_for_budget(prof, budget=args.budget, solver=args.solver)

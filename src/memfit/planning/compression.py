@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Exactness", "CodecSpec", "CODEC_SPECS", "codec_spec", "codec_packed_bytes", "Compressed",
-           "BLOCK", "CodecCosts", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
+           "BLOCK", "CodecCosts", "codec_costs_on", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
            "LOSSY_CODECS", "SIGN_READERS", "SHAPE_READERS", "SHAPE_ONLY", "check_lossy_codec", "BOOL_BITS",
            "TWO_LEVEL",
            "NARROW_INT", "SIGN_BIT", "BF16", "FP8_E4M3", "INT8_BLOCKWISE"]
@@ -66,6 +66,9 @@ class CodecSpec:
         per_byte_s: encode + decode seconds per raw byte used when none is measured
             (``DEFAULT_CODEC_COSTS``).
         keeps: what the packed form keeps: the codec's error bound.
+        passes: bytes its encode + decode move per raw byte, and ops: the kernels they run
+            per tensor; counted from ``memfit.runtime.codecs``' ops, for a device that is
+            not this machine (``codec_costs_on``; not measured there).
     """
 
     name: str
@@ -73,6 +76,8 @@ class CodecSpec:
     packed_bytes: Callable[[int, int], int]
     per_byte_s: float
     keeps: str
+    passes: float = 0.0
+    ops: int = 0
 
 
 def _bits(numel: int, itemsize: int) -> int:
@@ -107,29 +112,30 @@ def _byte_and_block_scales(numel: int, itemsize: int) -> int:
 # measurement ran in fit: encode + decode of 32 KiB and 2 MiB tensors (two_level 247 us and
 # 6.4 ms, sign_bit 3.3 ms and bf16 0.20 ms at 2 MiB). fp8_e4m3 and int8_blockwise are estimates.
 BOOL_BITS = CodecSpec("bool_bits", Exactness.EXACT, _bits, 1.6e-9,
-                      "a bool tensor, 1 bit per element (8x)")
+                      "a bool tensor, 1 bit per element (8x)", passes=10.3, ops=7)
 TWO_LEVEL = CodecSpec("two_level", Exactness.EXACT, _bits_and_value, 3.1e-9,
                       "a float tensor whose elements are +0 or one value c (dropout's scaled "
-                      "mask): 1 bit per element + c (32x on fp32)")
+                      "mask): 1 bit per element + c (32x on fp32)", passes=7.0, ops=12)
 NARROW_INT = CodecSpec("narrow_int", Exactness.EXACT, _int32, 0.5e-9,
                        "an int64 tensor (max-pool indices) in the narrowest of int8, int16, int32 "
-                       "that holds its values (charged at the int32 bound)")
+                       "that holds its values (charged at the int32 bound)", passes=4.5, ops=4)
 SIGN_BIT = CodecSpec("sign_bit", Exactness.SIGN, _bits, 1.6e-9,
                      "only `not x <= 0`, 1 bit per element; decodes to 1.0 / 0.0. Exact for a "
-                     "reader that only compares with 0 (SIGN_READERS), wrong for any other")
+                     "reader that only compares with 0 (SIGN_READERS), wrong for any other",
+                     passes=5.5, ops=9)
 SHAPE_ONLY = CodecSpec("shape_only", Exactness.SHAPE, _nothing, 0.0,
                        "nothing but the shape, dtype and device; decodes to zeros (a stride-0 view "
                        "of one element). Exact for a node that reads its saved input's geometry "
                        "alone (SHAPE_READERS: max pool's backward scatters by its indices), wrong "
-                       "for any other")
+                       "for any other", passes=0.0, ops=1)
 BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
-                 "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x")
+                 "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x", passes=3.0, ops=2)
 FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,
                      "float8_e4m3fn with one fp32 scale s = amax / 448: "
-                     "|x' - x| <= 2^-4 |x| + 2^-10 s (+ fp32 rounding)")
+                     "|x' - x| <= 2^-4 |x| + 2^-10 s (+ fp32 rounding)", passes=9.5, ops=8)
 INT8_BLOCKWISE = CodecSpec("int8_blockwise", Exactness.LOSSY, _byte_and_block_scales, 3.0e-9,
                            f"int8 with one fp32 scale per block of {BLOCK}: |x' - x| <= s_b / 2 "
-                           "(+ fp32 rounding), s_b = amax(block) / 127")
+                           "(+ fp32 rounding), s_b = amax(block) / 127", passes=12.0, ops=12)
 
 # the registry: every codec memfit knows, by name (NOTE [adding a codec])
 CODEC_SPECS: dict[str, CodecSpec] = {c.name: c for c in (
@@ -151,6 +157,22 @@ SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "Relu
 # point; it reads the input for its sizes and memory format only).
 SHAPE_READERS = {"aten.max_pool2d_with_indices.default": "max_pool2d",
                  "aten.max_pool3d_with_indices.default": "max_pool3d"}
+
+
+def codec_costs_on(bandwidth_bytes_per_s: float, op_overhead_s: float) -> CodecCosts:
+    """What the codecs would cost on a device that is not this machine (a fake-mode
+    ``target``): each codec's ``passes`` over memory at ``bandwidth_bytes_per_s`` per raw byte,
+    its ``ops`` launches of ``op_overhead_s`` per tensor (the most of any codec), and the
+    tagging mode's host cost per op as on this machine (``DEFAULT_CODEC_COSTS``): estimates
+    from the implementations' passes, not measured on that device.
+
+    Example:
+        >>> c = codec_costs_on(900e9, 5e-6); round(c.per_byte_s["sign_bit"] * 900e9, 1)
+        5.5
+    """
+    return CodecCosts({c.name: c.passes / bandwidth_bytes_per_s for c in CODEC_SPECS.values()},
+                      max(c.ops for c in CODEC_SPECS.values()) * op_overhead_s,
+                      DEFAULT_CODEC_COSTS.mode_per_op_s)
 
 
 def codec_spec(name: object) -> CodecSpec:

@@ -309,7 +309,7 @@ class _ShapeTagging(TorchFunctionMode):
         kwargs = kwargs or {}
         call = _SHAPE_CALLS.get(getattr(func, "__name__", ""))
         planned = None if call is None else self.calls.get(call)
-        if planned is None:
+        if call is None or planned is None:
             return func(*args, **kwargs)
         k = self.counts.get(call, 0)
         self.counts[call] = k + 1
