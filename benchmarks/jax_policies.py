@@ -1,5 +1,9 @@
 """memfit.jax against JAX's own remat policies on CPU: XLA-reported memory, FLOPs, step time.
 
+JAX's policies run twice: as JAX runs them (bare ``jax.checkpoint``: on XLA CPU the recompute is
+merged into the forward and nothing is saved) and fenced as memfit runs its regions (NOTE [a
+fenced recompute] in memfit.jax.program); memfit's plans run fenced (the CPU default).
+
 For each model (the Flax GPT and the 3D conv net of ``memfit.jax.models``): the plain step;
 JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable`` applied
 to every block (each top-level child scope, as ``nn.remat`` on each block would); memfit's
@@ -45,8 +49,9 @@ def _xla(lowered: Any) -> dict[str, int]:
             "xla_flops": int(ca.get("flops", 0))}
 
 
-def _policy_step(program: Any, prof: Any, name: str, has_aux: bool) -> PlannedStep:
-    """JAX's policy ``name`` on every block: each child scope of the root module."""
+def _policy_step(program: Any, prof: Any, name: str, has_aux: bool, fenced: bool) -> PlannedStep:
+    """JAX's policy ``name`` on every block: each child scope of the root module (``fenced``:
+    its backward fenced as memfit's, NOTE [a fenced recompute]; else as JAX runs it)."""
     root = next(m for m in prof.modules if m.path and m.parent == "")
     step = PlannedStep(program, Plan((), 0, 0.0, None, name, ""), prof, has_aux=has_aux)
     policy = getattr(jax.checkpoint_policies, name)
@@ -54,7 +59,7 @@ def _policy_step(program: Any, prof: Any, name: str, has_aux: bool) -> PlannedSt
     for child in root.children:
         ks = [k for k, s in enumerate(program.scopes) if s == child or s.startswith(child + ".")]
         if ks and max(ks) - min(ks) + 1 == len(ks):
-            specs.append(RegionSpec(min(ks), max(ks), policy=policy))
+            specs.append(RegionSpec(min(ks), max(ks), policy=policy, fenced=fenced))
     step.regions = specs
     return step
 
@@ -66,7 +71,8 @@ def run_model(name: str, built: tuple[Any, Any, Any, bool], rounds: int) -> list
     rows: list[dict[str, Any]] = []
     steps: dict[str, Any] = {"plain": plain_step(loss_fn, has_aux=aux)}
     for pol in POLICIES:
-        steps[pol] = _policy_step(program, prof, pol, aux)
+        steps[pol] = _policy_step(program, prof, pol, aux, fenced=False)
+        steps[f"{pol} fenced"] = _policy_step(program, prof, pol, aux, fenced=True)
     plans: dict[str, Any] = {}
     for b in (0.7, 0.5, 0.3, "min"):
         label = f"memfit {b}"
