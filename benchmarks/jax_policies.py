@@ -1,8 +1,8 @@
 """memfit.jax against JAX's own remat policies on CPU: XLA-reported memory, FLOPs, step time.
 
-JAX's policies run twice: as JAX runs them (bare ``jax.checkpoint``: on XLA CPU the recompute is
-merged into the forward and nothing is saved) and fenced as memfit runs its regions (NOTE [a
-fenced recompute] in memfit.jax.program); memfit's plans run fenced (the CPU default).
+JAX's policies run twice: compiled as JAX compiles them (on XLA CPU the recompute is merged
+into the forward and nothing is saved) and with jax.checkpoint's barriers kept, as memfit
+compiles its planned step on the CPU (NOTE [barriers kept on XLA CPU] in memfit.jax.program).
 
 For each model (the Flax GPT and the 3D conv net of ``memfit.jax.models``): the plain step;
 JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable`` applied
@@ -49,19 +49,42 @@ def _xla(lowered: Any) -> dict[str, int]:
             "xla_flops": int(ca.get("flops", 0))}
 
 
-def _policy_step(program: Any, prof: Any, name: str, has_aux: bool, fenced: bool) -> PlannedStep:
-    """JAX's policy ``name`` on every block: each child scope of the root module (``fenced``:
-    its backward fenced as memfit's, NOTE [a fenced recompute]; else as JAX runs it)."""
+def _policy_step(program: Any, prof: Any, name: str, has_aux: bool, keep_barriers: bool) -> PlannedStep:
+    """JAX's policy ``name`` on every block: each child scope of the root module (compiled with
+    the barriers kept, or as JAX compiles it)."""
     root = next(m for m in prof.modules if m.path and m.parent == "")
-    step = PlannedStep(program, Plan((), 0, 0.0, None, name, ""), prof, has_aux=has_aux)
+    step = PlannedStep(program, Plan((), 0, 0.0, None, name, ""), prof, has_aux=has_aux,
+                       keep_barriers=keep_barriers)
     policy = getattr(jax.checkpoint_policies, name)
     specs = []
     for child in root.children:
         ks = [k for k, s in enumerate(program.scopes) if s == child or s.startswith(child + ".")]
         if ks and max(ks) - min(ks) + 1 == len(ks):
-            specs.append(RegionSpec(min(ks), max(ks), policy=policy, fenced=fenced))
+            specs.append(RegionSpec(min(ks), max(ks), policy=policy))
     step.regions = specs
     return step
+
+
+def _memfit_at(loss_fn: Any, params: Any, batch: Any, aux: bool, name: str, target: int,
+               plain_peak: int) -> PlannedStep | None:
+    def planned(budget: Any) -> PlannedStep | None:
+        try:
+            return fit(loss_fn, params, batch, budget=budget, has_aux=aux, time_limit_s=5.0, model=name)
+        except InfeasibleBudget:
+            return None
+
+    least = planned("min")
+    if least is None or _xla(least.lower(params, batch))["xla_peak_bytes"] > target:
+        return None
+    best, lo, hi = least, least.plan.predicted_peak_bytes, plain_peak
+    for _ in range(7):
+        mid = (lo + hi) // 2
+        st = planned(mid)
+        if st is not None and _xla(st.lower(params, batch))["xla_peak_bytes"] <= target:
+            best, lo = st, mid
+        else:
+            hi = mid
+    return best
 
 
 def run_model(name: str, built: tuple[Any, Any, Any, bool], rounds: int) -> list[dict[str, Any]]:
@@ -71,9 +94,20 @@ def run_model(name: str, built: tuple[Any, Any, Any, bool], rounds: int) -> list
     rows: list[dict[str, Any]] = []
     steps: dict[str, Any] = {"plain": plain_step(loss_fn, has_aux=aux)}
     for pol in POLICIES:
-        steps[pol] = _policy_step(program, prof, pol, aux, fenced=False)
-        steps[f"{pol} fenced"] = _policy_step(program, prof, pol, aux, fenced=True)
+        steps[pol] = _policy_step(program, prof, pol, aux, keep_barriers=False)
+        steps[f"{pol} (barriers kept)"] = _policy_step(program, prof, pol, aux, keep_barriers=True)
     plans: dict[str, Any] = {}
+    # memfit at each policy's XLA peak (barriers kept): the largest budget whose planned step's
+    # XLA peak is at most the policy's, by bisection on the budget (7 halvings)
+    for pol in POLICIES:
+        target = _xla(steps[f"{pol} (barriers kept)"].lower(params, batch))["xla_peak_bytes"]
+        found = _memfit_at(loss_fn, params, batch, aux, name, target, prof.peak_bytes)
+        label = f"memfit at {pol}'s peak"
+        if found is None:
+            rows.append({"model": name, "method": label, "note": f"no plan at XLA peak <= {target} B"})
+            continue
+        steps[label] = found
+        plans[label] = found.plan
     for b in (0.7, 0.5, 0.3, "min"):
         label = f"memfit {b}"
         try:

@@ -10,9 +10,9 @@ NOTE [a plan as a JAX policy]
     nested in another (NOTE [nested regions] in ``memfit.planning.nesting``) is a
     ``jax.checkpoint`` inside the outer one's. ``OpPolicy.OFFLOAD`` is refused: the JAX CPU
     backend has no host memory kind to offload to (``fit(offload=True)`` raises). On the CPU
-    backend each region's backward is fenced (NOTE [a fenced recompute] in
-    ``memfit.jax.program``): without the fence XLA merges the recompute into the forward and
-    the plan saves no memory there.
+    backend the step compiles with jax.checkpoint's barriers kept (NOTE [barriers kept on XLA
+    CPU] in ``memfit.jax.program``): without them XLA merges the recompute into the forward
+    and the plan saves no memory there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from memfit.jax.profiler import profile_program
-from memfit.jax.program import Program, RegionSpec, trace_program
+from memfit.jax.program import KEEP_BARRIERS, Program, RegionSpec, trace_program
 from memfit.planning.effects import resolve_span
 from memfit.planning.plan import OpPolicy, Plan
 from memfit.planning.planner import plan_for_budget, refuse_over_budget
@@ -41,18 +41,19 @@ class PlannedStep:
         profile: the ``Profile`` it was planned from.
         has_aux: ``loss_fn`` returns ``(loss, aux)``; the step then returns
             ``((loss, aux), grads)`` as ``jax.value_and_grad(..., has_aux=True)`` does.
-        fenced: each region's backward runs fenced (NOTE [a fenced recompute]).
+        keep_barriers: compiled with jax.checkpoint's barriers kept (NOTE [barriers kept on
+            XLA CPU]).
     """
 
     def __init__(self, program: Program, plan: Plan, profile: Profile, *, has_aux: bool,
-                 fenced: bool = True) -> None:
+                 keep_barriers: bool = False) -> None:
         self.program = program
         self.plan = plan
         self.profile = profile
         self.has_aux = has_aux
-        self.fenced = fenced
-        self.regions = region_specs(program, plan, profile, fenced=fenced)
-        self._jitted = jax.jit(self._step)
+        self.keep_barriers = keep_barriers
+        self.regions = region_specs(program, plan, profile)
+        self._jitted = jax.jit(self._step, compiler_options=KEEP_BARRIERS if keep_barriers else None)
 
     def _step(self, params: Any, batch: Any) -> Any:
         p_leaves, p_tree = jax.tree_util.tree_flatten(params)
@@ -85,7 +86,7 @@ def plain_step(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Any:
 def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         budget: int | float | str, has_aux: bool = False, solver: str = "auto",
         time_limit_s: float = 10.0, offload: bool = False, model: str = "",
-        fenced: bool | None = None) -> PlannedStep:
+        keep_barriers: bool | None = None) -> PlannedStep:
     """Profile the step, plan it for ``budget`` and return the planned, jitted step.
 
     Args:
@@ -100,13 +101,10 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         time_limit_s: seconds the MILP may search (default 10.0).
         offload: refused (NOTE [a plan as a JAX policy]); default False.
         model: a name for reports.
-        fenced: run each region's backward behind a conditional (NOTE [a fenced recompute] in
-            ``memfit.jax.program``), so that XLA cannot merge the recompute into the forward.
-            None (default): on the CPU backend only, where XLA otherwise does and the plan
-            saves no memory. Fenced, XLA CPU's peak follows the plan, and its gradients may
-            differ from plain by a few units in the last place (XLA orders some reductions
-            differently inside the branch; measured at most 3.5e-8 on gradients of order
-            0.01-0.1); unfenced they are bitwise plain's.
+        keep_barriers: compile the step with jax.checkpoint's optimization barriers kept
+            (NOTE [barriers kept on XLA CPU] in ``memfit.jax.program``). None (default): on
+            the CPU backend, where XLA otherwise removes them, merges the recompute into the
+            forward and the plan saves no memory; elsewhere as JAX compiles.
 
     Returns:
         A :class:`PlannedStep`: ``loss, grads = step(params, batch)``; ``step.plan``.
@@ -126,12 +124,12 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
     prof = profile_program(program, has_aux=has_aux, model=model)
     p = plan_for_budget(prof, budget=budget, solver=solver, time_limit_s=time_limit_s)
     refuse_over_budget(p)
-    if fenced is None:
-        fenced = jax.default_backend() == "cpu"
-    return PlannedStep(program, p, prof, has_aux=has_aux, fenced=fenced)
+    if keep_barriers is None:
+        keep_barriers = jax.default_backend() == "cpu"
+    return PlannedStep(program, p, prof, has_aux=has_aux, keep_barriers=keep_barriers)
 
 
-def region_specs(program: Program, plan: Plan, profile: Profile, *, fenced: bool = True) -> list[RegionSpec]:
+def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionSpec]:
     """The plan's regions as primal equation runs with the tags they save (NOTE [a plan as a
     JAX policy]), nested as the plan nests them."""
     tags = profile.extra.get("tags", {})
@@ -149,7 +147,7 @@ def region_specs(program: Program, plan: Plan, profile: Profile, *, fenced: bool
             for t in op.outputs:
                 saved.update(n for n in tags.get(str(t.storage), ())
                              if start <= int(n.split(":")[1]) <= end)
-        flat.append(RegionSpec(start, end, frozenset(saved), fenced=fenced))
+        flat.append(RegionSpec(start, end, frozenset(saved)))
     flat.sort(key=lambda s: (s.start, -s.end))
     top: list[RegionSpec] = []
     for s in flat:

@@ -17,36 +17,35 @@ NOTE [the primal program]
     computes, op for op; the plain step of the comparison is ``jax.value_and_grad(loss_fn)``
     itself.
 
-NOTE [a fenced recompute]
-    On XLA's CPU backend ``jax.checkpoint`` saves no memory: the optimization barriers JAX
-    puts around a recompute are removed before common-subexpression elimination, which then
-    merges the recompute with the forward, so the backward reads forward values that are now
-    held from forward to backward, on top of the residuals. Measured (jax 0.10.2): 16 blocks
+NOTE [barriers kept on XLA CPU]
+    ``jax.checkpoint`` keeps its recompute apart from the forward with optimization barriers
+    (``prevent_cse``). XLA's CPU pipeline removes them (its ``cse_barrier_expander`` pass)
+    before a later common-subexpression elimination, which then merges the recompute into the
+    forward: the backward reads forward values held from forward to backward, on top of the
+    residuals, and the checkpoint saves nothing. Measured (jax 0.10.2, CPU): 16 blocks
     ``tanh(tanh(x @ w) @ w.T)``, x 512x256 fp32: plain 17,301,504 B of XLA temp bytes,
-    ``nothing_saveable`` on every block 25,165,824 B (more), its FLOPs barely up. memfit runs
-    each region's backward as the vjp of its ``jax.checkpoint`` inside a ``lax.cond`` whose
-    two branches are that same vjp and whose predicate (a cotangent element equal to itself)
-    no compiler folds: a branch is a computation of its own, so nothing in it is merged with
-    the forward, and it runs after its cotangents exist. The same chain: 9,439,064 B, the
-    recompute's FLOPs counted (+2.15 GFLOP), gradients bitwise equal to plain.
-    ``RegionSpec.fenced=False`` runs the bare ``jax.checkpoint`` (JAX's own behaviour).
+    ``nothing_saveable`` on every block 25,165,824 B (more). Compiled with that pass disabled
+    (``KEEP_BARRIERS``, a per-compile XLA option: ``jax.jit(..., compiler_options=...)``) the
+    barriers stay, the recompute runs in backward: 9,438,208 B, gradients bitwise plain's.
+    memfit's planned step compiles so on the CPU backend (``memfit.jax.fit(keep_barriers=)``);
+    JAX's own policies measured the same way in benchmarks/jax_policies.py. Other backends
+    (GPU, TPU) keep the barriers until late in their own pipelines and are compiled as JAX
+    compiles them (not measured here: no GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from memfit.jax.trace import scope_of
 
-__all__ = ["Program", "RegionSpec", "trace_program", "tag", "fenced"]
+__all__ = ["Program", "RegionSpec", "trace_program", "tag", "KEEP_BARRIERS"]
 
 
 def tag(k: int, j: int) -> str:
@@ -63,7 +62,6 @@ class RegionSpec:
     saved: frozenset[str] = frozenset()
     inner: list[RegionSpec] = field(default_factory=list)
     policy: Any = None  # a JAX policy used instead of the saved names (benchmarks of JAX's own)
-    fenced: bool = True  # its backward behind a conditional (NOTE [a fenced recompute])
 
 
 @dataclass
@@ -126,8 +124,7 @@ class Program:
 
         policy = r.policy or (jax.checkpoint_policies.save_only_these_names(*sorted(r.saved))
                               if r.saved else jax.checkpoint_policies.nothing_saveable)
-        rematted = jax.checkpoint(body, policy=policy, prevent_cse=True)
-        results = (fenced(rematted) if r.fenced else rematted)(*(env[v] for v in ins))
+        results = jax.checkpoint(body, policy=policy, prevent_cse=True)(*(env[v] for v in ins))
         env.update(zip(outs, results, strict=True))
 
     def region_io(self, start: int, end: int) -> tuple[list[Any], list[Any]]:
@@ -177,37 +174,9 @@ def trace_program(loss_fn: Callable[..., Any], params: Any, batch: Any) -> Progr
     return Program(closed, in_tree, n_params, out_tree_box[-1], scopes, last_use)
 
 
-def fenced(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``f`` (a ``jax.checkpoint``-ed function) whose backward runs inside a ``lax.cond``
-    (NOTE [a fenced recompute]): the same values and gradients, its recompute kept apart
-    from the forward and after its cotangents arrive."""
-
-    @jax.custom_vjp
-    def run(*args: Any) -> Any:
-        return f(*args)
-
-    def forward(*args: Any) -> tuple[Any, Any]:
-        out, vjp = jax.vjp(f, *args)  # vjp: a pytree of the residuals f's policy keeps
-        return out, vjp
-
-    def backward(vjp: Any, ct: Any) -> Any:
-        firsts = [c.ravel()[0] for c in jax.tree_util.tree_leaves((vjp, ct))
-                  if jnp.issubdtype(c.dtype, jnp.floating) and c.size]
-        if not firsts:
-            return vjp(ct)
-
-        def rerun(ops: Any) -> Any:
-            return ops[0](ops[1])
-
-        # both branches rerun; the predicate (false only for a NaN) reads every residual's
-        # and cotangent's first element: the compiler folds the constant ones (an aux
-        # output's zero cotangent) but not the rest, so the branch stays a computation of
-        # its own, and it runs after the cotangents exist (they are its operands)
-        same = functools.reduce(jnp.logical_and, [f == f for f in firsts])
-        return jax.lax.cond(same, rerun, rerun, (vjp, ct))
-
-    run.defvjp(forward, backward)
-    return run
+# the XLA option that keeps jax.checkpoint's barriers on the CPU backend (NOTE [barriers kept
+# on XLA CPU])
+KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 def _is_literal(v: Any) -> bool:
