@@ -86,3 +86,28 @@ def test_compile_min_measures_once() -> None:
 def test_compile_refuses_bad_arguments(kwargs, error, words) -> None:
     with pytest.raises(error, match=words):
         memfit.compile(_model(), _batch(), budget=0.7, compiler=AOT_EAGER, **kwargs)
+
+
+class _Bloated(torch.nn.Module):
+    """A "compiler" whose step holds 8 MiB more than the plan: no round can fit."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        big = torch.ones(2 << 20, requires_grad=True)  # 8 MiB, saved by the mul for backward
+        return self.inner(x) * big[:1].sum() * big.sum()
+
+
+@pytest.mark.parametrize("before", ["none", "a plan"])
+def test_compile_with_no_round_in_budget_leaves_the_model_as_it_was(before) -> None:
+    model = _model()
+    x = _batch()
+    old = memfit.plan(memfit.profile(model, x), budget=0.9) if before == "a plan" else None
+    if old is not None:
+        memfit.apply(model, old)
+    with pytest.raises(memfit.InfeasibleBudget, match="left as it was") as err:
+        memfit.compile(model, x, budget=0.7, compiler=_Bloated, rounds=1)
+    assert err.value.min_feasible_bytes > err.value.budget_bytes
+    assert model.__dict__.get("memfit_plan") is old

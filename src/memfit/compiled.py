@@ -140,6 +140,7 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
                                 parallel=Parallel(), profile=prof)
         return model.__dict__["memfit_plan"], p
 
+    previous: Plan | None = model.__dict__.get("memfit_plan")  # put back if no round fits
     plan, prof = fitted(budget)
     cap = None if budget == "min" else plan.budget_bytes  # "min": the smallest plan, measured
     done: list[CompiledRound] = []
@@ -173,10 +174,11 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
             compiled, last = run(plan, b)
     ok = [r for r in done if r.within]
     if not ok:
+        _put_back(model, previous)
         raise InfeasibleBudget(
             f"memfit.compile: the compiled step measured {min(r.measured_peak_bytes for r in done)} B "
             f"at best, above the budget of {cap} B, in {len(done)} round(s); give a larger budget, "
-            "or more rounds", budget_bytes=int(cap or 0),
+            "or more rounds (the model is left as it was before the call)", budget_bytes=int(cap or 0),
             min_feasible_bytes=min(r.measured_peak_bytes for r in done))
     best = max(ok, key=lambda r: r.planned_for_bytes)
     if best is not last:  # compiled (and measured) again, in this call
@@ -184,6 +186,16 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
         compiled, _ = run(plan, best.planned_for_bytes)
     model.memfit_compiled = tuple(done)  # type: ignore[assignment]
     return compiled
+
+
+def _put_back(model: nn.Module, previous: Any) -> None:
+    """The model as before ``compile``: the plan it had applied, or none."""
+    from memfit.runtime.apply import apply_plan, unapply
+
+    if previous is None:
+        unapply(model)
+    else:
+        apply_plan(model, previous)
 
 
 def _side_effects_skipped(model: nn.Module, example_inputs: Any) -> Callable[[], Any]:
@@ -213,8 +225,9 @@ def _next_budget(done: list[CompiledRound], cap: int, tolerance: float) -> int |
         return last.planned_for_bytes + (cap - last.measured_peak_bytes)
     hi = min(over)
     lo = max((b for b in ok if b < hi), default=None)
-    if lo is None:  # nothing within yet: lower by the excess
-        return hi - (last.measured_peak_bytes - cap) if not last.within else None
+    if lo is None:  # nothing within yet: lower by the excess (none left to lower: stop)
+        b = hi - (last.measured_peak_bytes - cap)
+        return b if not last.within and b > 0 else None
     b = (lo + hi) // 2
     return None if hi - lo <= max(1, int(cap * tolerance)) else b
 

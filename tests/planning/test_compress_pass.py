@@ -270,3 +270,26 @@ def test_measured_codec_costs_cover_the_codecs() -> None:
     assert set(LOSSLESS_CODECS) <= set(costs.per_byte_s)
     assert all(v >= 0 for v in costs.per_byte_s.values())
     assert costs.per_tensor_s >= 0 and costs.mode_per_op_s >= 0
+
+
+def test_an_infeasible_budget_names_the_smallest_compressed_peak(gpt_case) -> None:
+    """Below every plan, the error names the smallest peak compression reaches (not the
+    recompute-only one, which is larger), and that budget then plans."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.planning.compress_pass import choose
+    from memfit.planning.compression import DEFAULT_CODEC_COSTS
+    from memfit.planning.planner import plan_for_budget
+
+    _, _, p = gpt_case
+
+    def solve(b):
+        return plan_for_budget(p, budget=b)
+
+    recompute_least = solve("min").predicted_peak_bytes
+    with pytest.raises(InfeasibleBudget) as err:
+        choose(p, solve, 1000, mode="lossless", costs=DEFAULT_CODEC_COSTS)
+    e = err.value
+    assert e.budget_bytes == 1000 and e.min_feasible_bytes < recompute_least
+    assert f"at least {e.min_feasible_bytes} bytes" in str(e) and "lossless compression" in str(e)
+    fitted = choose(p, solve, e.min_feasible_bytes, mode="lossless", costs=DEFAULT_CODEC_COSTS)
+    assert fitted.compressed and fitted.predicted_peak_bytes <= e.min_feasible_bytes

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from memfit.planning.compression import (
     BOOL_BITS,
@@ -53,6 +53,9 @@ from memfit.planning.compression import (
 )
 from memfit.planning.plan import Plan, Region
 from memfit.profiling.profile import Profile, StorageKind, StorageRecord
+
+if TYPE_CHECKING:
+    from memfit.errors import InfeasibleBudget
 
 __all__ = ["Candidate", "candidates", "compressed_peak", "with_compression", "choose", "codec_seconds"]
 
@@ -347,6 +350,26 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
                                recompute_s=plan.recompute_s + codec_s, notes=(*plan.notes, note))
 
 
+def _smallest_compressed(error: InfeasibleBudget, options: Sequence[Plan], kind: str) -> InfeasibleBudget:
+    """The error to raise when nothing fits: naming the smallest peak of the compressed
+    options (each with every candidate outside its regions compressed, none having fit) where
+    it is below the recompute-only one, else the recompute-only error itself."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.units import format_bytes
+
+    smallest = min((p.predicted_peak_bytes for p in options), default=error.min_feasible_bytes)
+    if smallest >= error.min_feasible_bytes:
+        return error
+    least = error.min_feasible_bytes
+    return InfeasibleBudget(
+        f"budget {format_bytes(error.budget_bytes)} ({error.budget_bytes} bytes) is below the "
+        f"smallest peak memfit found with {kind} compression: {format_bytes(smallest)} "
+        f"({smallest} bytes; recompute alone reaches {format_bytes(least)}, {least} bytes). Give "
+        f"a budget of at least {smallest} bytes" + (", or compress='lossy'" if kind == "lossless" else ""),
+        budget_bytes=error.budget_bytes, min_feasible_bytes=smallest,
+        fits_with=(f"a budget of at least {smallest} bytes",))
+
+
 def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
            budget: int | float | str | None, *, mode: str = "lossless",
            lossy_codec: str = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None) -> Plan:
@@ -412,14 +435,14 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         # regions, is the last to try (the looser budgets' fastest plans may hold the
         # compressible tensors inside their regions; the chain solver's did on a zoo GPT)
         try:
-            least = compress(solve("min"))
+            options.append(least := compress(solve("min")))
         except InfeasibleBudget:
             least = None
         if least is not None and least.predicted_peak_bytes <= cap:
             fits = [least]
     if not fits:
         if error is not None:
-            raise error
+            raise _smallest_compressed(error, options, kind)
         return options[0]
     best = min(fits, key=lambda p: (p.recompute_s, p.predicted_peak_bytes))
     return dataclasses.replace(best, budget_bytes=cap)
