@@ -156,3 +156,78 @@ def test_unet_pool_indices_narrowed_and_its_input_freed_bitwise() -> None:
     # an 8^3 plane (values < 512): int16, 256 B
     comp = compressor(model)
     assert (comp.raw_bytes, comp.packed_bytes, comp.geometry_saves) == (4096 + 1024, 128 + 256, 1)
+
+
+def _abn_net(inplace: bool = True, act: type = nn.LeakyReLU) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    c = 3
+    for _ in range(3):
+        a = act(0.1, inplace=inplace) if act is nn.LeakyReLU else act(inplace=inplace)
+        layers += [nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), a]
+        c = 16
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2))
+
+
+def _abn_plan(p):
+    from memfit.planning.compress_pass import candidates, compressed_peak
+    from memfit.planning.simulate import simulate
+
+    plain = Plan((), p.peak_bytes, 0.0, None, "none", p.signature, plain_peak_bytes=p.peak_bytes)
+    chosen = [c for c in candidates(p, mode="lossy") if c.entry.codec == "inplace_abn"]
+    sim = simulate(p, plain)
+    return Plan((), compressed_peak(p, sim.live_bytes, sim.positions, chosen), 0.0, None, "none",
+                p.signature, plain_peak_bytes=p.peak_bytes,
+                compressed=tuple(e for c in chosen for e in c.entries))
+
+
+def test_inplace_abn_candidates_only_for_an_in_place_leaky_relu() -> None:
+    import memfit
+    from memfit.planning.compress_pass import candidates
+
+    x = torch.randn(8, 3, 32, 32)
+    p = memfit.profile(_abn_net(), x)
+    abn = [c for c in candidates(p, mode="lossy") if c.entry.codec == "inplace_abn"]
+    # each norm's input (8, 16, 32, 32) fp32 = 524,288 B, kept as its 16 means and invstds
+    assert [(c.entry.module, c.entry.raw_bytes, c.entry.packed_bytes) for c in abn] == [
+        ("1", 524_288, 128), ("4", 524_288, 128), ("7", 524_288, 128)]
+    assert [tuple(e.module for e in c.extra) for c in abn] == [("2",), ("5",), ("8",)]
+    assert not [c for c in candidates(p) if c.entry.codec == "inplace_abn"]  # lossless: never
+    for other in (_abn_net(inplace=False), _abn_net(act=nn.ReLU)):  # not invertible / not in place
+        q = memfit.profile(other, x)
+        assert not [c for c in candidates(q, mode="lossy") if c.entry.codec == "inplace_abn"]
+
+
+def test_inplace_abn_peak_as_predicted_and_gradients_within_the_stated_bound() -> None:
+    import memfit
+
+    x = torch.randn(8, 3, 32, 32)
+    model, twin = pair(_abn_net)
+    p = memfit.profile(model, x)
+    plan = _abn_plan(p)
+    assert plan.lossy and "LOSSY" in str(plan)
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    # predicted exactly (measured 3,185,808 B = predicted), a quarter under plain (4,234,128 B)
+    assert abs(report.peak_bytes - plan.predicted_peak_bytes) <= 32, (report.peak_bytes, plan.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= 0.8 * p.peak_bytes
+    apply_plan(model, plan)
+    for m in (model, twin):
+        m(x).square().sum().backward()
+    scale = max(float(q.grad.abs().max()) for q in twin.parameters())
+    for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=2.0**-18 * scale, msg=n)
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):  # running statistics
+        assert torch.equal(a, b)
+    comp = compressor(model)
+    assert comp.raw_bytes == 3 * 524_288
+
+
+def test_inplace_abn_planned_on_an_in_place_model_is_exact_where_the_activation_is_not() -> None:
+    import memfit
+
+    x = torch.randn(4, 3, 16, 16)
+    plan = _abn_plan(memfit.profile(_abn_net(), x))
+    model, twin = pair(lambda: _abn_net(inplace=False))  # same modules, activations out of place
+    apply_plan(model, plan)
+    # the norm's input is never let go: the step stays the plain one, bit for bit
+    assert_bitwise_twin(model, twin, (x,))

@@ -37,9 +37,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from memfit.planning.compression import (
+    ABN_ACTIVATIONS,
+    ABN_NORMS,
     BOOL_BITS,
     DEFAULT_CODEC_COSTS,
     DEFAULT_LOSSY_CODEC,
+    INPLACE_ABN,
     NARROW_INT,
     SHAPE_ONLY,
     SHAPE_READERS,
@@ -174,6 +177,29 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
                 numel *= d
             if numel == 0 or numel * itemsize != rec.nbytes:
                 continue  # a view of part of a storage: packing it frees nothing
+            abn = _abn_pair(profile, rec, regions, starts) if mode == "lossy" else None
+            if abn is not None:  # NOTE [in-place activated batch norm]
+                # the norm's output is held whole until the norm's backward: no codec on it
+                seen.update((rec.id, profile.ops[abn[0]].outputs[0].storage))
+                (bn_key, bn_call), (act_key, act_call) = (_key_in_call(profile, j, calls) for j in abn)
+                bn, act = (profile.ops[j] for j in abn)
+                # its packed form: the per-channel mean and invstd the rebuild needs (fp32)
+                channels = bn.outputs[0].shape[1] if len(bn.outputs[0].shape) > 1 else 1
+                entry = Compressed(f"{bn.name}#{bn_key}", INPLACE_ABN.name, bn.module, rec.nbytes,
+                                   2 * 4 * channels, 0, bn_call)
+                extra_abn = (Compressed(f"{act.name}#{act_key}", INPLACE_ABN.name, act.module, call=act_call),)
+                used = rec.last_forward_use if rec.last_forward_use is not None else op.index
+                # rebuilt in place in the norm's output, which is then held until the norm's
+                # backward lets its input go: an input-sized tensor from the output's release
+                # to then (a read window of that size)
+                out_release = profile.storage(bn.outputs[0].storage).freed_after
+                release = _release(profile, rec.id)
+                held: tuple[tuple[int, int], ...] = (
+                    ((out_release + 1, release),) if out_release is not None and release is not None
+                    and out_release < release else ())
+                out.append(Candidate(entry, rec.id, op.index, max(used, op.index), release, held,
+                                     extra_abn))
+                continue
             geometry = _geometry_saves(profile, op.index, rec, regions, starts)
             codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec,
                                geometry)
@@ -194,6 +220,38 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
             out.append(Candidate(entry, rec.id, op.index, max(used, op.index),
                                  _release(profile, rec.id), reads, extra))
     return out
+
+
+def _abn_pair(profile: Profile, rec: StorageRecord, regions: Sequence[Region],
+              starts: dict[str, int]) -> tuple[int, int] | None:
+    """(batch norm, activation) op indices where ``rec`` is the input of a batch norm that alone
+    saves it, whose output the next op, an in-place leaky relu outside every region, writes,
+    and nothing else writes in the forward (NOTE [in-place activated batch norm]); else None."""
+    if len(rec.saves) != 1 or rec.saves[0][1] is None:
+        return None
+    # the save is counted at the op before the batch norm where both run in its module
+    # (autograd saves an op's inputs before the op runs: NOTE [saved tensors])
+    j = next((k for k in (rec.saves[0][0], rec.saves[0][0] + 1) if k < profile.n_forward
+              and profile.ops[k].name in ABN_NORMS), None)
+    if j is None:
+        return None
+    bn = profile.ops[j]
+    if not bn.inputs or bn.inputs[0] != rec.id or not bn.outputs:
+        return None
+    z = bn.outputs[0].storage
+    if j + 1 >= profile.n_forward:
+        return None
+    act = profile.ops[j + 1]
+    if act.name not in ABN_ACTIVATIONS or not act.outputs or act.outputs[0].storage != z:
+        return None
+    writers = [o.index for o in profile.ops[: profile.n_forward]
+               if o.inplace and any(t.storage == z for t in o.outputs)]
+    if writers != [act.index]:
+        return None
+    for o in (bn, act):
+        if _in_regions(o.module, regions) or o.module not in starts:
+            return None
+    return j, act.index
 
 
 class _ModuleCalls:

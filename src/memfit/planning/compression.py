@@ -28,7 +28,8 @@ NOTE [what lossy means]
     is then bitwise the plain step, and ``verify`` checks that. A plan with any LOSSY codec
     (bf16, fp8_e4m3, int8_blockwise) changes the gradients: ``verify`` then reports their
     largest relative error over parameters (``gradient_rel_error``) and never claims bitwise
-    equality.
+    equality. A REBUILT codec (``inplace_abn``) is lossy in the same sense: the gradients differ
+    by the roundings its ``keeps`` states; it is used only with ``compress="lossy"``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Any
 
 __all__ = ["Exactness", "CodecSpec", "CODEC_SPECS", "codec_spec", "codec_packed_bytes", "Compressed",
            "BLOCK", "CodecCosts", "codec_costs_on", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
-           "LOSSY_CODECS", "SIGN_READERS", "SHAPE_READERS", "SHAPE_ONLY", "check_lossy_codec", "BOOL_BITS",
+           "LOSSY_CODECS", "SIGN_READERS", "SHAPE_READERS", "SHAPE_ONLY", "INPLACE_ABN", "ABN_NORMS",
+           "ABN_ACTIVATIONS", "check_lossy_codec", "BOOL_BITS",
            "TWO_LEVEL",
            "NARROW_INT", "SIGN_BIT", "BF16", "FP8_E4M3", "INT8_BLOCKWISE"]
 
@@ -51,6 +53,7 @@ class Exactness(str, enum.Enum):
     EXACT = "exact"  # decode(encode(x)) is bitwise x
     SIGN = "sign"    # only "not x <= 0" survives: exact for a reader that compares with 0 only
     SHAPE = "shape"  # only the shape, dtype and device survive: exact for a reader of those only
+    REBUILT = "rebuilt"  # rebuilt in backward from another saved tensor: a few roundings off
     LOSSY = "lossy"  # bounded error (each CodecSpec.keeps states its bound)
 
 
@@ -128,6 +131,12 @@ SHAPE_ONLY = CodecSpec("shape_only", Exactness.SHAPE, _nothing, 0.0,
                        "of one element). Exact for a node that reads its saved input's geometry "
                        "alone (SHAPE_READERS: max pool's backward scatters by its indices), wrong "
                        "for any other", passes=0.0, ops=1)
+INPLACE_ABN = CodecSpec("inplace_abn", Exactness.REBUILT, _nothing, 2.0e-9,
+                        "batch norm's input, kept as nothing: rebuilt in backward from the "
+                        "output of the in-place leaky relu after it (z = y, or y / slope where "
+                        "y < 0; x = (z - bias) / weight / invstd + mean): fp32 roundings of x, "
+                        "|x' - x| <= 2^-20 (|x| + |mean| + |bias / weight| / invstd) (NOTE "
+                        "[in-place activated batch norm])", passes=4.0, ops=10)
 BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
                  "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x", passes=3.0, ops=2)
 FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,
@@ -139,10 +148,12 @@ INT8_BLOCKWISE = CodecSpec("int8_blockwise", Exactness.LOSSY, _byte_and_block_sc
 
 # the registry: every codec memfit knows, by name (NOTE [adding a codec])
 CODEC_SPECS: dict[str, CodecSpec] = {c.name: c for c in (
-    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, SHAPE_ONLY, BF16, FP8_E4M3, INT8_BLOCKWISE)}
+    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, SHAPE_ONLY, INPLACE_ABN, BF16, FP8_E4M3,
+    INT8_BLOCKWISE)}
 
 # the codecs a lossless plan may use (SIGN, SHAPE only for their readers: NOTE [what lossy means])
-LOSSLESS_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is not Exactness.LOSSY)
+LOSSLESS_CODECS = tuple(n for n, c in CODEC_SPECS.items()
+                        if c.exactness not in (Exactness.LOSSY, Exactness.REBUILT))
 # the codecs ``compress="lossy"`` may put on the other fp32 activations (``lossy_codec=``)
 LOSSY_CODECS = tuple(n for n, c in CODEC_SPECS.items() if c.exactness is Exactness.LOSSY)
 DEFAULT_LOSSY_CODEC = BF16.name
@@ -157,6 +168,13 @@ SIGN_READERS = {"aten.relu.default": "ReluBackward", "aten.relu_.default": "Relu
 # point; it reads the input for its sizes and memory format only).
 SHAPE_READERS = {"aten.max_pool2d_with_indices.default": "max_pool2d",
                  "aten.max_pool3d_with_indices.default": "max_pool3d"}
+
+# Batch norms whose saved input INPLACE_ABN rebuilds, and the in-place activation after them
+# it inverts, with the torch.nn.functional calls that run them (NOTE [in-place activated
+# batch norm] in memfit.runtime.compress)
+ABN_NORMS = {"aten.native_batch_norm.default": "batch_norm", "aten.cudnn_batch_norm.default": "batch_norm",
+             "aten._native_batch_norm_legit.default": "batch_norm"}
+ABN_ACTIVATIONS = {"aten.leaky_relu_.default": "leaky_relu"}
 
 
 def codec_costs_on(bandwidth_bytes_per_s: float, op_overhead_s: float) -> CodecCosts:
@@ -258,7 +276,7 @@ class Compressed:
 
     @property
     def lossless(self) -> bool:
-        return CODEC_SPECS[self.codec].exactness is not Exactness.LOSSY
+        return CODEC_SPECS[self.codec].exactness not in (Exactness.LOSSY, Exactness.REBUILT)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "codec": self.codec, "module": self.module,

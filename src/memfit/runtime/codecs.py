@@ -31,6 +31,7 @@ from memfit.planning.compression import (
     BOOL_BITS,
     CODEC_SPECS,
     FP8_E4M3,
+    INPLACE_ABN,
     INT8_BLOCKWISE,
     NARROW_INT,
     SHAPE_ONLY,
@@ -267,6 +268,23 @@ class _ShapeOnly(Codec):
         return torch.zeros((), dtype=p.dtype, device=p.meta[0]).expand(p.shape)
 
 
+class _InplaceAbn(Codec):
+    """Rebuilds need the norm's output and statistics, which a tensor alone does not carry: the
+    Compressor does it (NOTE [in-place activated batch norm] in memfit.runtime.compress); on
+    its own this codec keeps a tensor whole."""
+
+    spec = INPLACE_ABN
+
+    def accepts(self, dtype):
+        return dtype.is_floating_point
+
+    def encode(self, t):
+        return _raw(t)
+
+    def decode(self, p):
+        return p.data[0]
+
+
 class _Bf16(Codec):
     spec = BF16
 
@@ -344,8 +362,8 @@ class _Int8Blockwise(Codec):
 # one implementation per entry of the registry (NOTE [adding a codec]; tests/runtime/
 # test_codecs.py checks that these and CODEC_SPECS name the same codecs)
 _IMPLEMENTATIONS: tuple[Codec, ...] = (
-    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _ShapeOnly(), _Bf16(), _Fp8E4m3(),
-    _Int8Blockwise())
+    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _ShapeOnly(), _InplaceAbn(), _Bf16(),
+    _Fp8E4m3(), _Int8Blockwise())
 CODECS: dict[str, Codec] = {name: c for name in CODEC_SPECS for c in _IMPLEMENTATIONS
                             if c.spec is CODEC_SPECS[name]}
 

@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from memfit._torch import TorchDispatchMode, no_python_dispatch
 from memfit.ops import op_name
-from memfit.planning.compression import SHAPE_READERS, SIGN_READERS
+from memfit.planning.compression import ABN_ACTIVATIONS, ABN_NORMS, SHAPE_READERS, SIGN_READERS
 from memfit.runtime.codecs import Codec, Exactness, Packed, codec
 
 __all__ = ["Compressor", "SIGN_READERS"]
@@ -134,6 +134,14 @@ class Compressor:
             if c.exactness is Exactness.SIGN and overload not in SIGN_READERS:
                 raise ValueError(f"{key}: the codec {name!r} keeps only the sign, which only the "
                                  f"nodes of {sorted(SIGN_READERS)} read alone")
+            if c.exactness is Exactness.REBUILT:  # NOTE [in-place activated batch norm]
+                calls_of = {**ABN_NORMS, **ABN_ACTIVATIONS}
+                if overload not in calls_of:
+                    raise ValueError(f"{key}: the codec {name!r} rebuilds the input of "
+                                     f"{sorted(ABN_NORMS)} from the output of {sorted(ABN_ACTIVATIONS)}")
+                calls = self.shape_by_module.setdefault(module, {})
+                calls.setdefault(calls_of[overload], {}).setdefault(int(k), {})[call] = (c, int(output))
+                continue
             if c.exactness is Exactness.SHAPE:
                 if overload not in SHAPE_READERS:
                     raise ValueError(f"{key}: the codec {name!r} keeps only the geometry, which only "
@@ -147,7 +155,8 @@ class Compressor:
         self.packed_bytes = 0
         self.kept_whole = 0
         self.geometry_saves = 0  # saves packed as shape_only (no bytes: not in raw/packed_bytes)
-        self.shape: tuple[weakref.ref, Codec] | None = None  # NOTE [geometry-only readers]
+        self.shape: tuple[weakref.ref, Any] | None = None  # NOTE [geometry-only readers]
+        self.abn_pending: _Rebuilt | None = None  # a norm's, until its activation runs
         # storage address -> (the storage, weakly; codec; the shared Packed, weakly, or None)
         self.tagged: dict[int, tuple[weakref.ref, Codec, Any]] = {}
         self.sign: tuple[weakref.ref, Codec, str] | None = None  # NOTE [sign-only readers]
@@ -197,11 +206,15 @@ class Compressor:
             self.tagged.clear()  # the forward is over: nothing more is saved
             self.sign = None
             self.shape = None
+            self.abn_pending = None
             if hooks is not None:
                 hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self.shape is not None and self.shape[0]() is t.untyped_storage():
+            if isinstance(self.shape[1], _Rebuilt):  # the norm's save of its input
+                self.raw_bytes += t.untyped_storage().nbytes()
+                return self.shape[1]
             packed = self.shape[1].encode(t)  # no ops: nothing to dispatch
             if packed.raw:
                 self.kept_whole += 1
@@ -246,6 +259,9 @@ class Compressor:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Rebuilt):
+        with no_python_dispatch():
+            return packed.rebuild()
     if isinstance(packed, Packed):
         with no_python_dispatch():
             return codec(packed.codec).decode(packed)
@@ -289,9 +305,11 @@ class _Tagging(TorchDispatchMode):
         return out
 
 
-# torch.nn.functional's max pools (and torch's own), by name: the SHAPE_READERS call each runs
+# torch.nn.functional's max pools (and torch's own), by name: the SHAPE_READERS call each runs;
+# and the batch norms and activations of NOTE [in-place activated batch norm]
 _SHAPE_CALLS = {name: call for call in SHAPE_READERS.values()
                 for name in (call, f"{call}_with_indices")}
+_SHAPE_CALLS.update({call: call for call in (*ABN_NORMS.values(), *ABN_ACTIVATIONS.values())})
 
 
 class _ShapeTagging(TorchFunctionMode):
@@ -317,6 +335,10 @@ class _ShapeTagging(TorchFunctionMode):
         x = args[0] if args else kwargs.get("input")
         if found is None or not isinstance(x, torch.Tensor):
             return func(*args, **kwargs)
+        if found[0].exactness is Exactness.REBUILT:
+            if call == "batch_norm":
+                return _norm(self.owner, func, args, kwargs)
+            return _activation(self.owner, func, args, kwargs)
         self.owner.shape = (weakref.ref(x.untyped_storage()), found[0])
         try:
             return func(*args, **kwargs)
@@ -330,3 +352,76 @@ def _for_call(by_call: dict[int | None, tuple[Codec, int]] | None, call: int) ->
         return None
     found = by_call.get(call)
     return found if found is not None else by_call.get(None)
+
+
+class _Rebuilt:
+    """A batch norm's saved input, rebuilt in backward from the output of the in-place leaky
+    relu after it (NOTE [in-place activated batch norm]). Holds the input itself until the
+    activation has run on the norm's output (``x`` None afterwards)."""
+
+    def __init__(self, x: torch.Tensor, weight: Any, bias: Any, eps: float) -> None:
+        self.x: torch.Tensor | None = x
+        self.weight, self.bias, self.eps = weight, bias, eps
+        self.out: torch.Tensor | None = None
+        self.mean: torch.Tensor | None = None
+        self.invstd: torch.Tensor | None = None
+        self.slope = 0.0
+        self.version = -1
+
+    def rebuild(self) -> torch.Tensor:
+        if self.x is not None:
+            return self.x
+        y, self.out = self.out, None
+        if y is None:
+            raise RuntimeError("memfit: a batch norm's input rebuilt in place from its activation's "
+                               "output can be unpacked once (NOTE [in-place activated batch norm]): "
+                               "backward with retain_graph=True needs a plan without "
+                               "compress='lossy'")
+        assert self.mean is not None and self.invstd is not None
+        if y._version != self.version:
+            raise RuntimeError("memfit: a batch norm's output was written again after its in-place "
+                               "activation, so its input cannot be rebuilt for the backward (NOTE "
+                               "[in-place activated batch norm]); plan without compress='lossy'")
+        # in place: every other reader of y (the activation's and the next op's backward) has
+        # run by the time the norm's backward unpacks its input
+        shape = [1, -1] + [1] * (y.dim() - 2)
+        torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
+        if self.bias is not None:
+            y.sub_(self.bias.detach().view(shape))
+        scale = self.invstd if self.weight is None else self.invstd * self.weight.detach()
+        return y.div_(scale.view(shape)).add_(self.mean.view(shape))
+
+
+def _norm(owner: Compressor, func: Any, args: tuple, kwargs: dict) -> Any:
+    """F.batch_norm with its input's save taken by a _Rebuilt (training mode, nonzero weight)."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+    bound = dict(zip(names, args, strict=False)) | kwargs  # args may stop early
+    x, weight, eps = bound["input"], bound.get("weight"), float(bound.get("eps", 1e-5))
+    if not bound.get("training", False) or (weight is not None and not bool((weight != 0).all())):
+        return func(*args, **kwargs)  # kept whole: eval statistics, or a weight that is 0
+    held = _Rebuilt(x, weight, bound.get("bias"), eps)
+    owner.shape = (weakref.ref(x.untyped_storage()), held)
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        owner.shape = None
+    with torch.no_grad(), no_python_dispatch():
+        dims = [d for d in range(x.dim()) if d != 1]
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        held.mean, held.invstd = mean, torch.rsqrt(var + eps)
+    held.out = out
+    owner.abn_pending = held
+    return out
+
+
+def _activation(owner: Compressor, func: Any, args: tuple, kwargs: dict) -> Any:
+    """F.leaky_relu: in place on the pending norm's output, the norm's input is let go."""
+    x = args[0] if args else kwargs["input"]
+    slope = float(args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01))
+    inplace = bool(args[2] if len(args) > 2 else kwargs.get("inplace", False))
+    held, owner.abn_pending = owner.abn_pending, None
+    out = func(*args, **kwargs)
+    if (held is not None and held.out is not None and inplace and slope > 0
+            and x.untyped_storage() is held.out.untyped_storage()):
+        held.slope, held.version, held.x = slope, held.out._version, None
+    return out
