@@ -36,16 +36,20 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from memfit.planning.compress_readers import (
+    ModuleCalls,
+    abn_pair,
+    geometry_saves,
+    in_regions,
+    key_in_call,
+)
 from memfit.planning.compression import (
-    ABN_ACTIVATIONS,
-    ABN_NORMS,
     BOOL_BITS,
     DEFAULT_CODEC_COSTS,
     DEFAULT_LOSSY_CODEC,
     INPLACE_ABN,
     NARROW_INT,
     SHAPE_ONLY,
-    SHAPE_READERS,
     SIGN_BIT,
     SIGN_READERS,
     TWO_LEVEL,
@@ -94,14 +98,6 @@ class Candidate:
     def entries(self) -> tuple[Compressed, ...]:
         """The plan's entries for this storage: its codec's, then the ``extra`` ones."""
         return (self.entry, *self.extra)
-
-
-def _in_regions(path: str, regions: Sequence[Region]) -> bool:
-    for r in regions:
-        for m in r.modules:
-            if m == "" or path == m or path.startswith(m + "."):
-                return True
-    return False
 
 
 def _release(profile: Profile, sid: int) -> int | None:
@@ -158,14 +154,14 @@ def _region_inputs(profile: Profile, regions: Sequence[Region]) -> set[int]:
 def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mode: CompressMode,
           lossy_codec: str, seen: set[int]) -> list[Candidate]:
     starts = {m.path: m.first_op for m in profile.modules if m.first_op is not None}
-    calls = _ModuleCalls(profile)
+    calls = ModuleCalls(profile)
     out: list[Candidate] = []
     for op in profile.ops[first: last + 1]:
-        if _in_regions(op.module, regions) or op.module not in starts:
+        if in_regions(op.module, regions) or op.module not in starts:
             continue
         # the key counts within the op's module's call (NOTE [compression through saved-tensor
         # hooks] in memfit.runtime.compress)
-        k, call = _key_in_call(profile, op.index, calls)
+        k, call = key_in_call(profile, op.index, calls)
         for index, meta in enumerate(op.outputs):
             rec = profile.storage(meta.storage)
             itemsize = _ITEMSIZE.get(meta.dtype)
@@ -177,11 +173,11 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
                 numel *= d
             if numel == 0 or numel * itemsize != rec.nbytes:
                 continue  # a view of part of a storage: packing it frees nothing
-            abn = _abn_pair(profile, rec, regions, starts) if mode == "lossy" else None
+            abn = abn_pair(profile, rec, regions, starts) if mode == "lossy" else None
             if abn is not None:  # NOTE [in-place activated batch norm]
                 # the norm's output is held whole until the norm's backward: no codec on it
                 seen.update((rec.id, profile.ops[abn[0]].outputs[0].storage))
-                (bn_key, bn_call), (act_key, act_call) = (_key_in_call(profile, j, calls) for j in abn)
+                (bn_key, bn_call), (act_key, act_call) = (key_in_call(profile, j, calls) for j in abn)
                 bn, act = (profile.ops[j] for j in abn)
                 # its packed form: the per-channel mean and invstd the rebuild needs (fp32)
                 channels = bn.outputs[0].shape[1] if len(bn.outputs[0].shape) > 1 else 1
@@ -200,7 +196,7 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
                 out.append(Candidate(entry, rec.id, op.index, max(used, op.index), release, held,
                                      extra_abn))
                 continue
-            geometry = _geometry_saves(profile, op.index, rec, regions, starts)
+            geometry = geometry_saves(profile, op.index, rec, regions, starts)
             codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec,
                                geometry)
             if codec is None:
@@ -211,7 +207,7 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
             extra: tuple[Compressed, ...] = ()
             if codec == SIGN_BIT.name:
                 extra = tuple(Compressed(f"{profile.ops[j].name}#{kj}", SHAPE_ONLY.name, module, call=cj)
-                              for module, j, (kj, cj) in ((m, j, _key_in_call(profile, j, calls))
+                              for module, j, (kj, cj) in ((m, j, key_in_call(profile, j, calls))
                                                           for _, m, j in geometry))
             by_shape = {j for _, _, j in geometry} if extra else set()
             used = rec.last_forward_use if rec.last_forward_use is not None else op.index
@@ -220,85 +216,6 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
             out.append(Candidate(entry, rec.id, op.index, max(used, op.index),
                                  _release(profile, rec.id), reads, extra))
     return out
-
-
-def _abn_pair(profile: Profile, rec: StorageRecord, regions: Sequence[Region],
-              starts: dict[str, int]) -> tuple[int, int] | None:
-    """(batch norm, activation) op indices where ``rec`` is the input of a batch norm that alone
-    saves it, whose output the next op, an in-place leaky relu outside every region, writes,
-    and nothing else writes in the forward (NOTE [in-place activated batch norm]); else None."""
-    if len(rec.saves) != 1 or rec.saves[0][1] is None:
-        return None
-    # the save is counted at the op before the batch norm where both run in its module
-    # (autograd saves an op's inputs before the op runs: NOTE [saved tensors])
-    j = next((k for k in (rec.saves[0][0], rec.saves[0][0] + 1) if k < profile.n_forward
-              and profile.ops[k].name in ABN_NORMS), None)
-    if j is None:
-        return None
-    bn = profile.ops[j]
-    if not bn.inputs or bn.inputs[0] != rec.id or not bn.outputs:
-        return None
-    z = bn.outputs[0].storage
-    if j + 1 >= profile.n_forward:
-        return None
-    act = profile.ops[j + 1]
-    if act.name not in ABN_ACTIVATIONS or not act.outputs or act.outputs[0].storage != z:
-        return None
-    writers = [o.index for o in profile.ops[: profile.n_forward]
-               if o.inplace and any(t.storage == z for t in o.outputs)]
-    if writers != [act.index]:
-        return None
-    for o in (bn, act):
-        if _in_regions(o.module, regions) or o.module not in starts:
-            return None
-    return j, act.index
-
-
-class _ModuleCalls:
-    """Where each call of a module begins: runs of consecutive forward ops inside the module
-    (its children's included), computed per module on first use."""
-
-    def __init__(self, profile: Profile) -> None:
-        self.profile = profile
-        self.starts: dict[str, list[int]] = {}
-
-    def of(self, path: str) -> list[int]:
-        found = self.starts.get(path)
-        if found is None:
-            # over the whole forward: a module's record spans its first call only
-            inside = [path == "" or o.module == path or o.module.startswith(path + ".")
-                      for o in self.profile.ops[: self.profile.n_forward]]
-            found = [n for n, ok in enumerate(inside) if ok and (n == 0 or not inside[n - 1])]
-            self.starts[path] = found
-        return found
-
-
-def _key_in_call(profile: Profile, j: int, calls: _ModuleCalls) -> tuple[int, int | None]:
-    """Op ``j``'s count among its overload's calls within its module's call, and which call of
-    the module that is (None where the forward calls the module once)."""
-    op = profile.ops[j]
-    starts = calls.of(op.module)
-    n = sum(1 for s in starts if s <= j) - 1
-    k = sum(1 for o in profile.ops[starts[n]: j] if o.name == op.name)
-    return k, (n if len(starts) > 1 else None)
-
-
-def _geometry_saves(profile: Profile, i: int, rec: StorageRecord, regions: Sequence[Region],
-                    starts: dict[str, int]) -> list[tuple[str, str, int]]:
-    """``(key, module, op)`` of each save of ``rec`` after op ``i``'s by a max pool reading it
-    as its input outside every region (NOTE [geometry-only readers]); [] unless every save
-    after op ``i``'s is one."""
-    found = []
-    for j, _, _ in rec.saves:
-        if j == i:
-            continue
-        op = profile.ops[j]
-        if (op.name not in SHAPE_READERS or not op.inputs or op.inputs[0] != rec.id
-                or _in_regions(op.module, regions) or op.module not in starts):
-            return []
-        k = sum(1 for o in profile.ops[starts[op.module]: j] if o.name == op.name)
-        found.append((f"{op.name}#{k}", op.module, j))
-    return found
 
 
 def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec: StorageRecord,

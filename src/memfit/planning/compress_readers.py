@@ -1,0 +1,106 @@
+"""Saves that only a reader-specific codec may take, and where an op is within its module's call.
+
+What ``memfit.planning.compress_pass`` asks of a profile beyond a storage's own facts: whether
+a max pool's save of a relu result reads its geometry alone (NOTE [geometry-only readers] in
+``memfit.runtime.compress``), whether a batch norm's saved input can be rebuilt from the
+in-place leaky relu after it (NOTE [in-place activated batch norm]), and the key of an op
+within its module's call (a module the forward calls more than once: which call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfit.planning.compression import ABN_ACTIVATIONS, ABN_NORMS, SHAPE_READERS
+from memfit.planning.plan import Region
+from memfit.profiling.profile import Profile, StorageRecord
+
+__all__ = ["ModuleCalls", "abn_pair", "geometry_saves", "in_regions", "key_in_call"]
+
+
+def in_regions(path: str, regions: Sequence[Region]) -> bool:
+    """Whether module ``path`` runs inside one of ``regions``."""
+    for r in regions:
+        for m in r.modules:
+            if m == "" or path == m or path.startswith(m + "."):
+                return True
+    return False
+
+
+def abn_pair(profile: Profile, rec: StorageRecord, regions: Sequence[Region],
+             starts: dict[str, int]) -> tuple[int, int] | None:
+    """(batch norm, activation) op indices where ``rec`` is the input of a batch norm that alone
+    saves it, whose output the next op, an in-place leaky relu outside every region, writes,
+    and nothing else writes in the forward (NOTE [in-place activated batch norm]); else None."""
+    if len(rec.saves) != 1 or rec.saves[0][1] is None:
+        return None
+    # the save is counted at the op before the batch norm where both run in its module
+    # (autograd saves an op's inputs before the op runs: NOTE [saved tensors])
+    j = next((k for k in (rec.saves[0][0], rec.saves[0][0] + 1) if k < profile.n_forward
+              and profile.ops[k].name in ABN_NORMS), None)
+    if j is None:
+        return None
+    bn = profile.ops[j]
+    if not bn.inputs or bn.inputs[0] != rec.id or not bn.outputs:
+        return None
+    z = bn.outputs[0].storage
+    if j + 1 >= profile.n_forward:
+        return None
+    act = profile.ops[j + 1]
+    if act.name not in ABN_ACTIVATIONS or not act.outputs or act.outputs[0].storage != z:
+        return None
+    writers = [o.index for o in profile.ops[: profile.n_forward]
+               if o.inplace and any(t.storage == z for t in o.outputs)]
+    if writers != [act.index]:
+        return None
+    for o in (bn, act):
+        if in_regions(o.module, regions) or o.module not in starts:
+            return None
+    return j, act.index
+
+
+class ModuleCalls:
+    """Where each call of a module begins: runs of consecutive forward ops inside the module
+    (its children's included), computed per module on first use."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.starts: dict[str, list[int]] = {}
+
+    def of(self, path: str) -> list[int]:
+        found = self.starts.get(path)
+        if found is None:
+            # over the whole forward: a module's record spans its first call only
+            inside = [path == "" or o.module == path or o.module.startswith(path + ".")
+                      for o in self.profile.ops[: self.profile.n_forward]]
+            found = [n for n, ok in enumerate(inside) if ok and (n == 0 or not inside[n - 1])]
+            self.starts[path] = found
+        return found
+
+
+def key_in_call(profile: Profile, j: int, calls: ModuleCalls) -> tuple[int, int | None]:
+    """Op ``j``'s count among its overload's calls within its module's call, and which call of
+    the module that is (None where the forward calls the module once)."""
+    op = profile.ops[j]
+    starts = calls.of(op.module)
+    n = sum(1 for s in starts if s <= j) - 1
+    k = sum(1 for o in profile.ops[starts[n]: j] if o.name == op.name)
+    return k, (n if len(starts) > 1 else None)
+
+
+def geometry_saves(profile: Profile, i: int, rec: StorageRecord, regions: Sequence[Region],
+                   starts: dict[str, int]) -> list[tuple[str, str, int]]:
+    """``(key, module, op)`` of each save of ``rec`` after op ``i``'s by a max pool reading it
+    as its input outside every region (NOTE [geometry-only readers]); [] unless every save
+    after op ``i``'s is one."""
+    found = []
+    for j, _, _ in rec.saves:
+        if j == i:
+            continue
+        op = profile.ops[j]
+        if (op.name not in SHAPE_READERS or not op.inputs or op.inputs[0] != rec.id
+                or in_regions(op.module, regions) or op.module not in starts):
+            return []
+        k = sum(1 for o in profile.ops[starts[op.module]: j] if o.name == op.name)
+        found.append((f"{op.name}#{k}", op.module, j))
+    return found
