@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from memfit._torch import TorchDispatchMode, no_python_dispatch
+from memfit._torch import TorchDispatchMode, no_python_dispatch, tensor_version
 from memfit.ops import op_name
 from memfit.planning.compression import ABN_ACTIVATIONS, ABN_NORMS, SHAPE_READERS, SIGN_READERS
 from memfit.runtime.codecs import Codec, Exactness, Packed, codec
@@ -378,7 +378,7 @@ class _Rebuilt:
                                "backward with retain_graph=True needs a plan without "
                                "compress='lossy'")
         assert self.mean is not None and self.invstd is not None
-        if y._version != self.version:
+        if tensor_version(y) != self.version:
             raise RuntimeError("memfit: a batch norm's output was written again after its in-place "
                                "activation, so its input cannot be rebuilt for the backward (NOTE "
                                "[in-place activated batch norm]); plan without compress='lossy'")
@@ -423,5 +423,5 @@ def _activation(owner: Compressor, func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*args, **kwargs)
     if (held is not None and held.out is not None and inplace and slope > 0
             and x.untyped_storage() is held.out.untyped_storage()):
-        held.slope, held.version, held.x = slope, held.out._version, None
+        held.slope, held.version, held.x = slope, tensor_version(held.out), None
     return out
