@@ -87,13 +87,13 @@ class _TaggingHooks:
     def __init__(self, compressor: Compressor, ops: Planned, shape: bool = False) -> None:
         self.compressor = compressor
         self.ops = ops
-        self.shape = shape  # a function mode's (shape_only calls, keyed by the functional's name)
+        self.shape = shape  # a function mode's: calls keyed by the functional's name
         self.modes: list[Any] = []
         self.calls = 0  # calls of the module in this forward (Compressor.__enter__ resets)
 
     def enter(self, m: nn.Module, a: Any) -> None:
         call, self.calls = self.calls, self.calls + 1
-        mode: Any = (_ShapeTagging(self.compressor, self.ops, call) if self.shape
+        mode: Any = (_CallTagging(self.compressor, self.ops, call) if self.shape
                      else _Tagging(self.compressor, self.ops, call))
         self.modes.append(mode)
         mode.__enter__()
@@ -124,7 +124,7 @@ class Compressor:
 
     def __init__(self, entries: Iterable[Entry]) -> None:
         self.by_module: dict[str, Planned] = {}
-        self.shape_by_module: dict[str, Planned] = {}
+        self.calls_by_module: dict[str, Planned] = {}
         for module, key, name, output, *rest in entries:
             call = rest[0] if rest else None
             overload, sep, k = key.rpartition("#")
@@ -139,14 +139,14 @@ class Compressor:
                 if overload not in calls_of:
                     raise ValueError(f"{key}: the codec {name!r} rebuilds the input of "
                                      f"{sorted(ABN_NORMS)} from the output of {sorted(ABN_ACTIVATIONS)}")
-                calls = self.shape_by_module.setdefault(module, {})
+                calls = self.calls_by_module.setdefault(module, {})
                 calls.setdefault(calls_of[overload], {}).setdefault(int(k), {})[call] = (c, int(output))
                 continue
             if c.exactness is Exactness.SHAPE:
                 if overload not in SHAPE_READERS:
                     raise ValueError(f"{key}: the codec {name!r} keeps only the geometry, which only "
                                      f"the nodes of {sorted(SHAPE_READERS)} read alone (their input)")
-                calls = self.shape_by_module.setdefault(module, {})
+                calls = self.calls_by_module.setdefault(module, {})
                 calls.setdefault(SHAPE_READERS[overload], {}).setdefault(int(k), {})[call] = (c, int(output))
                 continue
             planned = self.by_module.setdefault(module, {}).setdefault(overload, {})
@@ -176,7 +176,7 @@ class Compressor:
         handles = [model.register_forward_pre_hook(_Begin(self)),
                    model.register_forward_hook(_End(self), always_call=True)]
         modules = [(path, ops, False) for path, ops in self.by_module.items()]
-        modules += [(path, calls, True) for path, calls in self.shape_by_module.items()]
+        modules += [(path, calls, True) for path, calls in self.calls_by_module.items()]
         for path, ops, shape in modules:
             try:
                 module = model.get_submodule(path)
@@ -307,14 +307,16 @@ class _Tagging(TorchDispatchMode):
 
 # torch.nn.functional's max pools (and torch's own), by name: the SHAPE_READERS call each runs;
 # and the batch norms and activations of NOTE [in-place activated batch norm]
-_SHAPE_CALLS = {name: call for call in SHAPE_READERS.values()
+_FUNCTIONAL_CALLS = {name: call for call in SHAPE_READERS.values()
                 for name in (call, f"{call}_with_indices")}
-_SHAPE_CALLS.update({call: call for call in (*ABN_NORMS.values(), *ABN_ACTIVATIONS.values())})
+_FUNCTIONAL_CALLS.update({call: call for call in (*ABN_NORMS.values(), *ABN_ACTIVATIONS.values())})
 
 
-class _ShapeTagging(TorchFunctionMode):
-    """Over one call of a named module: counts its max pool calls (from 0) and marks the
-    planned one's input while it runs (NOTE [geometry-only readers])."""
+class _CallTagging(TorchFunctionMode):
+    """Over one call of a named module: counts its ``torch.nn.functional`` calls of the planned
+    kinds (from 0); for the planned max pool, marks its input while it runs (NOTE
+    [geometry-only readers]); for the planned batch norm and leaky relu, takes the norm's input
+    save (NOTE [in-place activated batch norm])."""
 
     def __init__(self, owner: Compressor, calls: Planned, call: int) -> None:
         super().__init__()
@@ -325,7 +327,7 @@ class _ShapeTagging(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        call = _SHAPE_CALLS.get(getattr(func, "__name__", ""))
+        call = _FUNCTIONAL_CALLS.get(getattr(func, "__name__", ""))
         planned = None if call is None else self.calls.get(call)
         if call is None or planned is None:
             return func(*args, **kwargs)
