@@ -64,6 +64,7 @@ SPECS = [
     ("sign_bit", Exactness.SIGN, 125, 1),
     ("shape_only", Exactness.SHAPE, 0, 0),
     ("inplace_abn", Exactness.REBUILT, 0, 0),
+    ("bn_from_output", Exactness.REBUILT, 0, 0),
     ("bf16", Exactness.LOSSY, 2000, 2),
     ("fp8_e4m3", Exactness.LOSSY, 1000 + 4, 1 + 4),
     ("int8_blockwise", Exactness.LOSSY, 1000 + 4 * 4, 1 + 4),

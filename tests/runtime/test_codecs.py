@@ -151,7 +151,7 @@ def test_views_are_kept_whole() -> None:
 
 
 def test_unknown_codec() -> None:
-    with pytest.raises(ValueError, match="unknown codec 'zip'; memfit knows \\['bf16', 'bool_bits'"):
+    with pytest.raises(ValueError, match="unknown codec 'zip'; memfit knows \\['bf16', 'bn_from_output', 'bool_bits'"):
         codec("zip")
 
 

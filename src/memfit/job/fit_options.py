@@ -54,7 +54,8 @@ class Search:
             the step stays bitwise plain), ``"lossy"`` (also bf16: gradients change); default
             None.
         lossy_codec: with ``compress="lossy"``, the codec of the other fp32 activations:
-            ``"bf16"`` (default), ``"fp8_e4m3"`` or ``"int8_blockwise"``.
+            ``"bf16"`` (default), ``"fp8_e4m3"`` or ``"int8_blockwise"``; None: no codec on
+            them, the batch-norm variants alone (``inplace_abn``, ``bn_from_output``).
         target: for a model on the meta device (profiled in fake mode), the device preset it is
             planned for (``"a100"``, ``"h100"``, ``"h200"``): its kernels and cost model;
             default None (``"cpu"``).
@@ -73,7 +74,7 @@ class Search:
     tune: bool = False
     tune_time_limit_s: float | None = None
     compress: str | None = None
-    lossy_codec: str = DEFAULT_LOSSY_CODEC
+    lossy_codec: str | None = DEFAULT_LOSSY_CODEC
     target: str | None = None
     compiled: bool = False
 

@@ -102,7 +102,7 @@ def codec_costs(names: Iterable[str], *, device: torch.device | str = "cpu", rep
     return CodecCosts(per_byte, fixed if names else DEFAULT_CODEC_COSTS.per_tensor_s, mode)
 
 
-def codec_costs_for(mode: str, lossy_codec: str = DEFAULT_LOSSY_CODEC, profile: Any = None) -> CodecCosts:
+def codec_costs_for(mode: str, lossy_codec: str | None = DEFAULT_LOSSY_CODEC, profile: Any = None) -> CodecCosts:
     """``codec_costs`` of the codecs a ``compress=`` mode uses (``"lossy"``: ``lossy_codec``
     too, default bf16); for a ``profile`` made in fake mode for a GPU preset (its ``device``
     names the preset), the preset's estimate instead (``codec_costs_on``): timing the codecs
@@ -112,4 +112,4 @@ def codec_costs_for(mode: str, lossy_codec: str = DEFAULT_LOSSY_CODEC, profile: 
     target = PRESETS.get(str(getattr(profile, "device", "")).lower())
     if target is not None and target.name != "cpu":
         return codec_costs_on(target.bandwidth_bytes_per_s, target.op_overhead_s)
-    return codec_costs(LOSSLESS_CODECS + ((lossy_codec,) if mode == "lossy" else ()))
+    return codec_costs(LOSSLESS_CODECS + ((lossy_codec,) if mode == "lossy" and lossy_codec else ()))

@@ -17,7 +17,9 @@ NOTE [compression candidates]
       int32 bound; the runtime packs them narrower where the values allow).
     - ``bool_bits`` (EXACT): any saved bool output.
     - with ``mode="lossy"`` also every other saved fp32 activation an op outside the regions
-      created (``lossy_codec``: one of ``LOSSY_CODECS``, default ``bf16``; one codec for all).
+      created (``lossy_codec``: one of ``LOSSY_CODECS``, default ``bf16``; one codec for all;
+      None: none, the batch-norm variants alone), and the batch norms of NOTE [in-place
+      activated batch norm] and NOTE [output-activated batch norm] (``memfit.runtime.bn_rebuild``).
 
 NOTE [compressed peak]
     A compressed storage is held whole from its creation to its last use in the forward,
@@ -26,14 +28,17 @@ NOTE [compressed peak]
     unpack in backward decodes a whole copy, held from the op that first reads that save to
     the one after which its node lets it go. The planned timeline (``simulate``) is adjusted
     by those differences, entry by entry; replay entries in backward count the packed form
-    while it is held.
+    while it is held. A candidate that changes other storages' lives too (``bn_from_output``:
+    the relu result freed after its last forward reader, the norm's output held until the
+    norm's backward, a relu rebuilt per unpack) lists them as ``windows``: bytes added from
+    one op to another, each within the forward or within the backward (a backward window
+    also over the replays run while it is open).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from memfit.planning.compress_readers import (
@@ -42,12 +47,12 @@ from memfit.planning.compress_readers import (
     geometry_saves,
     in_regions,
     key_in_call,
+    relu_after_norm,
 )
 from memfit.planning.compression import (
     BOOL_BITS,
     DEFAULT_CODEC_COSTS,
     DEFAULT_LOSSY_CODEC,
-    INPLACE_ABN,
     NARROW_INT,
     SHAPE_ONLY,
     SIGN_BIT,
@@ -58,6 +63,7 @@ from memfit.planning.compression import (
     check_lossy_codec,
     codec_packed_bytes,
 )
+from memfit.planning.norm_variants import Candidate, inplace_activated, output_activated, release_of
 from memfit.planning.plan import Plan, Region
 from memfit.profiling.profile import Profile, StorageKind, StorageRecord
 
@@ -82,34 +88,8 @@ def codec_seconds(profile: Profile, chosen: Sequence[Candidate], costs: CodecCos
     return per + costs.mode_per_op_s * sum(spans.get(m, 0) for m in {e.module for e in entries})
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A compressible saved storage: the plan entry and where it lives in the step."""
-
-    entry: Compressed
-    storage: int
-    created: int
-    last_forward_use: int
-    release: int | None  # the backward op after which autograd let its last save go
-    reads: tuple[tuple[int, int], ...] = ()  # per save decoded whole: (first unpack, release)
-    extra: tuple[Compressed, ...] = ()  # the other nodes' saves of it (shape_only), 0 bytes
-
-    @property
-    def entries(self) -> tuple[Compressed, ...]:
-        """The plan's entries for this storage: its codec's, then the ``extra`` ones."""
-        return (self.entry, *self.extra)
-
-
-def _release(profile: Profile, sid: int) -> int | None:
-    rec = profile.storage(sid)
-    ends = [s[2] for s in rec.saves]
-    if not ends or any(e is None for e in ends):
-        return rec.freed_after
-    return max(e for e in ends if e is not None)
-
-
 def candidates(profile: Profile, regions: Sequence[Region] = (), *, mode: CompressMode = "lossless",
-               lossy_codec: str = DEFAULT_LOSSY_CODEC) -> list[Candidate]:
+               lossy_codec: str | None = DEFAULT_LOSSY_CODEC) -> list[Candidate]:
     """The saved storages outside ``regions`` that ``mode`` may compress (NOTE [compression
     candidates]), in op order.
 
@@ -152,7 +132,7 @@ def _region_inputs(profile: Profile, regions: Sequence[Region]) -> set[int]:
 
 
 def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mode: CompressMode,
-          lossy_codec: str, seen: set[int]) -> list[Candidate]:
+          lossy_codec: str | None, seen: set[int]) -> list[Candidate]:
     starts = {m.path: m.first_op for m in profile.modules if m.first_op is not None}
     calls = ModuleCalls(profile)
     out: list[Candidate] = []
@@ -173,28 +153,18 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
                 numel *= d
             if numel == 0 or numel * itemsize != rec.nbytes:
                 continue  # a view of part of a storage: packing it frees nothing
+            relu = relu_after_norm(profile, rec, regions, starts) if mode == "lossy" else None
+            if relu is not None:  # NOTE [output-activated batch norm]
+                found = output_activated(profile, op.index, rec, relu, calls)
+                if found is not None:
+                    out.append(found[0])
+                    seen.update(found[1])
+                    continue
             abn = abn_pair(profile, rec, regions, starts) if mode == "lossy" else None
             if abn is not None:  # NOTE [in-place activated batch norm]
-                # the norm's output is held whole until the norm's backward: no codec on it
+                cand = inplace_activated(profile, op.index, rec, abn, calls)
                 seen.update((rec.id, profile.ops[abn[0]].outputs[0].storage))
-                (bn_key, bn_call), (act_key, act_call) = (key_in_call(profile, j, calls) for j in abn)
-                bn, act = (profile.ops[j] for j in abn)
-                # its packed form: the per-channel mean and invstd the rebuild needs (fp32)
-                channels = bn.outputs[0].shape[1] if len(bn.outputs[0].shape) > 1 else 1
-                entry = Compressed(f"{bn.name}#{bn_key}", INPLACE_ABN.name, bn.module, rec.nbytes,
-                                   2 * 4 * channels, 0, bn_call)
-                extra_abn = (Compressed(f"{act.name}#{act_key}", INPLACE_ABN.name, act.module, call=act_call),)
-                used = rec.last_forward_use if rec.last_forward_use is not None else op.index
-                # rebuilt in place in the norm's output, which is then held until the norm's
-                # backward lets its input go: an input-sized tensor from the output's release
-                # to then (a read window of that size)
-                out_release = profile.storage(bn.outputs[0].storage).freed_after
-                release = _release(profile, rec.id)
-                held: tuple[tuple[int, int], ...] = (
-                    ((out_release + 1, release),) if out_release is not None and release is not None
-                    and out_release < release else ())
-                out.append(Candidate(entry, rec.id, op.index, max(used, op.index), release, held,
-                                     extra_abn))
+                out.append(cand)
                 continue
             geometry = geometry_saves(profile, op.index, rec, regions, starts)
             codec = _codec_for(profile, op.index, op.name, index, meta.dtype, rec, mode, lossy_codec,
@@ -214,12 +184,12 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
             reads = tuple((u, r if r is not None else u) for j, u, r in rec.saves
                           if u is not None and j not in by_shape)
             out.append(Candidate(entry, rec.id, op.index, max(used, op.index),
-                                 _release(profile, rec.id), reads, extra))
+                                 release_of(profile, rec.id), reads, extra))
     return out
 
 
 def _codec_for(profile: Profile, i: int, name: str, index: int, dtype: str, rec: StorageRecord,
-               mode: CompressMode, lossy_codec: str, geometry: Sequence[tuple[str, str, int]] = ()) -> str | None:
+               mode: CompressMode, lossy_codec: str | None, geometry: Sequence[tuple[str, str, int]] = ()) -> str | None:
     saves, created_by = rec.saves, rec.created_by
     if name in SIGN_READERS:
         # relu's own node alone saves it by value (NOTE [sign-only readers]): its save first,
@@ -247,12 +217,26 @@ def compressed_peak(profile: Profile, live_bytes: Sequence[int], positions: Sequ
     ``chosen`` compressed (NOTE [compressed peak])."""
     chosen = list(chosen)
     released = [False] * len(chosen)
+    n = profile.n_forward
+    # backward windows: open from the first backward position at or past their first op
+    # to their last op, replays in between included
+    opened = [[False] * len(c.windows) for c in chosen]
+    closed = [[False] * len(c.windows) for c in chosen]
     backward = False
     peak = 0
     for live, p in zip(live_bytes, positions, strict=True):
-        if p >= profile.n_forward:
+        if p >= n:
             backward = True
         delta = 0
+        for j, c in enumerate(chosen):
+            for w, (a, b, nbytes) in enumerate(c.windows):
+                if not backward:
+                    delta += nbytes if a <= p <= b < n else 0
+                elif a >= n and not closed[j][w]:
+                    opened[j][w] = opened[j][w] or p >= a
+                    if opened[j][w]:
+                        delta += nbytes
+                        closed[j][w] = p >= b
         for j, c in enumerate(chosen):
             e = c.entry
             if not backward:
@@ -275,7 +259,7 @@ EXHAUSTIVE_UP_TO = 10  # candidates: every subset tried up to this many, greedy 
 
 
 def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "lossless",
-                     lossy_codec: str = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None,
+                     lossy_codec: str | None = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None,
                      budget_bytes: int | None = None) -> Plan:
     """``plan`` with candidates outside its regions compressed: its predicted peak from NOTE
     [compressed peak], its ``recompute_s`` plus the codecs' seconds.
@@ -347,7 +331,7 @@ def _smallest_compressed(error: InfeasibleBudget, options: Sequence[Plan], kind:
 
 def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
            budget: int | float | str | None, *, mode: str = "lossless",
-           lossy_codec: str = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None) -> Plan:
+           lossy_codec: str | None = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None) -> Plan:
     """The fastest plan under ``budget`` among recompute-only and compressed ones.
 
     NOTE [compress or recompute]

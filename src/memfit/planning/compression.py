@@ -28,7 +28,7 @@ NOTE [what lossy means]
     is then bitwise the plain step, and ``verify`` checks that. A plan with any LOSSY codec
     (bf16, fp8_e4m3, int8_blockwise) changes the gradients: ``verify`` then reports their
     largest relative error over parameters (``gradient_rel_error``) and never claims bitwise
-    equality. A REBUILT codec (``inplace_abn``) is lossy in the same sense: the gradients differ
+    equality. A REBUILT codec (``inplace_abn``, ``bn_from_output``) is lossy in the same sense: the gradients differ
     by the roundings its ``keeps`` states; it is used only with ``compress="lossy"``.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 __all__ = ["Exactness", "CodecSpec", "CODEC_SPECS", "codec_spec", "codec_packed_bytes", "Compressed",
            "BLOCK", "CodecCosts", "codec_costs_on", "DEFAULT_CODEC_COSTS", "DEFAULT_LOSSY_CODEC", "LOSSLESS_CODECS",
            "LOSSY_CODECS", "SIGN_READERS", "SHAPE_READERS", "SHAPE_ONLY", "INPLACE_ABN", "ABN_NORMS",
-           "ABN_ACTIVATIONS", "check_lossy_codec", "BOOL_BITS",
+           "ABN_ACTIVATIONS", "BN_FROM_OUTPUT", "OUTPUT_BN_ACTIVATIONS", "check_lossy_codec", "BOOL_BITS",
            "TWO_LEVEL",
            "NARROW_INT", "SIGN_BIT", "BF16", "FP8_E4M3", "INT8_BLOCKWISE"]
 
@@ -139,6 +139,16 @@ INPLACE_ABN = CodecSpec("inplace_abn", Exactness.REBUILT, _nothing, 0.9e-9,
                         "y < 0; x = (z - bias) / weight / invstd + mean): fp32 roundings of x, "
                         "|x' - x| <= 2^-20 (|x| + |mean| + |bias / weight| / invstd) (NOTE "
                         "[in-place activated batch norm])", passes=4.0, ops=10)
+# bn_from_output's per_byte_s: measured by benchmarks/abn.py (see results/abn.md): the norm's
+# statistics in forward, the input rebuilt from the output and the relu result rebuilt for
+# each of its two saves (relu's own, the next convolution's)
+BN_FROM_OUTPUT = CodecSpec("bn_from_output", Exactness.REBUILT, _nothing, 1.6e-9,
+                           "batch norm's input, kept as nothing: rebuilt in backward from the norm's "
+                           "own output y, kept whole because the relu after it then runs out of "
+                           "place (x = (y - bias) / weight / invstd + mean); the relu result's saves "
+                           "are rebuilt as relu(y), bitwise. fp32 roundings of x: |x' - x| <= 2^-20 "
+                           "(|x| + |mean| + |bias / weight| / invstd) (NOTE [output-activated batch "
+                           "norm])", passes=9.0, ops=10)
 BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
                  "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x", passes=3.0, ops=2)
 FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,
@@ -150,7 +160,7 @@ INT8_BLOCKWISE = CodecSpec("int8_blockwise", Exactness.LOSSY, _byte_and_block_sc
 
 # the registry: every codec memfit knows, by name (NOTE [adding a codec])
 CODEC_SPECS: dict[str, CodecSpec] = {c.name: c for c in (
-    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, SHAPE_ONLY, INPLACE_ABN, BF16, FP8_E4M3,
+    BOOL_BITS, TWO_LEVEL, NARROW_INT, SIGN_BIT, SHAPE_ONLY, INPLACE_ABN, BN_FROM_OUTPUT, BF16, FP8_E4M3,
     INT8_BLOCKWISE)}
 
 # the codecs a lossless plan may use (SIGN, SHAPE only for their readers: NOTE [what lossy means])
@@ -177,6 +187,9 @@ SHAPE_READERS = {"aten.max_pool2d_with_indices.default": "max_pool2d",
 ABN_NORMS = {"aten.native_batch_norm.default": "batch_norm", "aten.cudnn_batch_norm.default": "batch_norm",
              "aten._native_batch_norm_legit.default": "batch_norm"}
 ABN_ACTIVATIONS = {"aten.leaky_relu_.default": "leaky_relu"}
+# The relus after a batch norm (in place or not) that BN_FROM_OUTPUT runs out of place,
+# with the torch calls that run them (NOTE [output-activated batch norm] in memfit.runtime.bn_rebuild)
+OUTPUT_BN_ACTIVATIONS = {"aten.relu_.default": "relu", "aten.relu.default": "relu"}
 
 
 def codec_costs_on(bandwidth_bytes_per_s: float, op_overhead_s: float) -> CodecCosts:
@@ -208,15 +221,20 @@ def codec_spec(name: object) -> CodecSpec:
     return spec
 
 
-def check_lossy_codec(name: object) -> str:
-    """``name`` if it is one of ``LOSSY_CODECS``, else a ValueError naming them.
+def check_lossy_codec(name: object) -> str | None:
+    """``name`` if it is one of ``LOSSY_CODECS`` or None (no codec on the other activations:
+    ``compress="lossy"`` then adds the REBUILT batch-norm variants alone), else a ValueError
+    naming them.
 
     Example:
         >>> check_lossy_codec("fp8_e4m3")
         'fp8_e4m3'
     """
+    if name is None:
+        return None
     if not isinstance(name, str) or name not in LOSSY_CODECS:
-        raise ValueError(f"lossy_codec must be one of {', '.join(LOSSY_CODECS)}, got {name!r} "
+        raise ValueError(f"lossy_codec must be one of {', '.join(LOSSY_CODECS)} or None (the "
+                         f"batch-norm variants alone), got {name!r} "
                          "(the exact codecs are chosen by the planner in either compress mode)")
     return name
 

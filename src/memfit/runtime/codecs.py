@@ -28,6 +28,7 @@ import torch
 from memfit.planning.compression import (
     BF16,
     BLOCK,
+    BN_FROM_OUTPUT,
     BOOL_BITS,
     CODEC_SPECS,
     FP8_E4M3,
@@ -285,6 +286,13 @@ class _InplaceAbn(Codec):
         return p.data[0]
 
 
+class _BnFromOutput(_InplaceAbn):
+    """As ``inplace_abn``: the Compressor rebuilds (NOTE [output-activated batch norm] in
+    memfit.runtime.bn_rebuild); on its own this codec keeps a tensor whole."""
+
+    spec = BN_FROM_OUTPUT
+
+
 class _Bf16(Codec):
     spec = BF16
 
@@ -362,7 +370,7 @@ class _Int8Blockwise(Codec):
 # one implementation per entry of the registry (NOTE [adding a codec]; tests/runtime/
 # test_codecs.py checks that these and CODEC_SPECS name the same codecs)
 _IMPLEMENTATIONS: tuple[Codec, ...] = (
-    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _ShapeOnly(), _InplaceAbn(), _Bf16(),
+    _BoolBits(), _TwoLevel(), _NarrowInt(), _SignBit(), _ShapeOnly(), _InplaceAbn(), _BnFromOutput(), _Bf16(),
     _Fp8E4m3(), _Int8Blockwise())
 CODECS: dict[str, Codec] = {name: c for name in CODEC_SPECS for c in _IMPLEMENTATIONS
                             if c.spec is CODEC_SPECS[name]}

@@ -47,9 +47,23 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from memfit._torch import TorchDispatchMode, no_python_dispatch, tensor_version
+from memfit._torch import TorchDispatchMode, no_python_dispatch
 from memfit.ops import op_name
-from memfit.planning.compression import ABN_ACTIVATIONS, ABN_NORMS, SHAPE_READERS, SIGN_READERS
+from memfit.planning.compression import (
+    ABN_ACTIVATIONS,
+    ABN_NORMS,
+    BN_FROM_OUTPUT,
+    OUTPUT_BN_ACTIVATIONS,
+    SHAPE_READERS,
+    SIGN_READERS,
+)
+from memfit.runtime.bn_rebuild import (
+    Rebuilt,
+    ReluOf,
+    activation_in_place,
+    norm_taken,
+    relu_out_of_place,
+)
 from memfit.runtime.codecs import Codec, Exactness, Packed, codec
 
 __all__ = ["Compressor", "SIGN_READERS"]
@@ -135,10 +149,11 @@ class Compressor:
                 raise ValueError(f"{key}: the codec {name!r} keeps only the sign, which only the "
                                  f"nodes of {sorted(SIGN_READERS)} read alone")
             if c.exactness is Exactness.REBUILT:  # NOTE [in-place activated batch norm]
-                calls_of = {**ABN_NORMS, **ABN_ACTIVATIONS}
+                acts = OUTPUT_BN_ACTIVATIONS if name == BN_FROM_OUTPUT.name else ABN_ACTIVATIONS
+                calls_of = {**ABN_NORMS, **acts}
                 if overload not in calls_of:
                     raise ValueError(f"{key}: the codec {name!r} rebuilds the input of "
-                                     f"{sorted(ABN_NORMS)} from the output of {sorted(ABN_ACTIVATIONS)}")
+                                     f"{sorted(ABN_NORMS)} from the output of {sorted(acts)}")
                 calls = self.calls_by_module.setdefault(module, {})
                 calls.setdefault(calls_of[overload], {}).setdefault(int(k), {})[call] = (c, int(output))
                 continue
@@ -156,7 +171,11 @@ class Compressor:
         self.kept_whole = 0
         self.geometry_saves = 0  # saves packed as shape_only (no bytes: not in raw/packed_bytes)
         self.shape: tuple[weakref.ref, Any] | None = None  # NOTE [geometry-only readers]
-        self.abn_pending: _Rebuilt | None = None  # a norm's, until its activation runs
+        self.abn_pending: Rebuilt | None = None  # a norm's, until its activation runs
+        # NOTE [output-activated batch norm]: the norm whose relu runs now; the relu results
+        # by storage address (the storage, weakly; the norm's Rebuilt)
+        self.relu_pending: Rebuilt | None = None
+        self.relu_results: dict[int, tuple[weakref.ref, Rebuilt]] = {}
         # storage address -> (the storage, weakly; codec; the shared Packed, weakly, or None)
         self.tagged: dict[int, tuple[weakref.ref, Codec, Any]] = {}
         self.sign: tuple[weakref.ref, Codec, str] | None = None  # NOTE [sign-only readers]
@@ -207,12 +226,14 @@ class Compressor:
             self.sign = None
             self.shape = None
             self.abn_pending = None
+            self.relu_pending = None
+            self.relu_results.clear()
             if hooks is not None:
                 hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self.shape is not None and self.shape[0]() is t.untyped_storage():
-            if isinstance(self.shape[1], _Rebuilt):  # the norm's save of its input
+            if isinstance(self.shape[1], Rebuilt):  # the norm's save of its input
                 self.raw_bytes += t.untyped_storage().nbytes()
                 return self.shape[1]
             packed = self.shape[1].encode(t)  # no ops: nothing to dispatch
@@ -221,6 +242,10 @@ class Compressor:
                 return t
             self.geometry_saves += 1
             return packed
+        if self.relu_pending is not None or self.relu_results:
+            held = self._relu_result(t)
+            if held is not None:
+                return ReluOf(held)
         tag = self._take(t)
         if tag is None:
             return t
@@ -236,6 +261,19 @@ class Compressor:
         self.packed_bytes += packed.nbytes
         self._share(t, packed)
         return packed
+
+    def _relu_result(self, t: torch.Tensor) -> Rebuilt | None:
+        """The norm whose kept output rebuilds ``t``, a relu result (NOTE [output-activated
+        batch norm]), or None."""
+        storage = t.untyped_storage()
+        pending = self.relu_pending
+        if pending is not None and type(t.grad_fn).__name__.startswith("ReluBackward"):
+            self.relu_results[storage.data_ptr()] = (weakref.ref(storage), pending)
+            return pending
+        held = self.relu_results.get(storage.data_ptr())
+        if held is None or held[0]() is not storage or t.shape != held[1].out.shape:  # type: ignore[union-attr]
+            return None
+        return held[1]
 
     def _take(self, t: torch.Tensor) -> tuple[Codec, Any] | None:
         """The codec for this save of ``t`` (and a Packed to share), or None: keep it whole."""
@@ -259,7 +297,7 @@ class Compressor:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, _Rebuilt):
+    if isinstance(packed, (Rebuilt, ReluOf)):
         with no_python_dispatch():
             return packed.rebuild()
     if isinstance(packed, Packed):
@@ -310,6 +348,7 @@ class _Tagging(TorchDispatchMode):
 _FUNCTIONAL_CALLS = {name: call for call in SHAPE_READERS.values()
                 for name in (call, f"{call}_with_indices")}
 _FUNCTIONAL_CALLS.update({call: call for call in (*ABN_NORMS.values(), *ABN_ACTIVATIONS.values())})
+_FUNCTIONAL_CALLS.update({name: call for call in OUTPUT_BN_ACTIVATIONS.values() for name in (call, f"{call}_")})
 
 
 class _CallTagging(TorchFunctionMode):
@@ -338,9 +377,12 @@ class _CallTagging(TorchFunctionMode):
         if found is None or not isinstance(x, torch.Tensor):
             return func(*args, **kwargs)
         if found[0].exactness is Exactness.REBUILT:
+            from_output = found[0].name == BN_FROM_OUTPUT.name
             if call == "batch_norm":
-                return _norm(self.owner, func, args, kwargs)
-            return _activation(self.owner, func, args, kwargs)
+                return norm_taken(self.owner, func, args, kwargs, from_output)
+            if from_output:
+                return relu_out_of_place(self.owner, func, args, kwargs)
+            return activation_in_place(self.owner, func, args, kwargs)
         self.owner.shape = (weakref.ref(x.untyped_storage()), found[0])
         try:
             return func(*args, **kwargs)
@@ -354,76 +396,3 @@ def _for_call(by_call: dict[int | None, tuple[Codec, int]] | None, call: int) ->
         return None
     found = by_call.get(call)
     return found if found is not None else by_call.get(None)
-
-
-class _Rebuilt:
-    """A batch norm's saved input, rebuilt in backward from the output of the in-place leaky
-    relu after it (NOTE [in-place activated batch norm]). Holds the input itself until the
-    activation has run on the norm's output (``x`` None afterwards)."""
-
-    def __init__(self, x: torch.Tensor, weight: Any, bias: Any, eps: float) -> None:
-        self.x: torch.Tensor | None = x
-        self.weight, self.bias, self.eps = weight, bias, eps
-        self.out: torch.Tensor | None = None
-        self.mean: torch.Tensor | None = None
-        self.invstd: torch.Tensor | None = None
-        self.slope = 0.0
-        self.version = -1
-
-    def rebuild(self) -> torch.Tensor:
-        if self.x is not None:
-            return self.x
-        y, self.out = self.out, None
-        if y is None:
-            raise RuntimeError("memfit: a batch norm's input rebuilt in place from its activation's "
-                               "output can be unpacked once (NOTE [in-place activated batch norm]): "
-                               "backward with retain_graph=True needs a plan without "
-                               "compress='lossy'")
-        assert self.mean is not None and self.invstd is not None
-        if tensor_version(y) != self.version:
-            raise RuntimeError("memfit: a batch norm's output was written again after its in-place "
-                               "activation, so its input cannot be rebuilt for the backward (NOTE "
-                               "[in-place activated batch norm]); plan without compress='lossy'")
-        # in place: every other reader of y (the activation's and the next op's backward) has
-        # run by the time the norm's backward unpacks its input
-        shape = [1, -1] + [1] * (y.dim() - 2)
-        torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
-        if self.bias is not None:
-            y.sub_(self.bias.detach().view(shape))
-        scale = self.invstd if self.weight is None else self.invstd * self.weight.detach()
-        return y.div_(scale.view(shape)).add_(self.mean.view(shape))
-
-
-def _norm(owner: Compressor, func: Any, args: tuple, kwargs: dict) -> Any:
-    """F.batch_norm with its input's save taken by a _Rebuilt (training mode, nonzero weight)."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-    bound = dict(zip(names, args, strict=False)) | kwargs  # args may stop early
-    x, weight, eps = bound["input"], bound.get("weight"), float(bound.get("eps", 1e-5))
-    if not bound.get("training", False) or (weight is not None and not bool((weight != 0).all())):
-        return func(*args, **kwargs)  # kept whole: eval statistics, or a weight that is 0
-    held = _Rebuilt(x, weight, bound.get("bias"), eps)
-    owner.shape = (weakref.ref(x.untyped_storage()), held)
-    try:
-        out = func(*args, **kwargs)
-    finally:
-        owner.shape = None
-    with torch.no_grad(), no_python_dispatch():
-        dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
-        held.mean, held.invstd = mean, torch.rsqrt(var + eps)
-    held.out = out
-    owner.abn_pending = held
-    return out
-
-
-def _activation(owner: Compressor, func: Any, args: tuple, kwargs: dict) -> Any:
-    """F.leaky_relu: in place on the pending norm's output, the norm's input is let go."""
-    x = args[0] if args else kwargs["input"]
-    slope = float(args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01))
-    inplace = bool(args[2] if len(args) > 2 else kwargs.get("inplace", False))
-    held, owner.abn_pending = owner.abn_pending, None
-    out = func(*args, **kwargs)
-    if (held is not None and held.out is not None and inplace and slope > 0
-            and x.untyped_storage() is held.out.untyped_storage()):
-        held.slope, held.version, held.x = slope, tensor_version(held.out), None
-    return out

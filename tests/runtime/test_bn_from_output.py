@@ -1,0 +1,186 @@
+"""bn_from_output: a batch norm's input rebuilt from its kept output, the relu after it out of
+place (NOTE [output-activated batch norm] in memfit.runtime.bn_rebuild)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from runtime_helpers import assert_bitwise_twin, pair
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.planning.compress_pass import candidates, compressed_peak
+from memfit.planning.plan import Plan
+from memfit.planning.simulate import simulate
+from memfit.runtime.apply import apply_plan, compressor
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 block: one in-place relu module after bn1, bn2 and the add."""
+
+    def __init__(self, c: int, mid: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, mid, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv3 = nn.Conv2d(mid, c, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x
+        return self.relu(out)
+
+
+def _resnet_like() -> nn.Module:
+    torch.manual_seed(0)
+    stem = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2)]
+    return nn.Sequential(*stem, Bottleneck(16, 8), Bottleneck(16, 8), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(16, 3))
+
+
+def _chain(inplace: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    c = 3
+    for _ in range(3):
+        layers += [nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=inplace)]
+        c = 16
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2))
+
+
+def _every(p) -> Plan:
+    """The plain step with every bn_from_output candidate taken, its peak predicted."""
+    chosen = [c for c in candidates(p, mode="lossy") if c.entry.codec == "bn_from_output"]
+    sim = simulate(p, Plan((), p.peak_bytes, 0.0, None, "none", p.signature))
+    return Plan((), compressed_peak(p, sim.live_bytes, sim.positions, chosen), 0.0, None, "none",
+                p.signature, plain_peak_bytes=p.peak_bytes,
+                compressed=tuple(e for c in chosen for e in c.entries))
+
+
+def _assert_close_to_plain(model: nn.Module, twin: nn.Module, x: torch.Tensor) -> None:
+    """Loss and running statistics bitwise; gradients within 2^-18 of the largest (the
+    codec's fp32 roundings of the rebuilt input)."""
+    losses = [m(x).square().sum() for m in (model, twin)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    scale = max(float(q.grad.abs().max()) for q in twin.parameters())
+    for (n, a), (_, b) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=2.0**-18 * scale, msg=n)
+    for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_candidates_for_a_relu_after_a_norm_in_place_or_not_and_only_when_lossy() -> None:
+    x = torch.randn(8, 3, 32, 32)
+    for inplace in (True, False):
+        p = memfit.profile(_chain(inplace), x)
+        found = [c for c in candidates(p, mode="lossy") if c.entry.codec == "bn_from_output"]
+        # each norm's input (8, 16, 32, 32) fp32 = 524,288 B, kept as its 16 means and invstds
+        assert [(c.entry.module, c.entry.raw_bytes, c.entry.packed_bytes) for c in found] == [
+            ("1", 524_288, 128), ("4", 524_288, 128), ("7", 524_288, 128)]
+        relu = "aten.relu_.default#0" if inplace else "aten.relu.default#0"
+        assert [[(e.module, e.key) for e in c.extra] for c in found] == [
+            [("2", relu)], [("5", relu)], [("8", relu)]]
+        assert not [c for c in candidates(p) if c.entry.codec == "bn_from_output"]  # lossless
+    # a leaky relu is inplace_abn's, not this codec's
+    leaky = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1, inplace=True),
+                          nn.Conv2d(4, 2, 3))
+    p = memfit.profile(leaky, x)
+    assert [c.entry.codec for c in candidates(p, mode="lossy") if c.entry.codec.endswith(("abn", "output"))] == [
+        "inplace_abn"]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_peak_as_predicted_to_the_byte_and_gradients_within_the_stated_bound(inplace: bool) -> None:
+    x = torch.randn(8, 3, 32, 32)
+    model, twin = pair(lambda: _chain(inplace))
+    p = memfit.profile(model, x)
+    plan = _every(p)
+    assert plan.lossy
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    # measured 3,710,096 B = predicted, 12.4% under plain 4,234,128 B (either relu)
+    assert report.peak_bytes == plan.predicted_peak_bytes
+    assert plan.predicted_peak_bytes <= 0.88 * p.peak_bytes
+    apply_plan(model, plan)
+    _assert_close_to_plain(model, twin, x)
+    assert compressor(model).raw_bytes == 3 * 524_288
+
+
+def test_resnet_bottlenecks_one_relu_module_per_block_by_call() -> None:
+    x = torch.randn(4, 3, 16, 16)
+    model, twin = pair(_resnet_like)
+    p = memfit.profile(model, x)
+    plan = _every(p)
+    # the stem's norm and each block's bn1 and bn2 (the block's relu, calls 0 and 1); bn3 is
+    # followed by the residual add, not a relu
+    assert [(e.module, e.call) for e in plan.compressed] == [
+        ("1", None), ("2", None), ("4.bn1", None), ("4.relu", 0), ("4.bn2", None), ("4.relu", 1),
+        ("5.bn1", None), ("5.relu", 0), ("5.bn2", None), ("5.relu", 1)]
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    assert report.peak_bytes == plan.predicted_peak_bytes < p.peak_bytes
+    apply_plan(model, plan)
+    _assert_close_to_plain(model, twin, x)
+
+
+def test_zoo_resnet_with_out_of_place_relus() -> None:
+    x = torch.randn(4, 3, 32, 32)
+    model, twin = pair(lambda: zoo.resnet(blocks_per_stage=(1, 1), width=8))
+    p = memfit.profile(model, x)
+    plan = _every(p)
+    # measured 1,290,128 B = predicted, plain 1,617,552 B
+    assert [e.module for e in plan.compressed if e.raw_bytes] == ["stem.1", "layers.0.bn1", "layers.1.bn1"]
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    assert report.peak_bytes == plan.predicted_peak_bytes <= 0.8 * p.peak_bytes
+    apply_plan(model, plan)
+    _assert_close_to_plain(model, twin, x)
+
+
+def test_planned_on_another_activation_the_step_stays_plain() -> None:
+    """The plan names relus; a model whose modules there run something else keeps every
+    norm's input: the plain step, bit for bit."""
+    x = torch.randn(4, 3, 16, 16)
+    plan = _every(memfit.profile(_chain(True), x))
+
+    def gelu_chain() -> nn.Module:
+        m = _chain(True)
+        for k in (2, 5, 8):
+            m[k] = nn.GELU()
+        return m
+
+    model, twin = pair(gelu_chain)
+    apply_plan(model, plan)
+    assert_bitwise_twin(model, twin, (x,))
+
+
+def test_a_second_backward_through_the_rebuilt_saves_says_what_to_do() -> None:
+    x = torch.randn(4, 3, 16, 16)
+    model = _chain(True)
+    apply_plan(model, _every(memfit.profile(model, x)))
+    loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True needs a plan without compress='lossy'"):
+        loss.backward()
+
+
+def test_fit_lossy_takes_the_variant_and_verifies() -> None:
+    x = torch.randn(8, 3, 32, 32)
+    model = _chain(True)
+    p = memfit.profile(model, x)
+    budget = int(0.9 * p.peak_bytes)
+    fitted = memfit.fit(copy.deepcopy(model), x, budget=budget,
+                        search=memfit.Search(compress="lossy", lossy_codec=None))
+    plan = fitted.memfit_plan
+    assert {e.codec for e in plan.compressed} == {"bn_from_output"}
+    assert plan.predicted_peak_bytes <= budget
+    report = memfit.verify(fitted, x)
+    assert report.peak_bytes == plan.predicted_peak_bytes
