@@ -220,8 +220,11 @@ def _plan(prof: Profile, the_step: Step, example_inputs: Any, budget: Any, job: 
         from memfit.measuring.codec_cost import codec_costs_for
         from memfit.planning.compress_pass import choose
 
+        def solve_on(p: Profile, b: int) -> Plan:  # NOTE [variants planned with the regions]
+            return plan_for_budget(p, budget=b, solver=search.solver, job=None if job is None else job.spec(p))
+
         return choose(prof, solve, budget, mode=search.compress, lossy_codec=search.lossy_codec,
-                      costs=codec_costs_for(search.compress, search.lossy_codec, prof))
+                      costs=codec_costs_for(search.compress, search.lossy_codec, prof), solve_on=solve_on)
 
     try:
         if parallel.in_flight is not None:  # a stage's own plan: no one plan per job

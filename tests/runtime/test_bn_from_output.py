@@ -85,12 +85,13 @@ def test_candidates_for_a_relu_after_a_norm_in_place_or_not_and_only_when_lossy(
     for inplace in (True, False):
         p = memfit.profile(_chain(inplace), x)
         found = [c for c in candidates(p, mode="lossy") if c.entry.codec == "bn_from_output"]
-        # each norm's input (8, 16, 32, 32) fp32 = 524,288 B, kept as its 16 means and invstds
+        # each norm's input (8, 16, 32, 32) fp32 = 524,288 B, kept as its 16 means and invstds;
+        # the last relu's result is saved by that relu alone: its bits (exact) are taken first
         assert [(c.entry.module, c.entry.raw_bytes, c.entry.packed_bytes) for c in found] == [
-            ("1", 524_288, 128), ("4", 524_288, 128), ("7", 524_288, 128)]
+            ("1", 524_288, 128), ("4", 524_288, 128)]
         relu = "aten.relu_.default#0" if inplace else "aten.relu.default#0"
-        assert [[(e.module, e.key) for e in c.extra] for c in found] == [
-            [("2", relu)], [("5", relu)], [("8", relu)]]
+        assert [[(e.module, e.key) for e in c.extra] for c in found] == [[("2", relu)], [("5", relu)]]
+        assert [c.entry.codec for c in candidates(p, mode="lossy") if c.entry.module == "8"] == ["sign_bit"]
         assert not [c for c in candidates(p) if c.entry.codec == "bn_from_output"]  # lossless
     # a leaky relu is inplace_abn's, not this codec's
     leaky = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.LeakyReLU(0.1, inplace=True),
@@ -108,12 +109,12 @@ def test_peak_as_predicted_to_the_byte_and_gradients_within_the_stated_bound(inp
     plan = _every(p)
     assert plan.lossy
     report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
-    # measured 3,710,096 B = predicted, 12.4% under plain 4,234,128 B (either relu)
+    # measured = predicted, under plain 4,234,128 B (either relu)
     assert report.peak_bytes == plan.predicted_peak_bytes
     assert plan.predicted_peak_bytes <= 0.88 * p.peak_bytes
     apply_plan(model, plan)
     _assert_close_to_plain(model, twin, x)
-    assert compressor(model).raw_bytes == 3 * 524_288
+    assert compressor(model).raw_bytes == 2 * 524_288
 
 
 def test_resnet_bottlenecks_one_relu_module_per_block_by_call() -> None:
@@ -121,10 +122,11 @@ def test_resnet_bottlenecks_one_relu_module_per_block_by_call() -> None:
     model, twin = pair(_resnet_like)
     p = memfit.profile(model, x)
     plan = _every(p)
-    # the stem's norm and each block's bn1 and bn2 (the block's relu, calls 0 and 1); bn3 is
-    # followed by the residual add, not a relu
+    # each block's bn1 and bn2 (the block's relu, calls 0 and 1); bn3 is followed by the
+    # residual add, not a relu; the stem's relu result is max pool's input: its bits and
+    # max pool's shape_only, exact, are taken first
     assert [(e.module, e.call) for e in plan.compressed] == [
-        ("1", None), ("2", None), ("4.bn1", None), ("4.relu", 0), ("4.bn2", None), ("4.relu", 1),
+        ("4.bn1", None), ("4.relu", 0), ("4.bn2", None), ("4.relu", 1),
         ("5.bn1", None), ("5.relu", 0), ("5.bn2", None), ("5.relu", 1)]
     report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
     assert report.peak_bytes == plan.predicted_peak_bytes < p.peak_bytes
@@ -184,3 +186,64 @@ def test_fit_lossy_takes_the_variant_and_verifies() -> None:
     assert plan.predicted_peak_bytes <= budget
     report = memfit.verify(fitted, x)
     assert report.peak_bytes == plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_rebuilt_input_within_the_stated_bound(seed: int) -> None:
+    """``|x' - x| <= 2^-20 (|x| + |mean| + |bias / weight| / invstd)`` (BN_FROM_OUTPUT.keeps),
+    with offsets, a small weight and a large bias among the channels."""
+    from memfit._torch import tensor_version
+    from memfit.runtime.bn_rebuild import Rebuilt
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, 16, 16, generator=g) * torch.tensor([1.0, 30.0, 0.01, 5.0]).view(1, 4, 1, 1)
+    x += torch.tensor([0.0, -100.0, 3.0, 0.5]).view(1, 4, 1, 1)
+    weight = torch.tensor([1.0, 1e-3, 2.0, -0.7])
+    bias = torch.tensor([0.0, 5.0, -40.0, 0.3])
+    y = torch.nn.functional.batch_norm(x, None, None, weight, bias, training=True, eps=1e-5)
+    held = Rebuilt(x, weight, bias, 1e-5, from_output=True)
+    var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+    held.mean, held.invstd = mean, torch.rsqrt(var + 1e-5)
+    held.out, held.x = y.clone(), None
+    held.version = tensor_version(held.out)
+    rebuilt = held.rebuild()
+    shape = (1, 4, 1, 1)
+    bound = 2.0**-20 * (x.abs() + mean.abs().view(shape)
+                        + (bias / weight).abs().view(shape) / held.invstd.view(shape))
+    err = (rebuilt - x).abs()  # measured: at most 0.24 of the bound over the three seeds
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert not torch.equal(rebuilt, x)  # a rebuild, not the input kept
+
+
+def _stages() -> nn.Module:
+    torch.manual_seed(0)
+
+    def stage(c_in: int, c: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c_in, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
+                             nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+
+    return nn.Sequential(stage(3, 8), stage(8, 8), stage(8, 8), stage(8, 8), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 2))
+
+
+def test_variants_planned_with_the_regions_run_at_their_predicted_peak() -> None:
+    """NOTE [variants planned with the regions]: the options planned on the relaxed profile
+    (regions, and the variants outside them) are predicted on the real profile: each run
+    measures its predicted peak to the byte (measured here: 1,587,952 B with one region and
+    seven norms rebuilt; plain 2,500,208 B), gradients within the codec's roundings."""
+    from memfit.planning.compress_pass import _with_variants, with_compression
+    from memfit.planning.planner import plan_for_budget
+
+    x = torch.randn(4, 3, 32, 32)
+    model, twin = pair(_stages)
+    p = memfit.profile(model, x)
+    cap = int(0.6 * p.peak_bytes)
+    options = _with_variants(p, lambda q, b: plan_for_budget(q, budget=b), cap,
+                             lambda plan: with_compression(p, plan, mode="lossy", lossy_codec=None, budget_bytes=cap))
+    both = [o for o in options if o.regions and any(e.codec == "bn_from_output" and e.raw_bytes for e in o.compressed)]
+    assert both, [(o.regions, o.compressed) for o in options]
+    for o in options:
+        report = memfit.verify(memfit.apply(copy.deepcopy(model), o), x)
+        assert report.peak_bytes == o.predicted_peak_bytes, (o.regions, report.peak_bytes, o.predicted_peak_bytes)
+    apply_plan(model, both[0])
+    _assert_close_to_plain(model, twin, x)

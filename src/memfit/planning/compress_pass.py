@@ -50,6 +50,7 @@ from memfit.planning.compress_readers import (
     relu_after_norm,
 )
 from memfit.planning.compression import (
+    BN_FROM_OUTPUT,
     BOOL_BITS,
     DEFAULT_CODEC_COSTS,
     DEFAULT_LOSSY_CODEC,
@@ -63,7 +64,13 @@ from memfit.planning.compression import (
     check_lossy_codec,
     codec_packed_bytes,
 )
-from memfit.planning.norm_variants import Candidate, inplace_activated, output_activated, release_of
+from memfit.planning.norm_variants import (
+    Candidate,
+    inplace_activated,
+    output_activated,
+    relaxed_profile,
+    release_of,
+)
 from memfit.planning.plan import Plan, Region
 from memfit.profiling.profile import Profile, StorageKind, StorageRecord
 
@@ -156,7 +163,8 @@ def _scan(profile: Profile, first: int, last: int, regions: Sequence[Region], mo
             relu = relu_after_norm(profile, rec, regions, starts) if mode == "lossy" else None
             if relu is not None:  # NOTE [output-activated batch norm]
                 found = output_activated(profile, op.index, rec, relu, calls)
-                if found is not None:
+                # not where a region reads the relu result: its checkpoint holds its inputs
+                if found is not None and not found[1] & seen:
                     out.append(found[0])
                     seen.update(found[1])
                     continue
@@ -329,9 +337,40 @@ def _smallest_compressed(error: InfeasibleBudget, options: Sequence[Plan], kind:
         fits_with=(f"a budget of at least {smallest} bytes",))
 
 
+def _with_variants(profile: Profile, solve_on: Callable[[Profile, int], Plan], cap: int,
+                   compress: Callable[[Plan], Plan]) -> list[Plan]:
+    """The options of NOTE [variants planned with the regions]: the solver's plans of the
+    relaxed profile, re-simulated on ``profile`` and compressed outside their regions."""
+    from memfit.errors import InfeasibleBudget
+    from memfit.planning.simulate import simulate
+
+    taken = [c for c in candidates(profile, mode="lossy", lossy_codec=None)
+             if c.entry.codec == BN_FROM_OUTPUT.name]
+    if not taken:
+        return []
+    relaxed = relaxed_profile(profile, taken)
+    out: list[Plan] = []
+    budget = cap
+    for _ in range(4):
+        try:
+            p = solve_on(relaxed, budget)
+        except InfeasibleBudget:
+            break
+        sim = simulate(profile, p)
+        # the same ops and times: only the memory differs from the relaxed profile's
+        real = dataclasses.replace(p, predicted_peak_bytes=sim.peak_bytes, plain_peak_bytes=profile.peak_bytes)
+        out.append(compress(real))
+        over = out[-1].predicted_peak_bytes - cap
+        if over <= 0:
+            break
+        budget -= over  # what the relaxation left out, taken off the next relaxed budget
+    return out
+
+
 def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
            budget: int | float | str | None, *, mode: str = "lossless",
-           lossy_codec: str | None = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None) -> Plan:
+           lossy_codec: str | None = DEFAULT_LOSSY_CODEC, costs: CodecCosts | None = None,
+           solve_on: Callable[[Profile, int], Plan] | None = None) -> Plan:
     """The fastest plan under ``budget`` among recompute-only and compressed ones.
 
     NOTE [compress or recompute]
@@ -344,6 +383,20 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         with its outside candidates compressed. The least predicted time wins (recompute +
         codec seconds; ties: the lower peak). ``solve`` is the solver (budget -> Plan); it
         raises ``InfeasibleBudget``.
+
+    NOTE [variants planned with the regions]
+        A batch-norm variant frees a norm's input for a few passes over memory, far less than
+        recomputing the convolution before it; but planned after the regions, the solver has
+        already spent its recompute where the variants would have freed the bytes (ResNet-50,
+        v100, 10.01 GB: every looser budget's plan holds the stage-1 norms in its regions). So
+        with ``compress="lossy"`` and a ``solve_on`` (profile, budget in bytes -> Plan), the
+        solver also plans a relaxed profile (``norm_variants.relaxed_profile``: every
+        ``bn_from_output`` candidate of the plain step taken) at the budget; each plan's
+        regions are then priced and its peak computed on the real profile with its outside
+        candidates compressed, as any other option. What the relaxation leaves out (the
+        decoded relu results; a norm inside a region replays whole) can only make an option
+        not fit, never a wrong prediction: while one does not, the relaxed budget is lowered
+        by its overshoot and planned again (four plans at most).
 
     Raises:
         InfeasibleBudget: no option fits (the recompute-only plan's error).
@@ -388,6 +441,8 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
             options.append(compress(solve(looser)))
         except InfeasibleBudget:
             continue
+    if kind == "lossy" and solve_on is not None:
+        options += _with_variants(profile, solve_on, cap, compress)
     fits = [p for p in options if p.predicted_peak_bytes <= cap]
     if not fits and error is not None:
         # under every recompute-only plan's peak: the least-peak plan, compressed outside its
@@ -399,6 +454,18 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
             least = None
         if least is not None and least.predicted_peak_bytes <= cap:
             fits = [least]
+        elif least is not None:
+            # the error names the smallest compressed peak found, the same for every budget
+            # under it: a fixed ladder of region budgets between the least and the plain peak
+            # (a looser plan may hold fewer compressible tensors in regions: a ResNet's 199.6
+            # MB against the least plan's 218.1 MB, found at one budget and not at another)
+            low = error.min_feasible_bytes
+            for k in (1, 2, 3):
+                try:
+                    options.append(compress(solve(low + k * (profile.peak_bytes - low) // 4)))
+                except InfeasibleBudget:
+                    continue
+            fits = [p for p in options if p.predicted_peak_bytes <= cap]
     if not fits:
         if error is not None:
             raise _smallest_compressed(error, options, kind)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from memfit.planning.compress_readers import ModuleCalls, activation_key, key_in_call
 from memfit.planning.compression import (
+    ABN_NORMS,
     BN_FROM_OUTPUT,
     INPLACE_ABN,
     OUTPUT_BN_ACTIVATIONS,
@@ -20,7 +21,7 @@ from memfit.planning.compression import (
 )
 from memfit.profiling.profile import Profile, StorageRecord
 
-__all__ = ["Candidate", "release_of", "inplace_activated", "output_activated"]
+__all__ = ["Candidate", "release_of", "inplace_activated", "output_activated", "relaxed_profile"]
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,10 @@ def output_activated(profile: Profile, i: int, rec: StorageRecord, pair: tuple[i
                        2 * 4 * channels, 0, bn_call)
     extra = (Compressed(f"{act.name}#{act_key}", BN_FROM_OUTPUT.name, act.module, call=act_call),)
     used = rec.last_forward_use if rec.last_forward_use is not None else i
-    # each save of the relu result decodes relu(y), a whole copy while its node runs
-    windows = [(u, e if e is not None else u, r.nbytes) for _, u, e in r.saves if u is not None]
+    # each save of the relu result decodes relu(y), a whole copy while its node runs; the
+    # relu's own is given y itself
+    windows = [(u, e if e is not None else u, r.nbytes) for j, u, e in r.saves
+               if u is not None and j != act.index]
     if act.inplace:
         # the relu result is a new storage until its last forward reader; the norm's output
         # (the storage the relu wrote in place) held from its plain release to the norm's backward
@@ -114,3 +117,41 @@ def output_activated(profile: Profile, i: int, rec: StorageRecord, pair: tuple[i
     windows = [w for w in windows if w[0] <= w[1]]
     cand = Candidate(entry, rec.id, i, max(used, i), release, (), extra, tuple(windows))
     return cand, {rec.id, z.id, r.id}
+
+
+def relaxed_profile(profile: Profile, chosen: list[Candidate]) -> Profile:
+    """``profile`` as the solver should see it with the ``bn_from_output`` candidates
+    ``chosen`` taken (NOTE [variants planned with the regions] in ``memfit.planning.compress_pass``):
+    each norm's input held until its last forward use and saved by nothing, its relu's
+    result likewise where the relu ran out of place, the norm's output held until the
+    norm's backward. The relu results decoded in backward are left out (a relaxation: the
+    plan's true peak is computed on ``profile``)."""
+    import dataclasses
+
+    from memfit.planning.simulate import simulate
+
+    storages = {s.id: s for s in profile.storages}
+
+    def let_go(sid: int) -> None:
+        s = storages[sid]
+        last = s.last_forward_use if s.last_forward_use is not None else s.created_by
+        storages[sid] = dataclasses.replace(s, saves=(), saved=False, first_unpack=None, freed_after=last)
+
+    for c in chosen:
+        if c.entry.codec != BN_FROM_OUTPUT.name or c.release is None:
+            continue
+        bn = next(o for o in profile.ops[: profile.n_forward]
+                  if o.inputs and o.inputs[0] == c.storage and o.name in ABN_NORMS)
+        act = profile.ops[bn.index + 1]
+        z, r = bn.outputs[0].storage, act.outputs[0].storage
+        let_go(c.storage)
+        if r != z:
+            let_go(r)
+        zs = storages[z]
+        if zs.freed_after is not None and zs.freed_after < c.release:
+            storages[z] = dataclasses.replace(zs, freed_after=c.release)
+    edited = dataclasses.replace(profile, storages=tuple(storages[s.id] for s in profile.storages))
+    from memfit.planning.plan import Plan
+
+    sim = simulate(edited, Plan((), 0, 0.0, None, "none", profile.signature))
+    return dataclasses.replace(edited, live_bytes=tuple(sim.live_bytes), peak_bytes=sim.peak_bytes)

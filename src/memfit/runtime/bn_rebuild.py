@@ -25,11 +25,14 @@ NOTE [output-activated batch norm]
     returned in place of the in-place result: the module's caller uses what it returns), so
     ``y`` stays whole; the norm's saved input is a ``_Rebuilt`` rebuilt from ``y`` as above, and
     every save of the relu's result ``r`` (relu's own node, the next convolution's input, a max
-    pool's input) is a ``_ReluOf`` that rebuilds ``relu(y)`` when unpacked: bitwise ``r``. In
+    pool's input) is a ``ReluOf`` that rebuilds ``relu(y)`` when unpacked: bitwise ``r``; the
+    relu's own node reads only ``r <= 0`` (NOTE [sign-only readers] in
+    ``memfit.runtime.compress``), which is ``y <= 0`` (NaN included), so it is given ``y``. In
     forward ``x`` is freed after the norm and ``r`` after its last reader; ``y`` is held until
-    the norm's backward (in its storage the rebuilt ``x``). One tensor of each norm-relu pair is
-    kept where two were (``x`` and ``r``), at no recompute of the convolution before it; the
-    costs are the statistics in forward and one relu per unpack of ``r``. The relu's own node
+    the norm's backward (in its storage the rebuilt ``x``, one ``addcmul`` pass: ``x = y a + b``
+    per channel). One tensor of each norm-relu pair is kept where two were (``x`` and ``r``),
+    at no recompute of the convolution before it; the costs are the statistics in forward
+    (one pass), the rebuild, and one relu per unpack of ``r`` by a reader of its values. The relu's own node
     saves ``r`` while ``torch.relu`` runs, before the mode has its result: the pack hook takes
     the first save whose node is a ``ReluBackward`` while that relu runs, and tags its storage.
 """
@@ -91,8 +94,12 @@ class Rebuilt:
         # in place: every other reader of y (the activation's and the next op's backward) has
         # run by the time the norm's backward unpacks its input
         shape = [1, -1] + [1] * (y.dim() - 2)
-        if not self.from_output:
-            torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
+        if self.from_output:
+            # one pass: x = y a + b, a = 1 / (weight invstd), b = mean - bias a, per channel
+            a = 1.0 / (self.invstd if self.weight is None else self.invstd * self.weight.detach())
+            b = self.mean if self.bias is None else self.mean - self.bias.detach() * a
+            return torch.addcmul(b.view(shape), y, a.view(shape), out=y)
+        torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
         if self.bias is not None:
             y.sub_(self.bias.detach().view(shape))
         scale = self.invstd if self.weight is None else self.invstd * self.weight.detach()
@@ -101,13 +108,16 @@ class Rebuilt:
 
 class ReluOf:
     """A save of a relu result, rebuilt in backward as ``relu(y)`` from the batch norm's kept
-    output (NOTE [output-activated batch norm]): bitwise the result."""
+    output (NOTE [output-activated batch norm]): bitwise the result. The relu's own node
+    (``sign_only``) reads only ``result <= 0``, which is ``y <= 0``: it gets ``y`` itself."""
 
-    def __init__(self, held: Rebuilt) -> None:
+    def __init__(self, held: Rebuilt, sign_only: bool = False) -> None:
         self.held = held
+        self.sign_only = sign_only
 
     def rebuild(self) -> torch.Tensor:
-        return torch.relu(self.held.output())
+        y = self.held.output()
+        return y if self.sign_only else torch.relu(y)
 
 
 def norm_taken(owner: Any, func: Any, args: tuple, kwargs: dict, from_output: bool) -> Any:

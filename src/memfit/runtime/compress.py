@@ -243,9 +243,9 @@ class Compressor:
             self.geometry_saves += 1
             return packed
         if self.relu_pending is not None or self.relu_results:
-            held = self._relu_result(t)
-            if held is not None:
-                return ReluOf(held)
+            found = self._relu_result(t)
+            if found is not None:
+                return ReluOf(*found)
         tag = self._take(t)
         if tag is None:
             return t
@@ -262,18 +262,18 @@ class Compressor:
         self._share(t, packed)
         return packed
 
-    def _relu_result(self, t: torch.Tensor) -> Rebuilt | None:
-        """The norm whose kept output rebuilds ``t``, a relu result (NOTE [output-activated
-        batch norm]), or None."""
+    def _relu_result(self, t: torch.Tensor) -> tuple[Rebuilt, bool] | None:
+        """The norm whose kept output rebuilds ``t``, a relu result, and whether this save is
+        the relu's own (NOTE [output-activated batch norm]); or None."""
         storage = t.untyped_storage()
         pending = self.relu_pending
         if pending is not None and type(t.grad_fn).__name__.startswith("ReluBackward"):
             self.relu_results[storage.data_ptr()] = (weakref.ref(storage), pending)
-            return pending
+            return pending, True
         held = self.relu_results.get(storage.data_ptr())
         if held is None or held[0]() is not storage or t.shape != held[1].out.shape:  # type: ignore[union-attr]
             return None
-        return held[1]
+        return held[1], False
 
     def _take(self, t: torch.Tensor) -> tuple[Codec, Any] | None:
         """The codec for this save of ``t`` (and a Packed to share), or None: keep it whole."""
