@@ -442,3 +442,24 @@ def test_plan_compress_under_the_chain_solvers_least_peak_compresses_its_least_p
     assert _main_code(argv) == EXIT_OK
     data = json.loads(capsys.readouterr().out)
     assert data["compressed"] and data["predicted_peak_bytes"] <= data["budget_bytes"] == least - 1
+
+
+def test_plan_lossy_codec_none_takes_the_batch_norm_variants_alone(tmp_path, capsys):
+    """``--lossy-codec none``: no codec on the other activations; the zoo ResNet's norms
+    followed by a relu rebuilt from their outputs (NOTE [output-activated batch norm])."""
+    import memfit.measuring.codec_cost as codec_cost
+    from memfit.planning.compression import DEFAULT_CODEC_COSTS
+
+    resnet = "resnet:width=8,batch=4"
+    plan_file = tmp_path / "plan.json"
+    argv = ["plan", resnet, "--budget", "85%", "--compress", "lossy", "--lossy-codec", "none", "--json"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec_cost, "codec_costs_for", lambda *a, **k: DEFAULT_CODEC_COSTS)
+        assert _main_code([*argv, "-o", str(plan_file)]) == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert data["predicted_peak_bytes"] <= data["budget_bytes"]
+    codecs = {c["codec"] for c in data["compressed"]}
+    assert codecs == {"bn_from_output"}, codecs
+    assert _main_code(["verify", resnet, "--plan", str(plan_file), "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and not report["bitwise"] and 0 < report["gradient_rel_error"] <= 2.0**-10

@@ -43,8 +43,9 @@ def add_parser(subs: Any, common: argparse.ArgumentParser) -> None:
                    help="also keep saved tensors outside the regions packed where that is faster "
                         "than recomputing: lossless (exact codecs; the step stays bitwise) or lossy "
                         "(also --lossy-codec on fp32 activations; gradients change)")
-    p.add_argument("--lossy-codec", choices=LOSSY_CODECS, default=None,
-                   help="with --compress lossy: the codec of the fp32 activations (default bf16)")
+    p.add_argument("--lossy-codec", choices=(*LOSSY_CODECS, "none"), default=None,
+                   help="with --compress lossy: the codec of the fp32 activations (default bf16; "
+                        "none: no codec on them, the batch-norm variants alone)")
     add_cost_arguments(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE "
                    "(for memfit verify --plan, or memfit.Plan.load)")
@@ -102,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
         from memfit.measuring.codec_cost import codec_costs_for
         from memfit.planning.compress_pass import choose
 
-        codec = args.lossy_codec or DEFAULT_LOSSY_CODEC
+        codec = None if args.lossy_codec == "none" else args.lossy_codec or DEFAULT_LOSSY_CODEC
         p = choose(prof, lambda b: plan_for_budget(prof, budget=b, solver=args.solver), args.budget,
                    mode=args.compress, lossy_codec=codec,
-                   costs=codec_costs_for(args.compress, codec, prof))
+                   costs=codec_costs_for(args.compress, codec, prof),
+                   solve_on=lambda q, b: plan_for_budget(q, budget=b, solver=args.solver))
         refuse_over_budget(p)
     else:
         p = plan_for_budget(prof, budget=args.budget, solver=args.solver)

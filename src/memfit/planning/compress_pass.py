@@ -350,8 +350,13 @@ def _with_variants(profile: Profile, solve_on: Callable[[Profile, int], Plan], c
         return []
     relaxed = relaxed_profile(profile, taken)
     out: list[Plan] = []
-    budget = cap
-    for _ in range(4):
+    budgets = [int(f * cap) for f in (1.0, 0.95, 0.9, 0.8)]
+    tried: set[int] = set()
+    while budgets:
+        budget = budgets.pop(0)
+        if budget in tried:
+            continue
+        tried.add(budget)
         try:
             p = solve_on(relaxed, budget)
         except InfeasibleBudget:
@@ -361,9 +366,8 @@ def _with_variants(profile: Profile, solve_on: Callable[[Profile, int], Plan], c
         real = dataclasses.replace(p, predicted_peak_bytes=sim.peak_bytes, plain_peak_bytes=profile.peak_bytes)
         out.append(compress(real))
         over = out[-1].predicted_peak_bytes - cap
-        if over <= 0:
-            break
-        budget -= over  # what the relaxation left out, taken off the next relaxed budget
+        if over > 0 and budget == cap:
+            budgets.insert(0, cap - over)  # what the relaxation left out, taken off the budget
     return out
 
 
@@ -391,12 +395,13 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         v100, 10.01 GB: every looser budget's plan holds the stage-1 norms in its regions). So
         with ``compress="lossy"`` and a ``solve_on`` (profile, budget in bytes -> Plan), the
         solver also plans a relaxed profile (``norm_variants.relaxed_profile``: every
-        ``bn_from_output`` candidate of the plain step taken) at the budget; each plan's
+        ``bn_from_output`` candidate of the plain step taken) at the budget and below; each plan's
         regions are then priced and its peak computed on the real profile with its outside
         candidates compressed, as any other option. What the relaxation leaves out (the
         decoded relu results; a norm inside a region replays whole) can only make an option
-        not fit, never a wrong prediction: while one does not, the relaxed budget is lowered
-        by its overshoot and planned again (four plans at most).
+        not fit, never a wrong prediction. The relaxed budgets: the budget less the first
+        plan's overshoot, and 95, 90 and 80% of the budget (the fastest that fits is not
+        always the loosest: ResNet-50 at 10.01 GB, +8.5% at 95%, +8.2% at 90%).
 
     Raises:
         InfeasibleBudget: no option fits (the recompute-only plan's error).
