@@ -247,3 +247,73 @@ def test_variants_planned_with_the_regions_run_at_their_predicted_peak() -> None
         assert report.peak_bytes == o.predicted_peak_bytes, (o.regions, report.peak_bytes, o.predicted_peak_bytes)
     apply_plan(model, both[0])
     _assert_close_to_plain(model, twin, x)
+
+
+def test_steps_eval_and_a_saved_copy_keep_the_plan() -> None:
+    """Two training steps, an eval forward between them (norms on running statistics: kept
+    whole, the relus as called) and a torch.save round trip between steps: each step within
+    the bound of its twin's, the copy packing the same bytes."""
+    import io
+
+    x = torch.randn(4, 3, 16, 16)
+    model, twin = pair(lambda: _chain(True))
+    apply_plan(model, _every(memfit.profile(model, x)))
+    for m in (model, twin):
+        m.zero_grad()
+    _assert_close_to_plain(model, twin, x)
+    with torch.no_grad():
+        model.eval(), twin.eval()
+        assert torch.equal(model(x), twin(x))
+        model.train(), twin.train()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for m in (loaded, twin):
+        m.zero_grad()
+    _assert_close_to_plain(loaded, twin, x)
+    # two norms' inputs (4, 16, 16, 16) fp32 a step, counted over both steps (the count travels
+    # with the copy); the eval forward packs nothing
+    assert compressor(loaded).raw_bytes == 2 * 2 * (4 * 16 * 16 * 16 * 4)
+
+
+class _Statements(nn.Module):
+    """Relus called for their effect, not their result: ``y.relu_()`` (kept exact: written in
+    place, a copy kept) and, with ``module_statement``, ``self.act(y)`` of an in-place
+    ``nn.ReLU`` whose result is dropped."""
+
+    def __init__(self, module_statement: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Conv2d(8, 2, 3)
+        self.module_statement = module_statement
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn1(self.conv1(x))
+        y.relu_()
+        y = self.bn2(self.conv2(y))
+        if self.module_statement:
+            self.act(y)
+        else:
+            y = self.act(y)
+        return self.head(y).mean((2, 3))
+
+
+def test_a_relu_called_for_its_effect_stays_exact_or_says_what_to_write() -> None:
+    x = torch.randn(4, 3, 16, 16)
+    model, twin = pair(_Statements)
+    p = memfit.profile(model, x)
+    plan = _every(p)
+    assert [e.module for e in plan.compressed if e.raw_bytes] == ["bn1", "bn2"]
+    report = memfit.verify(memfit.apply(copy.deepcopy(model), plan), x)
+    assert report.peak_bytes == plan.predicted_peak_bytes < p.peak_bytes
+    apply_plan(model, plan)
+    _assert_close_to_plain(model, twin, x)  # y.relu_(): written in place as called
+
+    dropped = _Statements(module_statement=True)
+    apply_plan(dropped, _every(memfit.profile(copy.deepcopy(dropped), x)))
+    with pytest.raises(RuntimeError, match=r"read after the in-place relu on it.*Write `x = relu\(x\)` there"):
+        dropped(x)

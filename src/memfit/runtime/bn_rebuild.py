@@ -22,8 +22,11 @@ NOTE [output-activated batch norm]
     ResNet's batch norms are followed by an in-place ReLU, which is not invertible: the zeros
     it writes lose the values batch norm's backward needs. ``bn_from_output`` keeps the norm's
     output instead: the planned relu after the norm runs *out of place* (``torch.relu``,
-    returned in place of the in-place result: the module's caller uses what it returns), so
-    ``y`` stays whole; the norm's saved input is a ``_Rebuilt`` rebuilt from ``y`` as above, and
+    returned in place of the in-place result: ``nn.ReLU(inplace=True)`` and ``F.relu(x,
+    inplace=True)`` are called for what they return), so ``y`` stays whole. A caller that
+    reads ``y`` afterwards expecting it written is caught where a node saves it (the pack hook
+    raises, saying what to write instead); ``torch.relu_(y)`` and ``y.relu_()``, whose callers
+    commonly do read ``y``, write ``y`` in place as called and keep a copy (two more passes); the norm's saved input is a ``_Rebuilt`` rebuilt from ``y`` as above, and
     every save of the relu's result ``r`` (relu's own node, the next convolution's input, a max
     pool's input) is a ``ReluOf`` that rebuilds ``relu(y)`` when unpacked: bitwise ``r``; the
     relu's own node reads only ``r <= 0`` (NOTE [sign-only readers] in
@@ -46,7 +49,7 @@ import torch
 
 from memfit._torch import no_python_dispatch, tensor_version
 
-__all__ = ["Rebuilt", "ReluOf", "norm_taken", "activation_in_place", "relu_out_of_place"]
+__all__ = ["Rebuilt", "ReluOf", "norm_taken", "activation_in_place", "relu_out_of_place", "check_not_replaced"]
 
 
 class Rebuilt:
@@ -158,19 +161,44 @@ def activation_in_place(owner: Any, func: Any, args: tuple, kwargs: dict) -> Any
 
 
 def relu_out_of_place(owner: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """A relu (in place or not) on the pending norm's whole output, run out of place: the
-    output is kept, the norm's input let go, the result's saves rebuilt (NOTE
-    [output-activated batch norm]). Anything else runs as called."""
+    """A relu on the pending norm's whole output, with the output kept: the norm's input let
+    go, the result's saves rebuilt (NOTE [output-activated batch norm]). Anything else runs
+    as called."""
     x = args[0] if args else kwargs.get("input")
     held, owner.abn_pending = owner.abn_pending, None
     if (held is None or not held.from_output or held.out is None or not isinstance(x, torch.Tensor)
             or x is not held.out or set(kwargs) - {"inplace"} or len(args) > 2):
         return func(*args, **kwargs)
+    tensor_call = getattr(func, "__name__", "") == "relu_"  # torch.relu_(x), x.relu_()
+    inplace = bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
     owner.relu_pending = held
     try:
-        out = torch.relu(x)
+        if tensor_call:
+            # its caller may read x afterwards: x is written in place as called, a copy kept
+            with torch.no_grad():
+                kept = x.detach().clone()
+            out = func(*args, **kwargs)
+            held.out = kept
+        else:
+            out = torch.relu(x)
     finally:
         owner.relu_pending = None
-    held.version, held.x = tensor_version(x), None
+    if inplace:  # a save of x from now on is a read of what the caller thinks is the result
+        owner.replaced[x.untyped_storage().data_ptr()] = weakref.ref(x.untyped_storage())
+    held.version, held.x = tensor_version(held.out), None
     owner.relu_results[out.untyped_storage().data_ptr()] = (weakref.ref(out.untyped_storage()), held)
     return out
+
+
+def check_not_replaced(owner: Any, t: torch.Tensor) -> None:
+    """Raises where ``t`` is a norm output whose in-place relu ran out of place (NOTE
+    [output-activated batch norm]): the caller read it instead of the relu's result."""
+    storage = t.untyped_storage()
+    ref = owner.replaced.get(storage.data_ptr())
+    if ref is not None and ref() is storage:
+        raise RuntimeError(
+            "memfit: a batch norm's output was read after the in-place relu on it, which the plan's "
+            "bn_from_output runs out of place (NOTE [output-activated batch norm]): the model uses "
+            "the norm's output where it expects the relu to have written it, instead of what the "
+            "relu returned. Write `x = relu(x)` there, or plan without compress='lossy' (or with "
+            "compress='lossless')")

@@ -61,6 +61,7 @@ from memfit.runtime.bn_rebuild import (
     Rebuilt,
     ReluOf,
     activation_in_place,
+    check_not_replaced,
     norm_taken,
     relu_out_of_place,
 )
@@ -176,6 +177,7 @@ class Compressor:
         # by storage address (the storage, weakly; the norm's Rebuilt)
         self.relu_pending: Rebuilt | None = None
         self.relu_results: dict[int, tuple[weakref.ref, Rebuilt]] = {}
+        self.replaced: dict[int, weakref.ref] = {}  # norm outputs whose in-place relu ran out of place
         # storage address -> (the storage, weakly; codec; the shared Packed, weakly, or None)
         self.tagged: dict[int, tuple[weakref.ref, Codec, Any]] = {}
         self.sign: tuple[weakref.ref, Codec, str] | None = None  # NOTE [sign-only readers]
@@ -228,6 +230,7 @@ class Compressor:
             self.abn_pending = None
             self.relu_pending = None
             self.relu_results.clear()
+            self.replaced.clear()
             if hooks is not None:
                 hooks.__exit__(*exc)
 
@@ -243,6 +246,8 @@ class Compressor:
             self.geometry_saves += 1
             return packed
         if self.relu_pending is not None or self.relu_results:
+            if self.replaced:
+                check_not_replaced(self, t)
             found = self._relu_result(t)
             if found is not None:
                 return ReluOf(*found)
