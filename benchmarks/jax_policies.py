@@ -7,7 +7,8 @@ compiles its planned step on the CPU (NOTE [barriers kept on XLA CPU] in memfit.
 For each model (the Flax GPT and the 3D conv net of ``memfit.jax.models``): the plain step;
 JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable`` applied
 to every block (each top-level child scope, as ``nn.remat`` on each block would); memfit's
-plans at 70/50/30% of the plain jaxpr-level peak and at "min". Per row: memfit's predicted
+plans at each policy's XLA peak and at 70/50/30% of the plain jaxpr-level peak (budgets in bytes, checked
+against XLA's report in rounds) and at "min". Per row: memfit's predicted
 peak (jaxpr level; for JAX's policies, not predicted), XLA's ``memory_analysis()`` (temp +
 output bytes), XLA's ``cost_analysis()`` FLOPs, and the median step seconds of interleaved
 rounds. Writes benchmarks/results/jax-policies.json and .md.
@@ -67,24 +68,12 @@ def _policy_step(program: Any, prof: Any, name: str, has_aux: bool, keep_barrier
 
 def _memfit_at(loss_fn: Any, params: Any, batch: Any, aux: bool, name: str, target: int,
                plain_peak: int) -> PlannedStep | None:
-    def planned(budget: Any) -> PlannedStep | None:
-        try:
-            return fit(loss_fn, params, batch, budget=budget, has_aux=aux, time_limit_s=5.0, model=name)
-        except InfeasibleBudget:
-            return None
-
-    least = planned("min")
-    if least is None or _xla(least.lower(params, batch))["xla_peak_bytes"] > target:
+    """memfit's step for the policy's XLA peak as a budget in bytes: ``fit`` checks it against
+    XLA's report in rounds (NOTE [budgets checked against XLA] in memfit.jax.measured)."""
+    try:
+        return fit(loss_fn, params, batch, budget=target, has_aux=aux, time_limit_s=5.0, model=name, rounds=7)
+    except InfeasibleBudget:
         return None
-    best, lo, hi = least, least.plan.predicted_peak_bytes, plain_peak
-    for _ in range(7):
-        mid = (lo + hi) // 2
-        st = planned(mid)
-        if st is not None and _xla(st.lower(params, batch))["xla_peak_bytes"] <= target:
-            best, lo = st, mid
-        else:
-            hi = mid
-    return best
 
 
 def run_model(name: str, built: tuple[Any, Any, Any, bool], rounds: int) -> list[dict[str, Any]]:
@@ -97,8 +86,7 @@ def run_model(name: str, built: tuple[Any, Any, Any, bool], rounds: int) -> list
         steps[pol] = _policy_step(program, prof, pol, aux, keep_barriers=False)
         steps[f"{pol} (barriers kept)"] = _policy_step(program, prof, pol, aux, keep_barriers=True)
     plans: dict[str, Any] = {}
-    # memfit at each policy's XLA peak (barriers kept): the largest budget whose planned step's
-    # XLA peak is at most the policy's, by bisection on the budget (7 halvings)
+    # memfit at each policy's XLA peak (barriers kept), given as the budget
     for pol in POLICIES:
         target = _xla(steps[f"{pol} (barriers kept)"].lower(params, batch))["xla_peak_bytes"]
         found = _memfit_at(loss_fn, params, batch, aux, name, target, prof.peak_bytes)

@@ -41,7 +41,12 @@ def test_planned_step_gradients_match_plain(model, budget):
         return
     p = step.plan
     assert p.regions, "a budget below the plain peak checkpoints something"
-    assert p.predicted_peak_bytes <= p.budget_bytes
+    # a budget in bytes is checked against XLA's peak (NOTE [budgets checked against XLA]);
+    # "min" is the model's least peak
+    if budget == "min":
+        assert p.predicted_peak_bytes <= p.budget_bytes and step.xla_peak_bytes is None
+    else:
+        assert step.xla_peak_bytes == _xla_peak(step.lower(params, batch)) <= p.budget_bytes
     out = step(params, batch)
     got, want = _leaves(out), _leaves(ref)
     assert len(got) == len(want)
@@ -54,11 +59,18 @@ def test_planned_step_gradients_match_plain(model, budget):
 
 @pytest.mark.slow
 def test_an_infeasible_budget_names_the_smallest_peak(model):
+    """The larger of the model's least peak and XLA's peak of that plan (NOTE [budgets
+    checked against XLA]): given it, the step plans and XLA's peak is within it (the conv
+    net: XLA 5,087,804 B above the model's 4,850,708 at batch 2, 16^3)."""
     name, loss_fn, params, batch, aux, _ = model
     with pytest.raises(InfeasibleBudget) as err:
         fit(loss_fn, params, batch, budget=0.01, has_aux=aux, time_limit_s=2.0)
     smallest = fit(loss_fn, params, batch, budget="min", has_aux=aux, time_limit_s=2.0)
-    assert err.value.min_feasible_bytes == smallest.plan.predicted_peak_bytes
+    xla = _xla_peak(smallest.lower(params, batch))
+    assert err.value.min_feasible_bytes == max(smallest.plan.predicted_peak_bytes, xla)
+    named = fit(loss_fn, params, batch, budget=err.value.min_feasible_bytes, has_aux=aux, time_limit_s=2.0,
+                rounds=1)
+    assert named.xla_peak_bytes is not None and named.xla_peak_bytes <= err.value.min_feasible_bytes
 
 
 def test_offload_is_refused_in_one_line():
@@ -72,10 +84,11 @@ def _xla_peak(lowered) -> int:
 
 
 # XLA CPU's reported peak (temp + output) of the planned steps on the tiny models, against
-# the plan's budget (NOTE [barriers kept on XLA CPU]); measured: GPT 0.747 / 0.918 of the
-# budget at 0.7 / "min", the conv net 0.936 / 1.117 (its smallest plan: XLA holds more around
-# the convolutions' backward than the jaxpr-level model counts; docs/jax.md)
-XLA_OVER_BUDGET = {("gpt", 0.7): 1.05, ("gpt", "min"): 1.05, ("conv3d", 0.7): 1.05, ("conv3d", "min"): 1.15}
+# the plan's budget (NOTE [barriers kept on XLA CPU]): at 0.7 checked against XLA's own
+# report (NOTE [budgets checked against XLA]); at "min" the model's least peak, measured: GPT
+# 0.918, the conv net 1.117 (XLA holds more around the convolutions' backward than the
+# jaxpr-level model counts; docs/jax.md)
+XLA_OVER_BUDGET = {("gpt", 0.7): 1.0, ("gpt", "min"): 1.05, ("conv3d", 0.7): 1.0, ("conv3d", "min"): 1.15}
 
 
 @pytest.mark.slow
@@ -97,3 +110,20 @@ def test_planned_step_peaks_as_planned_on_xla_cpu(model, budget):
     scale = max(float(jnp.abs(b).max()) for b in want)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=RECOMPUTED_REL * scale)
+
+
+@pytest.mark.slow
+def test_rounds_spend_the_budget_xla_leaves_and_never_pass_it(model):
+    """NOTE [budgets checked against XLA]: with rounds the step's XLA peak is within the
+    budget and no further below it than the jaxpr-level plan's, at no more predicted
+    recompute (measured on the benchmark GPT, 4 layers d=64: XLA at 0.744 of the budget
+    without rounds, 0.987 with, +427 M -> +405 M FLOPs)."""
+    name, loss_fn, params, batch, aux, _ = model
+    bare = fit(loss_fn, params, batch, budget=0.7, has_aux=aux, time_limit_s=2.0, rounds=0)
+    step = fit(loss_fn, params, batch, budget=0.7, has_aux=aux, time_limit_s=2.0)
+    assert bare.xla_peak_bytes is None and step.plan.budget_bytes == bare.plan.budget_bytes
+    before = _xla_peak(bare.lower(params, batch))
+    assert step.xla_peak_bytes <= step.plan.budget_bytes
+    if before <= bare.plan.budget_bytes:  # the plain plan fitted: rounds only trade up
+        assert before <= step.xla_peak_bytes
+        assert step.plan.recompute_s <= bare.plan.recompute_s

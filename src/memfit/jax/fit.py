@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from memfit.errors import InfeasibleBudget
+from memfit.jax.measured import infeasible_on_xla, measured_rounds
 from memfit.jax.profiler import profile_program
 from memfit.jax.program import KEEP_BARRIERS, Program, RegionSpec, trace_program
 from memfit.planning.effects import resolve_span
@@ -43,6 +45,8 @@ class PlannedStep:
             ``((loss, aux), grads)`` as ``jax.value_and_grad(..., has_aux=True)`` does.
         keep_barriers: compiled with jax.checkpoint's barriers kept (NOTE [barriers kept on
             XLA CPU]).
+        xla_peak_bytes: XLA's reported peak of the compiled step where ``fit`` measured it
+            (NOTE [budgets checked against XLA]), else None.
     """
 
     def __init__(self, program: Program, plan: Plan, profile: Profile, *, has_aux: bool,
@@ -52,6 +56,7 @@ class PlannedStep:
         self.profile = profile
         self.has_aux = has_aux
         self.keep_barriers = keep_barriers
+        self.xla_peak_bytes: int | None = None
         self.regions = region_specs(program, plan, profile)
         self._jitted = jax.jit(self._step, compiler_options=KEEP_BARRIERS if keep_barriers else None)
 
@@ -86,7 +91,7 @@ def plain_step(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Any:
 def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         budget: int | float | str, has_aux: bool = False, solver: str = "auto",
         time_limit_s: float = 10.0, offload: bool = False, model: str = "",
-        keep_barriers: bool | None = None) -> PlannedStep:
+        keep_barriers: bool | None = None, rounds: int = 3) -> PlannedStep:
     """Profile the step, plan it for ``budget`` and return the planned, jitted step.
 
     Args:
@@ -105,12 +110,17 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
             (NOTE [barriers kept on XLA CPU] in ``memfit.jax.program``). None (default): on
             the CPU backend, where XLA otherwise removes them, merges the recompute into the
             forward and the plan saves no memory; elsewhere as JAX compiles.
+        rounds: for a budget in bytes (or a fraction, a string), how many times to plan
+            again with the budget scaled by what XLA reports for the compiled step (NOTE
+            [budgets checked against XLA] in ``memfit.jax.measured``); 0: the jaxpr-level
+            plan as it is. Default 3. ``"min"`` is never re-planned.
 
     Returns:
         A :class:`PlannedStep`: ``loss, grads = step(params, batch)``; ``step.plan``.
 
     Raises:
-        InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak.
+        InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak (with
+            ``rounds``: the smallest XLA peak seen, where XLA reports every plan above it).
         ValueError: ``offload=True``, or a step with no backward.
 
     Example:
@@ -122,11 +132,28 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
                          "kind to offload to; plan without offload=True")
     program = trace_program(loss_fn, params, batch)
     prof = profile_program(program, has_aux=has_aux, model=model)
-    p = plan_for_budget(prof, budget=budget, solver=solver, time_limit_s=time_limit_s)
-    refuse_over_budget(p)
     if keep_barriers is None:
         keep_barriers = jax.default_backend() == "cpu"
-    return PlannedStep(program, p, prof, has_aux=has_aux, keep_barriers=keep_barriers)
+    kept = keep_barriers
+
+    def build(q: Plan) -> PlannedStep:
+        return PlannedStep(program, q, prof, has_aux=has_aux, keep_barriers=kept)
+
+    def replan(b: int | str) -> Plan:
+        return plan_for_budget(prof, budget=b, solver=solver, time_limit_s=time_limit_s)
+
+    measured = rounds > 0 and budget != "min"
+    try:
+        p = replan(budget)  # type: ignore[arg-type]
+    except InfeasibleBudget as e:
+        if not measured:
+            raise
+        raise infeasible_on_xla(e, build(replan("min")), params, batch) from None
+    refuse_over_budget(p)
+    step = build(p)
+    if not measured or p.budget_bytes is None:
+        return step
+    return measured_rounds(step, p.budget_bytes, replan, build, params, batch, rounds)
 
 
 def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionSpec]:
