@@ -65,18 +65,14 @@ def relu_after_norm(profile: Profile, rec: StorageRecord, regions: Sequence[Regi
     if (act.name not in OUTPUT_BN_ACTIVATIONS or not act.outputs or not act.inputs
             or act.inputs[0] != z or act.outputs[0].shape != bn.outputs[0].shape):
         return None
-    forward = profile.ops[: profile.n_forward]
     if act.inplace:
-        if act.outputs[0].storage != z:
+        if act.outputs[0].storage != z or not _only_writer(profile, z, act.index):
             return None
-        if [o.index for o in forward if o.inplace and any(t.storage == z for t in o.outputs)] != [act.index]:
-            return None
-    else:
-        if profile.storage(z).saves or [o.index for o in forward if z in o.inputs] != [act.index]:
-            return None
-    for o in (bn, act):
-        if in_regions(o.module, regions) or o.module not in starts:
-            return None
+    elif profile.storage(z).saves or [o.index for o in profile.ops[: profile.n_forward]
+                                      if z in o.inputs] != [act.index]:
+        return None
+    if not _outside(profile, (j, act.index), regions, starts):
+        return None
     return j, act.index
 
 
@@ -95,31 +91,28 @@ def abn_pair(profile: Profile, rec: StorageRecord, regions: Sequence[Region],
     """(batch norm, activation) op indices where ``rec`` is the input of a batch norm that alone
     saves it, whose output the next op, an in-place leaky relu outside every region, writes,
     and nothing else writes in the forward (NOTE [in-place activated batch norm]); else None."""
-    if len(rec.saves) != 1 or rec.saves[0][1] is None:
-        return None
-    # the save is counted at the op before the batch norm where both run in its module
-    # (autograd saves an op's inputs before the op runs: NOTE [saved tensors])
-    j = next((k for k in (rec.saves[0][0], rec.saves[0][0] + 1) if k < profile.n_forward
-              and profile.ops[k].name in ABN_NORMS), None)
+    j = _norm_saving(profile, rec)
     if j is None:
         return None
-    bn = profile.ops[j]
-    if not bn.inputs or bn.inputs[0] != rec.id or not bn.outputs:
-        return None
+    bn, act = profile.ops[j], profile.ops[j + 1]
     z = bn.outputs[0].storage
-    if j + 1 >= profile.n_forward:
-        return None
-    act = profile.ops[j + 1]
     if act.name not in ABN_ACTIVATIONS or not act.outputs or act.outputs[0].storage != z:
         return None
-    writers = [o.index for o in profile.ops[: profile.n_forward]
-               if o.inplace and any(t.storage == z for t in o.outputs)]
-    if writers != [act.index]:
+    if not _only_writer(profile, z, act.index) or not _outside(profile, (j, act.index), regions, starts):
         return None
-    for o in (bn, act):
-        if in_regions(o.module, regions) or o.module not in starts:
-            return None
     return j, act.index
+
+
+def _only_writer(profile: Profile, storage: int, i: int) -> bool:
+    """Whether op ``i`` is the one forward op that writes ``storage`` in place."""
+    return [o.index for o in profile.ops[: profile.n_forward]
+            if o.inplace and any(t.storage == storage for t in o.outputs)] == [i]
+
+
+def _outside(profile: Profile, ops: Sequence[int], regions: Sequence[Region], starts: dict[str, int]) -> bool:
+    """Whether ops ``ops`` run outside every region, in modules the forward ran (``starts``)."""
+    return all(not in_regions(profile.ops[i].module, regions) and profile.ops[i].module in starts
+               for i in ops)
 
 
 class ModuleCalls:
