@@ -60,7 +60,12 @@ def test_plans_bitwise_and_within_budget(cases: dict[str, Any], name: str) -> No
         assert r["checks"]["within_budget"] and r["checks"]["bitwise"], (name, r["checks"])
         assert r["verify"]["ok"] and r["verify"]["bitwise"], (name, r["verify"])
         assert 0 < r["predicted_peak_bytes"] <= r["budget_bytes"]
-        assert r["fake_predicted_peak_bytes"] > 0
+        if r["fake_predicted_peak_bytes"] is None:
+            # on the CPU a plan may save the CPU's own attention kernel, which the fake profile
+            # (CUDA's kernels) does not have; the row records why (a GPU run has one kernel)
+            assert "_for_cpu" in r["fake_error"] and "no such occurrence" in r["fake_error"], (name, r)
+        else:
+            assert r["fake_predicted_peak_bytes"] > 0
     job = rows[-1]["job"]
     assert job["device_memory_bytes"] == cases[name]["card_bytes"] >= job["total_bytes"]
 
