@@ -56,6 +56,7 @@ __all__ = [
     "is_view",
     "is_cached_cast",
     "MATMUL_PACKETS",
+    "XLA_MATMULS",
     "is_matmul",
     "KEPT_DRAW_OPS",
     "IGNORED_OPS",
@@ -88,6 +89,8 @@ _DROPOUT_ARGS = ("dropout_p", "dropout")
 # saves: the expensive ops, cheap to store relative to their cost.
 MATMUL_PACKETS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
                   "aten.linear")
+# ... and their JAX primitives (a ``memfit.jax`` profile's op names)
+XLA_MATMULS = ("dot_general", "conv_general_dilated")
 
 # Ops that update batch norm's running statistics (these argument positions) when
 # ``training`` (argument STATISTICS_TRAINING_ARG) is true, without marking them written
@@ -354,13 +357,13 @@ def packet_name(name: str) -> str:
 
 def is_matmul(name: str) -> bool:
     """Whether the overload named ``name`` (``"aten.addmm.default"``) is a matmul or
-    convolution, one of :data:`MATMUL_PACKETS`.
+    convolution, one of :data:`MATMUL_PACKETS` (or a JAX primitive of :data:`XLA_MATMULS`).
 
     Example:
-        >>> is_matmul("aten.addmm.default"), is_matmul("aten.gelu.default")
-        (True, False)
+        >>> is_matmul("aten.addmm.default"), is_matmul("aten.gelu.default"), is_matmul("dot_general")
+        (True, False, True)
     """
-    return packet_name(name) in MATMUL_PACKETS
+    return name in XLA_MATMULS or packet_name(name) in MATMUL_PACKETS
 
 
 def updates_statistics(op: Any, args: tuple, kwargs: dict) -> bool:

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from memfit.errors import InfeasibleBudget
@@ -11,10 +10,14 @@ from memfit.jax.fit import PlannedStep, fit, plain_step
 from .models_tiny import MODELS
 
 BUDGETS = [0.5, "min"]  # 0.7 and 0.3 too: benchmarks/jax_policies.py (CI time)
-# What the recompute changes in the gradients: XLA fuses a recomputed reduction (a norm's
-# statistics) apart from the forward's and may round it differently, so a plan that really
-# recomputes is not bitwise on XLA CPU; stated bound 2^-18 of the largest gradient.
-RECOMPUTED_REL = 2.0**-18
+# What the recompute changes in the gradients: XLA fuses a recomputed LayerNorm's statistics
+# apart from the forward's and may round them differently. Closed regions (NOTE [inputs read
+# after a region]) remove the cases measured on the benchmark models (bitwise at every budget
+# there, benchmarks/results/jax-policies.md); on the tiny GPT its first block, whose input XLA
+# fuses from the embedding's gather and add, still differs by up to 1.5e-8 rerun whole, and
+# on the tiny conv net every stage (JAX's own nothing_saveable) by 7e-9. Stated bound: 2^-18
+# of the largest gradient.
+RECOMPUTED_REL = {"gpt": 2.0**-18, "conv3d": 2.0**-18}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -43,34 +46,67 @@ def test_planned_step_gradients_match_plain(model, budget):
     assert p.regions, "a budget below the plain peak checkpoints something"
     # a budget in bytes is checked against XLA's peak (NOTE [budgets checked against XLA]);
     # "min" is the model's least peak
-    if budget == "min":
-        assert p.predicted_peak_bytes <= p.budget_bytes and step.xla_peak_bytes is None
-    else:
-        assert step.xla_peak_bytes == _xla_peak(step.lower(params, batch)) <= p.budget_bytes
-    out = step(params, batch)
+    assert step.xla_peak_bytes == _xla_peak(step.lower(params, batch)) <= p.budget_bytes
+    if budget == "min":  # the least XLA peak of the least-peak plan and JAX's policies
+        bare = fit(loss_fn, params, batch, budget="min", has_aux=aux, time_limit_s=2.0, rounds=0)
+        assert bare.xla_peak_bytes is None and bare.plan.predicted_peak_bytes <= bare.plan.budget_bytes
+        assert step.xla_peak_bytes == p.budget_bytes <= _xla_peak(bare.lower(params, batch))
+    _assert_exact(step(params, batch), ref, name)
+
+
+def _assert_exact(out, ref, name):
+    """Every leaf bitwise, or within RECOMPUTED_REL[name] of the largest gradient."""
     got, want = _leaves(out), _leaves(ref)
     assert len(got) == len(want)
-    # NOTE [bitwise on XLA CPU] in docs/jax.md: bitwise where XLA rounds the recomputed
-    # reductions as the forward's, else within RECOMPUTED_REL of the largest gradient
     scale = max(float(jnp.abs(b).max()) for b in want)
     for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=RECOMPUTED_REL * scale)
+        if RECOMPUTED_REL[name] == 0.0:
+            assert jnp.array_equal(a, b), float(jnp.abs(a - b).max())
+        else:
+            assert float(jnp.abs(a - b).max()) <= RECOMPUTED_REL[name] * scale
 
 
 @pytest.mark.slow
 def test_an_infeasible_budget_names_the_smallest_peak(model):
-    """The larger of the model's least peak and XLA's peak of that plan (NOTE [budgets
-    checked against XLA]): given it, the step plans and XLA's peak is within it (the conv
-    net: XLA 5,087,804 B above the model's 4,850,708 at batch 2, 16^3)."""
+    """The smallest XLA peak of the least-peak plan and JAX's policies on every block (NOTE
+    [budgets checked against XLA]): no more than the least-peak plan's; given it, the step
+    plans and XLA's peak is within it; a byte less is refused (the benchmark conv net:
+    nothing_saveable on every stage at 4,563,580 B, below the least-peak plan's 5,087,804)."""
     name, loss_fn, params, batch, aux, _ = model
     with pytest.raises(InfeasibleBudget) as err:
         fit(loss_fn, params, batch, budget=0.01, has_aux=aux, time_limit_s=2.0)
+    least = err.value.min_feasible_bytes
     smallest = fit(loss_fn, params, batch, budget="min", has_aux=aux, time_limit_s=2.0)
-    xla = _xla_peak(smallest.lower(params, batch))
-    assert err.value.min_feasible_bytes == max(smallest.plan.predicted_peak_bytes, xla)
-    named = fit(loss_fn, params, batch, budget=err.value.min_feasible_bytes, has_aux=aux, time_limit_s=2.0,
-                rounds=1)
-    assert named.xla_peak_bytes is not None and named.xla_peak_bytes <= err.value.min_feasible_bytes
+    assert least <= _xla_peak(smallest.lower(params, batch))
+    named = fit(loss_fn, params, batch, budget=least, has_aux=aux, time_limit_s=2.0, rounds=1)
+    assert named.xla_peak_bytes == _xla_peak(named.lower(params, batch)) <= least
+    with pytest.raises(InfeasibleBudget) as again:
+        fit(loss_fn, params, batch, budget=least - 1, has_aux=aux, time_limit_s=2.0, rounds=1)
+    assert again.value.min_feasible_bytes == least
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_at_a_jax_policys_peak_no_more_recompute(model, policy):
+    """Given the XLA peak of JAX's policy on every block as its budget, memfit's step is
+    within it with no more recompute FLOPs (XLA's cost analysis)."""
+    from benchmarks.jax_policies import _policy_step
+
+    from memfit.jax.profiler import profile_program
+    from memfit.jax.program import trace_program
+
+    name, loss_fn, params, batch, aux, ref = model
+    program = trace_program(loss_fn, params, batch)
+    theirs = _policy_step(program, profile_program(program, has_aux=aux), policy, aux, keep_barriers=True)
+    peak, flops = _xla_peak(theirs.lower(params, batch)), _flops(theirs.lower(params, batch))
+    try:
+        mine = fit(loss_fn, params, batch, budget=peak, has_aux=aux, time_limit_s=2.0)
+    except InfeasibleBudget as e:  # the tiny GPT's policies peak below its floor of gradients
+        assert e.min_feasible_bytes > peak and e.budget_bytes == peak
+        return
+    assert mine.xla_peak_bytes <= peak
+    assert _flops(mine.lower(params, batch)) <= flops
+    _assert_exact(mine(params, batch), ref, name)
 
 
 def test_offload_is_refused_in_one_line():
@@ -78,17 +114,16 @@ def test_offload_is_refused_in_one_line():
         fit(lambda p, b: jnp.sum(p * b), jnp.ones(3), jnp.ones(3), budget=0.5, offload=True)
 
 
+def _flops(lowered) -> int:
+    ca = lowered.compile().cost_analysis()
+    return int((ca[0] if isinstance(ca, list) else ca)["flops"])
+
+
 def _xla_peak(lowered) -> int:
     m = lowered.compile().memory_analysis()
     return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-# XLA CPU's reported peak (temp + output) of the planned steps on the tiny models, against
-# the plan's budget (NOTE [barriers kept on XLA CPU]): at 0.7 checked against XLA's own
-# report (NOTE [budgets checked against XLA]); at "min" the model's least peak, measured: GPT
-# 0.918, the conv net 1.117 (XLA holds more around the convolutions' backward than the
-# jaxpr-level model counts; docs/jax.md)
-XLA_OVER_BUDGET = {("gpt", 0.7): 1.0, ("gpt", "min"): 1.05, ("conv3d", 0.7): 1.0, ("conv3d", "min"): 1.15}
 
 
 @pytest.mark.slow
@@ -103,13 +138,11 @@ def test_planned_step_peaks_as_planned_on_xla_cpu(model, budget):
     plain = _xla_peak(plain_step(loss_fn, has_aux=aux).lower(params, batch))
     peak = _xla_peak(step.lower(params, batch))
     assert peak < plain, (peak, plain)
-    assert peak <= XLA_OVER_BUDGET[(name, budget)] * step.plan.budget_bytes, (peak, step.plan.budget_bytes)
+    # checked against XLA's own report (NOTE [budgets checked against XLA]); "min": its least
+    assert peak <= step.plan.budget_bytes, (peak, step.plan.budget_bytes)
     bare = PlannedStep(step.program, step.plan, step.profile, has_aux=aux, keep_barriers=False)
     assert _xla_peak(bare.lower(params, batch)) >= plain
-    got, want = _leaves(step(params, batch)), _leaves(ref)
-    scale = max(float(jnp.abs(b).max()) for b in want)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=RECOMPUTED_REL * scale)
+    _assert_exact(step(params, batch), ref, name)
 
 
 @pytest.mark.slow

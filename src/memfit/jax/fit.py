@@ -17,13 +17,14 @@ NOTE [a plan as a JAX policy]
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from memfit.errors import InfeasibleBudget
-from memfit.jax.measured import infeasible_on_xla, measured_rounds
+from memfit.jax.measured import least_on_xla, least_peak_on_xla, measured_rounds, policy_plans
 from memfit.jax.profiler import profile_program
 from memfit.jax.program import KEEP_BARRIERS, Program, RegionSpec, trace_program
 from memfit.planning.effects import resolve_span
@@ -47,6 +48,7 @@ class PlannedStep:
             XLA CPU]).
         xla_peak_bytes: XLA's reported peak of the compiled step where ``fit`` measured it
             (NOTE [budgets checked against XLA]), else None.
+        xla_flops: XLA's FLOPs of the compiled step (``cost_analysis()``), where measured.
     """
 
     def __init__(self, program: Program, plan: Plan, profile: Profile, *, has_aux: bool,
@@ -57,6 +59,7 @@ class PlannedStep:
         self.has_aux = has_aux
         self.keep_barriers = keep_barriers
         self.xla_peak_bytes: int | None = None
+        self.xla_flops: int | None = None
         self.regions = region_specs(program, plan, profile)
         self._jitted = jax.jit(self._step, compiler_options=KEEP_BARRIERS if keep_barriers else None)
 
@@ -148,12 +151,18 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
     except InfeasibleBudget as e:
         if not measured:
             raise
-        raise infeasible_on_xla(e, build(replan("min")), params, batch) from None
+        # NOTE [budgets checked against XLA]: the least-peak plan and JAX's policies, on XLA
+        tried = [replan("min"), *policy_plans(prof, e.budget_bytes)]
+        steps = [build(dataclasses.replace(q, budget_bytes=e.budget_bytes)) for q in tried]
+        return least_on_xla(steps, e.budget_bytes, params, batch)
     refuse_over_budget(p)
     step = build(p)
+    if budget == "min" and rounds > 0:  # the least XLA peak of it and JAX's policies
+        return least_peak_on_xla([step, *map(build, policy_plans(prof, p.budget_bytes or 0))], params, batch)
     if not measured or p.budget_bytes is None:
         return step
-    return measured_rounds(step, p.budget_bytes, replan, build, params, batch, rounds)
+    return measured_rounds(step, p.budget_bytes, replan, build, params, batch, rounds,
+                           alternatives=policy_plans(prof, p.budget_bytes))
 
 
 def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionSpec]:

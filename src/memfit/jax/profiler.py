@@ -19,9 +19,15 @@ NOTE [a jaxpr as a Profile]
        ``"Sequential"``, so the chain solver tries its children as blocks (a jaxpr has no
        module types; the solver checks that each block feeds the next);
     5. only an op whose outputs carry a tag may be saved (``OpRecord.saveable``): the
-       runtime names what it saves with those tags;
-    6. times are the CPU roofline of ``memfit.timemodel.devices`` over the FLOPs of
-       NOTE [FLOPs of an equation] (in ``memfit.jax.flops``) and the bytes read and written.
+       runtime names what it saves with those tags; and of those, only one XLA does not
+       fuse (rule 6);
+    6. times are those of a compiled XLA step (NOTE [XLA's costs] in
+       ``memfit.jax.xla_costs``): the CPU roofline of ``memfit.timemodel.devices`` over the
+       FLOPs of NOTE [FLOPs of an equation] (in ``memfit.jax.flops``) and the bytes read and
+       written for an equation XLA does not fuse, its FLOPs alone for one it fuses; the
+       profile's calibration has no fixed charges. A region may save only unfused outputs,
+       and no region has an input read after it (NOTE [inputs read after a region]);
+       ``extra["unbatched_dots"]`` lists the dots ``dots_with_no_batch_dims_saveable`` saves.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import jax
 from memfit.jax.flops import aval_bytes, eqn_flops
 from memfit.jax.program import Program, trace_program
 from memfit.jax.trace import FlatJaxpr, flatten
+from memfit.jax.xla_costs import CALIBRATION, rerun_time_s, saveable, unbatched_dot
 from memfit.planning.arrays import ProfileArrays
+from memfit.planning.rules import CLOSED_REGIONS
 from memfit.profiling.profile import (
     ModuleRecord,
     OpRecord,
@@ -47,7 +55,7 @@ from memfit.profiling.profile import (
     TensorMeta,
     op_signature,
 )
-from memfit.timemodel.devices import PRESETS, op_time_s
+from memfit.timemodel.devices import PRESETS
 
 __all__ = ["profile", "profile_program", "grad_jaxpr"]
 
@@ -150,9 +158,10 @@ def _build(fj: FlatJaxpr, program: Program, model: str) -> Profile:
             inputs=tuple(sorted(set(e.inputs))),
             outputs=tuple(TensorMeta(k, tuple(int(d) for d in getattr(fj.avals[k], "shape", ())),
                                      str(getattr(fj.avals[k], "dtype", ""))) for k in e.outputs),
-            time_s=op_time_s(flops, moved, dtype, preset),
+            time_s=rerun_time_s(e.primitive, flops, moved, dtype, preset),
             flops=flops,
-            saveable=i < n_forward and bool(e.outputs) and all(k in tagged for k in e.outputs),
+            saveable=(i < n_forward and bool(e.outputs) and all(k in tagged for k in e.outputs)
+                      and saveable(e.primitive)),
         ))
     modules = _modules(ops[:n_forward], storages)
     params = [v.aval for v in program.closed.jaxpr.invars[: program.n_params]]
@@ -162,12 +171,14 @@ def _build(fj: FlatJaxpr, program: Program, model: str) -> Profile:
         live_bytes=(0,) * n, peak_bytes=0,
         baseline_bytes=sum(nbytes[k] for k in fj.input_keys + fj.const_keys),
         step_time_s=sum(o.time_s for o in ops), model=model, device="cpu", mode="jaxpr",
-        cost_model="roofline cpu", signature=op_signature(ops, n_forward),
+        cost_model="roofline cpu, fused elementwise", calibration=CALIBRATION, signature=op_signature(ops, n_forward),
         input_signature=tuple((names[program.n_params + j], tuple(v.aval.shape), str(v.aval.dtype))
                               for j, v in enumerate(program.closed.jaxpr.invars[program.n_params:])),
         parameters=tuple(ParameterRecord(names[j], tuple(a.shape), str(a.dtype), aval_bytes(a))
                          for j, a in enumerate(params)),
-        extra={"frontend": "jax", "tags": {str(k): v for k, v in sorted(fj.tags.items())}},
+        extra={"frontend": "jax", "tags": {str(k): v for k, v in sorted(fj.tags.items())},
+               CLOSED_REGIONS: True,  # NOTE [XLA's costs], rule 4
+               "unbatched_dots": [i for i, e in enumerate(eqns[:n_forward]) if unbatched_dot(e.primitive, e.params)]},
     )
     live = ProfileArrays(prof).base_live
     live_bytes = tuple(int(x) for x in live)

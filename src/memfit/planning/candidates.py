@@ -56,6 +56,7 @@ from memfit.planning.rules import (
     clobbered_inputs,
     draws_into_region,
     in_place_writes,
+    inputs_read_after,
     op_keys,
     unkeyed_ops,
 )
@@ -191,7 +192,8 @@ class PlanningContext:
                for a, b in pairwise(recs)):
             self._cands[key] = None  # type: ignore[index]
             return None
-        if self._clobbered(recs):  # NOTE [clobbered inputs] in memfit.planning.rules
+        # NOTE [clobbered inputs], NOTE [inputs read after a region] in memfit.planning.rules
+        if self._clobbered(recs) or inputs_read_after(self.profile, span.first_op, span.last_op):
             self._cands[key] = None  # type: ignore[index]
             return None
         cand = self._build(span, with_ops)
@@ -436,9 +438,10 @@ class PlanningContext:
         for m in self.profile.modules:
             if not m.path.startswith(prefix) or m.path == path or m.calls != 1 or m.first_op is None:
                 continue
-            if self._clobbered([m]):
+            span = resolve_span(self.profile, (m.path,), self._index)
+            if self._clobbered([m]) or inputs_read_after(self.profile, span.first_op, span.last_op):
                 continue
-            rm = RegionModel(self.arrays, resolve_span(self.profile, (m.path,), self._index))
+            rm = RegionModel(self.arrays, span)
             if rm.useful:
                 found.append((int(rm.nb[rm.dropped].sum()), rm.a, rm))
         found.sort(key=lambda x: (-x[0], x[1]))

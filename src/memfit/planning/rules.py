@@ -100,7 +100,34 @@ from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKin
 
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
-           "must_not_rerun", "collective_writes", "COLLECTIVE_NAMESPACES", "RERUN_NAMESPACES"]
+           "must_not_rerun", "collective_writes", "COLLECTIVE_NAMESPACES", "RERUN_NAMESPACES",
+           "CLOSED_REGIONS", "inputs_read_after"]
+
+# NOTE [inputs read after a region]
+#     A profile whose ``extra[CLOSED_REGIONS]`` is true plans only regions none of whose
+#     forward inputs (activations made before the region) a forward op after the region reads.
+#     ``memfit.jax`` sets it (NOTE [XLA's costs] in ``memfit.jax.xla_costs``, rule 4): on XLA
+#     CPU a ``jax.checkpoint`` over a LayerNorm whose input the residual add after it reads
+#     gave gradients 2e-8 to 6e-8 apart from the plain step's (the GPT of
+#     ``memfit.jax.models``, each of its 8 LayerNorms alone, each with the attention after
+#     it), and the same region with that add inside it gave them bitwise, as did every region
+#     with no such input (whole blocks, the attention, the MLP). Torch profiles never set it.
+CLOSED_REGIONS = "closed_regions"
+
+
+def inputs_read_after(profile: Profile, first_op: int, last_op: int) -> bool:
+    """Whether the profile asks for closed regions and the forward ops ``first_op..last_op``
+    read an activation made before them that a forward op after ``last_op`` reads (NOTE
+    [inputs read after a region])."""
+    if not profile.extra.get(CLOSED_REGIONS):
+        return False
+    st = profile.storages
+    for op in profile.ops[first_op: last_op + 1]:
+        for s in op.inputs:
+            made, use = st[s].created_by, st[s].last_forward_use
+            if made is not None and made < first_op and use is not None and use > last_op:
+                return True
+    return False
 
 
 def unkeyed_ops() -> frozenset[str]:
