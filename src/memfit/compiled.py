@@ -23,6 +23,19 @@ NOTE [budgets measured under compilation]
        budget never plans more recompute), compiled; one compile more when that is not the
        last round's.
 
+    NOTE [a compiled model's own frame]
+    ``torch.compile(model)`` compiles ``nn.Module.__call__``, code every module in the
+    process shares, and dynamo keeps its compiled entries by code object, guarded on what each
+    trace read. An entry another compile made there for a module of the same class (entered as
+    its own frame after a graph break: a memfit plan compiled without the setting below) can
+    pass the guards on this model, which then runs that code: measured on the peer harness's
+    HF Llama (``benchmarks/compile_isolation.py``), ``memfit.compile``'s model ran the other
+    row's graph-broken code, its regions eagerly, at 1.33-1.39x the compiler's budget at its
+    0.5 peak, where alone it ran at 0.98-1.01x. With the default compiler, the model returned
+    calls a function of memfit's (compiled with ``torch.compile``) that calls the model: a
+    frame no other compile enters (0.96-1.01x beside that row, in either order). A
+    ``compiler`` given is used as given.
+
     Every round recompiles (a new plan is a new graph): with ``rounds=3`` the call compiles up
     to five times. ``"min"`` needs no round. The rounds are on ``model.memfit_compiled``
     (``CompiledRound``: the budget each was planned for, its predicted and measured peaks).
@@ -101,7 +114,8 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
             ``compiled=False`` is a ValueError); default ``memfit.Search(compiled=True)``.
         training: as ``fit``'s (re-planning a new shape recompiles too).
         compiler: model -> compiled model; default ``torch.compile``
-            (``functools.partial(torch.compile, mode="max-autotune")`` for another mode).
+            (``functools.partial(torch.compile, mode="max-autotune")`` for another mode; NOTE [a
+            compiled model's own frame] applies to the default only).
         rounds: re-plans after the first (default 3; 0: fit and compile once).
         tolerance: stop when the measured peak is within this fraction below the budget
             (default 0.02).
@@ -151,7 +165,10 @@ def compile_planned(model: M, example_inputs: Any, budget: int | float | str, *,
     seen: dict[tuple[Any, ...], CompiledRound] = {}
 
     def run(plan: Plan, planned_for: int) -> tuple[Any, CompiledRound]:
-        compiled = _compiling_under(compile_fn(model), side_effects)
+        compiled = compile_fn(model)
+        if compiler is None:
+            compiled = _own_frame(compiled, model)
+        compiled = _compiling_under(compiled, side_effects)
         with side_effects():  # the first call compiles
             peak = _compiled_peak(compiled, model, example_inputs, loss_fn)
         r = CompiledRound(planned_for, int(plan.predicted_peak_bytes), peak, float(plan.recompute_s),
@@ -215,6 +232,19 @@ def _side_effects_skipped(model: nn.Module, example_inputs: Any) -> Callable[[],
     if not family_of(model, kwargs).bookkeeping_side_effects or checkpoint_side_effects_skipped() is None:
         return contextlib.nullcontext
     return checkpoint_side_effects_skipped
+
+
+def _own_frame(compiled: Any, model: nn.Module) -> Any:
+    """``torch.compile(model)`` whose calls enter a frame of memfit's own (NOTE [a compiled
+    model's own frame])."""
+    if not isinstance(compiled, nn.Module) or "forward" not in compiled.__dict__:
+        return compiled
+
+    def memfit_compiled_forward(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    compiled.forward = torch.compile(memfit_compiled_forward)
+    return compiled
 
 
 def _compiling_under(compiled: Any, context: Callable[[], Any]) -> Any:

@@ -229,3 +229,31 @@ def test_memfit_compile_recompiles_a_new_shape_in_one_graph():
     compiled(input_ids=ids, labels=ids).loss.backward()
     assert (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]) == (0, 2)
     assert getattr(dynamo_config, flag) == before  # set only inside the calls
+
+
+@pytest.mark.slow
+def test_memfit_compile_runs_its_own_graph_beside_a_graph_broken_compile():
+    """NOTE [a compiled model's own frame]: after a memfit plan compiled with graph breaks (no
+    HF setting) has run, memfit.compile's model still runs its one graph: no region of it runs
+    eagerly (without its own frame: 3 of its regions did, in the other compile's code)."""
+    import sys
+
+    from memfit.runtime import checkpoint as runtime_checkpoint
+
+    torch._dynamo.reset()
+    other = memfit.fit(llama(), batch(), budget=0.5, search=memfit.Search(compiled=True))
+    torch.compile(other)(**batch()).loss.backward()
+    compiled = memfit.compile(llama(), batch(), budget=0.5, rounds=0)
+    eager: list[str] = []
+    code = runtime_checkpoint.run_region.__code__
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            eager.append(frame.f_code.co_name)
+
+    sys.setprofile(profiler)
+    try:
+        compiled(**batch()).loss.backward()
+    finally:
+        sys.setprofile(None)
+    assert eager == []
