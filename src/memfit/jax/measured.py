@@ -15,15 +15,14 @@ NOTE [budgets checked against XLA]
     on each block would) are checked too, as memfit plans: the jaxpr-level
     model ranks plans by peaks XLA does not keep, and on the 3D conv net XLA's peak of
     ``nothing_saveable`` on every stage (4,563,580 B) was below that of memfit's least-peak
-    plan (5,087,804 B). It returns the plan of least predicted recompute among those XLA
-    reports within the budget; none within, the least-peak plan if XLA reports it within;
-    else ``InfeasibleBudget`` naming the smallest XLA peak seen. A budget under the model's
-    least peak is checked the same way, on the least-peak plan and the policies' plans: the
+    plan (5,087,804 B). Of the plans XLA reports within the budget it returns the one with
+    the least FLOPs by XLA's own ``cost_analysis()`` (then the least predicted recompute):
+    the jaxpr-level count differs from XLA's by what XLA fuses, and on the tiny GPT of the
+    tests a plan predicted cheaper than ``dots_saveable`` on every block ran 4,046,145 FLOPs
+    against its 3,943,745. None within: the least-peak plan if XLA reports it within, else
+    ``InfeasibleBudget`` naming the smallest XLA peak seen. A budget under the model's least
+    peak is checked the same way, on the least-peak plan and the policies' plans: the
     smallest XLA peak of those is the one named, and given it, that plan is returned.
-    Of the plans within the budget, the one returned has the least FLOPs by XLA's own
-    ``cost_analysis()`` (then the least predicted recompute): the jaxpr-level count differs
-    from XLA's by what XLA fuses, and on the tiny GPT of the tests a plan predicted cheaper
-    than ``dots_saveable`` on every block ran 4,046,145 FLOPs against its 3,943,745.
     ``"min"`` is not re-planned (it asks for the least peak, not a budget): it returns the
     least XLA peak of the model's least-peak plan and the policies' plans (the conv net:
     ``nothing_saveable`` on every stage, 4,563,580 B, where the least-peak plan was at
