@@ -6,18 +6,11 @@ import pytest
 
 from memfit.errors import InfeasibleBudget
 from memfit.jax.fit import PlannedStep, fit, plain_step
+from memfit.jax.verify import compare
 
 from .models_tiny import MODELS
 
 BUDGETS = [0.5, "min"]  # 0.7 and 0.3 too: benchmarks/jax_policies.py (CI time)
-# What the recompute changes in the gradients: XLA fuses a recomputed LayerNorm's statistics
-# apart from the forward's and may round them differently. Closed regions (NOTE [inputs read
-# after a region]) remove the cases measured on the benchmark models (bitwise at every budget
-# there, benchmarks/results/jax-policies.md); on the tiny GPT its first block, whose input XLA
-# fuses from the embedding's gather and add, still differs by up to 1.5e-8 rerun whole, and
-# on the tiny conv net every stage (JAX's own nothing_saveable) by 7e-9. Stated bound: 2^-18
-# of the largest gradient.
-RECOMPUTED_REL = {"gpt": 2.0**-18, "conv3d": 2.0**-18}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -50,20 +43,22 @@ def test_planned_step_gradients_match_plain(model, budget):
     if budget == "min":  # the least XLA peak of the least-peak plan and JAX's policies
         bare = fit(loss_fn, params, batch, budget="min", has_aux=aux, time_limit_s=2.0, rounds=0)
         assert bare.xla_peak_bytes is None and bare.plan.predicted_peak_bytes <= bare.plan.budget_bytes
-        assert step.xla_peak_bytes == p.budget_bytes <= _xla_peak(bare.lower(params, batch))
+        assert step.xla_peak_bytes == p.budget_bytes
+        # of the exact plans (NOTE [JAX plans verified on the batch]): no higher than the
+        # model's least-peak plan unless that one changes the result (the tiny GPT's: its
+        # first block whole, 1.5e-8 on a LayerNorm scale, at 126,724 B against 170,612 B)
+        if bare.verify(params, batch).bitwise:
+            assert step.xla_peak_bytes <= _xla_peak(bare.lower(params, batch))
     _assert_exact(step(params, batch), ref, name)
 
 
 def _assert_exact(out, ref, name):
-    """Every leaf bitwise, or within RECOMPUTED_REL[name] of the largest gradient."""
+    """Every leaf (loss, aux, gradients) bitwise: ``fit`` returns a plan it ran against the
+    plain step (NOTE [JAX plans verified on the batch])."""
     got, want = _leaves(out), _leaves(ref)
     assert len(got) == len(want)
-    scale = max(float(jnp.abs(b).max()) for b in want)
     for a, b in zip(got, want, strict=True):
-        if RECOMPUTED_REL[name] == 0.0:
-            assert jnp.array_equal(a, b), float(jnp.abs(a - b).max())
-        else:
-            assert float(jnp.abs(a - b).max()) <= RECOMPUTED_REL[name] * scale
+        assert jnp.array_equal(a, b), (name, float(jnp.abs(a - b).max()))
 
 
 @pytest.mark.slow
@@ -80,6 +75,7 @@ def test_an_infeasible_budget_names_the_smallest_peak(model):
     assert least <= _xla_peak(smallest.lower(params, batch))
     named = fit(loss_fn, params, batch, budget=least, has_aux=aux, time_limit_s=2.0, rounds=1)
     assert named.xla_peak_bytes == _xla_peak(named.lower(params, batch)) <= least
+    assert named.verification.bitwise  # NOTE [JAX plans verified on the batch]
     with pytest.raises(InfeasibleBudget) as again:
         fit(loss_fn, params, batch, budget=least - 1, has_aux=aux, time_limit_s=2.0, rounds=1)
     assert again.value.min_feasible_bytes == least
@@ -89,7 +85,9 @@ def test_an_infeasible_budget_names_the_smallest_peak(model):
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"])
 def test_at_a_jax_policys_peak_no_more_recompute(model, policy):
     """Given the XLA peak of JAX's policy on every block as its budget, memfit's step is
-    within it with no more recompute FLOPs (XLA's cost analysis)."""
+    within it and exact; where the policy's own step is exact, with no more recompute FLOPs
+    (XLA's cost analysis). Where it is not (the tiny GPT's first block, the tiny conv net's
+    last stage, rerun whole: NOTE [JAX plans verified on the batch]) memfit may pay more."""
     from benchmarks.jax_policies import _policy_step
 
     from memfit.jax.profiler import profile_program
@@ -101,12 +99,15 @@ def test_at_a_jax_policys_peak_no_more_recompute(model, policy):
     peak, flops = _xla_peak(theirs.lower(params, batch)), _flops(theirs.lower(params, batch))
     try:
         mine = fit(loss_fn, params, batch, budget=peak, has_aux=aux, time_limit_s=2.0)
-    except InfeasibleBudget as e:  # the tiny GPT's policies peak below its floor of gradients
+    except InfeasibleBudget as e:
+        # below the tiny GPT's floor of gradients, or below its least exact step (its
+        # policies' plans rerun the first block whole)
         assert e.min_feasible_bytes > peak and e.budget_bytes == peak
         return
     assert mine.xla_peak_bytes <= peak
-    assert _flops(mine.lower(params, batch)) <= flops
     _assert_exact(mine(params, batch), ref, name)
+    if compare(theirs(params, batch), ref).bitwise:
+        assert _flops(mine.lower(params, batch)) <= flops
 
 
 def test_offload_is_refused_in_one_line():

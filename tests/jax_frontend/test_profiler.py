@@ -97,3 +97,27 @@ def test_no_region_has_an_input_read_after_it(case):
         opened = replace(prof, extra={**prof.extra, CLOSED_REGIONS: False})
         assert not inputs_read_after(opened, closed.first_op, closed.last_op)
         assert inputs_read_after(prof, closed.first_op, closed.last_op)
+
+
+def test_a_refused_span_is_no_region_nor_inside_one(case):
+    """NOTE [refused spans]: refusing a block's span removes it and every region around it
+    (a segment over it); regions inside it stay candidates."""
+    from memfit.planning.candidates import PlanningContext
+    from memfit.planning.effects import resolve_span
+    from memfit.planning.rules import REFUSED_SPANS, contains_refused_span, refusing
+
+    *_, prof = case
+    block = "GPT.blocks_1" if any(m.path == "GPT.blocks_1" for m in prof.modules) else "ConvNet3D.stage_1"
+    span = resolve_span(prof, (block,))
+    before = PlanningContext(prof)
+    assert before.candidate((block,)) is not None
+    refused = refusing(prof, [(span.first_op, span.last_op)])
+    assert refused.extra[REFUSED_SPANS] == ((span.first_op, span.last_op),)
+    assert REFUSED_SPANS not in prof.extra  # the profile given is not changed
+    after = PlanningContext(refused)
+    assert after.candidate((block,)) is None
+    assert all(not contains_refused_span(refused, c.a, c.b) for c in after.region_candidates())
+    for c in before.region_candidates():  # refused exactly where it contains the block's ops
+        s = resolve_span(prof, c.modules)
+        around = s.first_op <= span.first_op and span.last_op <= s.last_op
+        assert (after.candidate(c.modules) is None) == around, c.modules

@@ -1,94 +1,38 @@
-"""fit: profile, plan and apply in one call, for a JAX training step.
-
-NOTE [a plan as a JAX policy]
-    A plan's region (one scope, or consecutive sibling scopes: a segment) is the run of
-    primal equations from the first one in its first scope to the last one in its last scope
-    (NOTE [the primal program] in ``memfit.jax.program``); the planned step runs that run
-    inside one ``jax.checkpoint``. Its policy is ``save_only_these_names`` of the tags of the
-    ops the plan saves there (``OpPolicy.SAVE``), ``nothing_saveable`` when it saves none:
-    everything else the region's backward needs is recomputed from its inputs. A region
-    nested in another (NOTE [nested regions] in ``memfit.planning.nesting``) is a
-    ``jax.checkpoint`` inside the outer one's. ``OpPolicy.OFFLOAD`` is refused: the JAX CPU
-    backend has no host memory kind to offload to (``fit(offload=True)`` raises). On the CPU
-    backend the step compiles with jax.checkpoint's barriers kept (NOTE [barriers kept on XLA
-    CPU] in ``memfit.jax.program``): without them XLA merges the recompute into the forward
-    and the plan saves no memory there.
-"""
+"""fit: profile, plan and apply in one call, for a JAX training step (the step itself:
+``memfit.jax.step``, NOTE [a plan as a JAX policy]); of the plans within the budget, the
+cheapest that XLA fits and that keeps the plain step's outputs (NOTE [budgets checked
+against XLA] in ``memfit.jax.measured``, NOTE [JAX plans verified on the batch] in
+``memfit.jax.verify``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from memfit.errors import InfeasibleBudget
-from memfit.jax.measured import least_on_xla, least_peak_on_xla, measured_rounds, policy_plans
+from memfit.jax.measured import (
+    OnXla,
+    least_on_xla,
+    least_peak_on_xla,
+    measured_rounds,
+    policy_plans,
+)
 from memfit.jax.profiler import profile_program
-from memfit.jax.program import KEEP_BARRIERS, Program, RegionSpec, trace_program
+from memfit.jax.program import trace_program
+from memfit.jax.step import PlannedStep, plain_step, region_specs
+from memfit.jax.verify import Reference
 from memfit.planning.effects import resolve_span
-from memfit.planning.plan import OpPolicy, Plan
+from memfit.planning.plan import Plan
 from memfit.planning.planner import plan_for_budget, refuse_over_budget
-from memfit.planning.rules import op_keys
+from memfit.planning.rules import refusing
 from memfit.profiling.profile import Profile
+from memfit.units import format_bytes
 
 __all__ = ["fit", "PlannedStep", "plain_step", "region_specs"]
-
-
-class PlannedStep:
-    """A jitted training step that runs a memfit plan: ``loss, grads = step(params, batch)``.
-
-    Attributes:
-        plan: the memfit ``Plan`` (``predicted_peak_bytes``, ``budget_bytes``, regions).
-        profile: the ``Profile`` it was planned from.
-        has_aux: ``loss_fn`` returns ``(loss, aux)``; the step then returns
-            ``((loss, aux), grads)`` as ``jax.value_and_grad(..., has_aux=True)`` does.
-        keep_barriers: compiled with jax.checkpoint's barriers kept (NOTE [barriers kept on
-            XLA CPU]).
-        xla_peak_bytes: XLA's reported peak of the compiled step where ``fit`` measured it
-            (NOTE [budgets checked against XLA]), else None.
-        xla_flops: XLA's FLOPs of the compiled step (``cost_analysis()``), where measured.
-    """
-
-    def __init__(self, program: Program, plan: Plan, profile: Profile, *, has_aux: bool,
-                 keep_barriers: bool = False) -> None:
-        self.program = program
-        self.plan = plan
-        self.profile = profile
-        self.has_aux = has_aux
-        self.keep_barriers = keep_barriers
-        self.xla_peak_bytes: int | None = None
-        self.xla_flops: int | None = None
-        self.regions = region_specs(program, plan, profile)
-        self._jitted = jax.jit(self._step, compiler_options=KEEP_BARRIERS if keep_barriers else None)
-
-    def _step(self, params: Any, batch: Any) -> Any:
-        p_leaves, p_tree = jax.tree_util.tree_flatten(params)
-        b_leaves = jax.tree_util.tree_leaves(batch)
-
-        def loss(pl: list[Any]) -> Any:
-            outs = self.program.run([*pl, *b_leaves], self.regions)
-            if not self.has_aux:
-                return outs[0]
-            tree = self.program.out_tree
-            loss_val, aux = jax.tree_util.tree_unflatten(tree, outs)
-            return loss_val, aux
-
-        value, grads = jax.value_and_grad(loss, has_aux=self.has_aux)(p_leaves)
-        return value, jax.tree_util.tree_unflatten(p_tree, grads)
-
-    def __call__(self, params: Any, batch: Any) -> Any:
-        return self._jitted(params, batch)
-
-    def lower(self, params: Any, batch: Any) -> Any:
-        """``jax.jit(...).lower``: for ``compile().memory_analysis()`` and ``cost_analysis()``."""
-        return self._jitted.lower(params, batch)
-
-
-def plain_step(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Any:
-    """The step without a plan: ``jax.jit(jax.value_and_grad(loss_fn))`` (the reference)."""
-    return jax.jit(jax.value_and_grad(loss_fn, has_aux=has_aux))
 
 
 def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
@@ -116,10 +60,14 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         rounds: for a budget in bytes (or a fraction, a string), how many times to plan
             again with the budget scaled by what XLA reports for the compiled step (NOTE
             [budgets checked against XLA] in ``memfit.jax.measured``); 0: the jaxpr-level
-            plan as it is. Default 3. ``"min"`` is never re-planned.
+            plan as it is. Default 3. ``"min"`` is never re-planned. With rounds, the plans
+            compiled are run on ``params`` and ``batch`` against the plain step, and of those
+            within the budget the cheapest bitwise equal to it is returned (NOTE [JAX plans
+            verified on the batch] in ``memfit.jax.verify``; ``step.verification``).
 
     Returns:
-        A :class:`PlannedStep`: ``loss, grads = step(params, batch)``; ``step.plan``.
+        A :class:`PlannedStep`: ``loss, grads = step(params, batch)``; ``step.plan``;
+        ``step.verify(params, batch)`` checks another batch.
 
     Raises:
         InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak (with
@@ -134,74 +82,97 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         raise ValueError("memfit.jax does not offload yet: the JAX CPU backend has no host memory "
                          "kind to offload to; plan without offload=True")
     program = trace_program(loss_fn, params, batch)
-    prof = profile_program(program, has_aux=has_aux, model=model)
+    profile = profile_program(program, has_aux=has_aux, model=model)
     if keep_barriers is None:
         keep_barriers = jax.default_backend() == "cpu"
     kept = keep_barriers
 
-    def build(q: Plan) -> PlannedStep:
-        return PlannedStep(program, q, prof, has_aux=has_aux, keep_barriers=kept)
+    checks = OnXla(params, batch, Reference(loss_fn, params, batch, has_aux=has_aux) if rounds > 0 else None)
 
-    def replan(b: int | str) -> Plan:
-        return plan_for_budget(prof, budget=b, solver=solver, time_limit_s=time_limit_s)
+    def choose(prof: Profile, budget: int | float | str) -> PlannedStep:
+        def build(q: Plan) -> PlannedStep:
+            return PlannedStep(program, q, prof, has_aux=has_aux, keep_barriers=kept, loss_fn=loss_fn)
 
-    measured = rounds > 0 and budget != "min"
-    try:
-        p = replan(budget)  # type: ignore[arg-type]
-    except InfeasibleBudget as e:
-        if not measured:
-            raise
-        # NOTE [budgets checked against XLA]: the least-peak plan and JAX's policies, on XLA
-        tried = [replan("min"), *policy_plans(prof, e.budget_bytes)]
-        steps = [build(dataclasses.replace(q, budget_bytes=e.budget_bytes)) for q in tried]
-        return least_on_xla(steps, e.budget_bytes, params, batch)
-    refuse_over_budget(p)
-    step = build(p)
-    if budget == "min" and rounds > 0:  # the least XLA peak of it and JAX's policies
-        return least_peak_on_xla([step, *map(build, policy_plans(prof, p.budget_bytes or 0))], params, batch)
-    if not measured or p.budget_bytes is None:
+        def replan(b: int | str) -> Plan:
+            return plan_for_budget(prof, budget=b, solver=solver, time_limit_s=time_limit_s)
+
+        measured = rounds > 0 and budget != "min"
+        try:
+            p = replan(budget)  # type: ignore[arg-type]
+        except InfeasibleBudget as e:
+            if not measured:
+                raise
+            # NOTE [budgets checked against XLA]: the least-peak plan and JAX's policies, on XLA
+            tried = [replan("min"), *policy_plans(prof, e.budget_bytes)]
+            steps = [build(dataclasses.replace(q, budget_bytes=e.budget_bytes)) for q in tried]
+            return least_on_xla(steps, e.budget_bytes, checks)
+        refuse_over_budget(p)
+        step = build(p)
+        if budget == "min" and rounds > 0:  # the least XLA peak of it and JAX's policies
+            return least_peak_on_xla([step, *map(build, policy_plans(prof, p.budget_bytes or 0))], checks)
+        if not measured or p.budget_bytes is None:
+            return step
+        return measured_rounds(step, p.budget_bytes, replan, build, checks, rounds,
+                               alternatives=policy_plans(prof, p.budget_bytes))
+
+    def settle(budget: int | float | str) -> PlannedStep:
+        """NOTE [JAX plans verified on the batch]: a region that changes the result is
+        refused (NOTE [refused spans]) and the step chosen again; a budget no exact step
+        fits raises ``InfeasibleBudget``."""
+        prof, step = profile, choose(profile, budget)
+        for _ in range(REFUSALS):
+            if checks.exact(step):
+                return step
+            spans = inexact_spans(step, checks)
+            if not spans:
+                break
+            prof = refusing(prof, spans)
+            step = choose(prof, budget)
+        if checks.exact(step):
+            return step
+        if budget != "min":
+            raise InfeasibleBudget("no exact step found", budget_bytes=step.plan.budget_bytes or 0,
+                                   min_feasible_bytes=0)
+        warnings.warn(f"memfit.jax: no plan of least peak found gives outputs bitwise equal to the "
+                      f"plain step on this batch; the returned step's: {step.verification} (NOTE [JAX "
+                      "plans verified on the batch]; step.verification)", stacklevel=3)
         return step
-    return measured_rounds(step, p.budget_bytes, replan, build, params, batch, rounds,
-                           alternatives=policy_plans(prof, p.budget_bytes))
+
+    try:
+        return settle(budget)
+    except InfeasibleBudget as e:
+        if rounds == 0 or budget == "min" or e.budget_bytes is None:
+            raise
+        # the smallest peak named is what budget="min" returns (its refusals may find an
+        # exact step below the peaks the budget's own search tried)
+        least = settle("min")
+        if least.xla_peak_bytes is not None and least.xla_peak_bytes <= e.budget_bytes:
+            least.plan = dataclasses.replace(least.plan, budget_bytes=e.budget_bytes)
+            return least
+        peak = least.xla_peak_bytes or 0
+        raise InfeasibleBudget(
+            f"budget {format_bytes(e.budget_bytes)} ({e.budget_bytes} bytes): XLA reports every "
+            f"planned step whose outputs are the plain step's above it, the smallest at "
+            f"{format_bytes(peak)} ({peak} bytes; NOTE [budgets checked against XLA] in "
+            f"memfit.jax.measured, NOTE [JAX plans verified on the batch]). Give a budget of at "
+            f"least {peak} bytes, or budget='min' (rounds=0: the jaxpr-level plan, unchecked)",
+            budget_bytes=e.budget_bytes, min_feasible_bytes=peak,
+            fits_with=(f"a budget of at least {peak} bytes",)) from None
 
 
-def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionSpec]:
-    """The plan's regions as primal equation runs with the tags they save (NOTE [a plan as a
-    JAX policy]), nested as the plan nests them."""
-    tags = profile.extra.get("tags", {})
-    flat: list[RegionSpec] = []
-    for r in plan.regions:
-        if r.keys_with(OpPolicy.OFFLOAD):
-            raise ValueError(f"region {r.name} offloads, which memfit.jax cannot do yet (no host "
-                             "memory kind on the JAX CPU backend); plan without offload")
-        start, end = _primal_range(program, r.modules)
-        span = resolve_span(profile, r.modules)
-        by_key = {k: i for i, k in op_keys(profile, span.first_op, span.last_op).items()}
-        saved: set[str] = set()
-        for key in r.save:
-            op = profile.ops[by_key[key]]
-            for t in op.outputs:
-                saved.update(n for n in tags.get(str(t.storage), ())
-                             if start <= int(n.split(":")[1]) <= end)
-        flat.append(RegionSpec(start, end, frozenset(saved)))
-    flat.sort(key=lambda s: (s.start, -s.end))
-    top: list[RegionSpec] = []
-    for s in flat:
-        outer = next((t for t in reversed(top) if t.start <= s.start and s.end <= t.end), None)
-        if outer is None:
-            top.append(s)
-        else:
-            outer.inner.append(s)
-    return top
+# how many times ``fit`` refuses the regions of a step whose result changed and chooses again
+REFUSALS = 6
 
 
-def _primal_range(program: Program, modules: tuple[str, ...]) -> tuple[int, int]:
-    def under(scope: str, m: str) -> bool:
-        return m == "" or scope == m or scope.startswith(m + ".")
-
-    first = [k for k, s in enumerate(program.scopes) if under(s, modules[0])]
-    last = [k for k, s in enumerate(program.scopes) if under(s, modules[-1])]
-    if not first or not last:
-        raise ValueError(f"region {modules} names scopes the traced loss_fn does not have; was the "
-                         "plan made for another model?")
-    return min(first), max(last)
+def inexact_spans(step: PlannedStep, checks: OnXla) -> list[tuple[int, int]]:
+    """The op spans of ``step``'s top-level regions that change the result on their own: each
+    region alone, compiled and run against the plain step (NOTE [JAX plans verified on the
+    batch])."""
+    out = []
+    for r in step.plan.regions:
+        alone = PlannedStep(step.program, dataclasses.replace(step.plan, regions=(r,)), step.profile,
+                            has_aux=step.has_aux, keep_barriers=step.keep_barriers, loss_fn=step.loss_fn)
+        if not checks.exact(alone):
+            span = resolve_span(step.profile, r.modules)
+            out.append((span.first_op, span.last_op))
+    return out

@@ -39,13 +39,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from memfit.errors import InfeasibleBudget
+from memfit.jax.verify import Reference, Verification
 from memfit.planning.plan import Plan, Region
-from memfit.planning.rules import is_matmul, op_keys
+from memfit.planning.rules import contains_refused_span, is_matmul, op_keys
 from memfit.planning.simulate import simulate
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes
 
-__all__ = ["xla_peak_bytes", "xla_report", "measured_rounds", "least_on_xla", "least_peak_on_xla", "policy_plans"]
+__all__ = ["xla_peak_bytes", "xla_report", "OnXla", "measured_rounds", "least_on_xla", "least_peak_on_xla", "policy_plans"]
 
 NEAR = 0.98  # a round within 2% below the budget ends the search
 
@@ -58,7 +59,10 @@ def xla_peak_bytes(lowered: Any) -> int:
 def xla_report(lowered: Any) -> tuple[int, int]:
     """XLA's peak (as ``xla_peak_bytes``) and FLOPs (``cost_analysis()``) of a lowered step,
     from one compile."""
-    c = lowered.compile()
+    return _report(lowered.compile())
+
+
+def _report(c: Any) -> tuple[int, int]:
     m = c.memory_analysis()
     ca = c.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
@@ -66,49 +70,90 @@ def xla_report(lowered: Any) -> tuple[int, int]:
             int(ca.get("flops", 0)) if ca else 0)
 
 
-def _measure(step: Any, params: Any, batch: Any, cache: dict[Any, tuple[int, int]]) -> int:
-    """XLA's peak and FLOPs of ``step`` onto it (``xla_peak_bytes``, ``xla_flops``), one compile
-    per plan (``cache``, by its regions); returns the peak."""
-    key = step.plan.regions
-    if key not in cache:
-        cache[key] = xla_report(step.lower(params, batch))
-    step.xla_peak_bytes, step.xla_flops = cache[key]
-    return int(step.xla_peak_bytes)
+class OnXla:
+    """The planned steps ``fit`` compiles, one compile per plan (by its regions): XLA's peak
+    and FLOPs of each and, where asked, its outputs against the plain step's on the batch
+    (NOTE [JAX plans verified on the batch] in ``memfit.jax.verify``).
+
+    Args:
+        params, batch: what the steps are compiled for and run on.
+        reference: the plain step's outputs; None: plans are not run (every one counts as
+            exact).
+    """
+
+    def __init__(self, params: Any, batch: Any, reference: Reference | None = None) -> None:
+        self.params, self.batch, self.reference = params, batch, reference
+        self._compiled: dict[Any, tuple[int, int, Any]] = {}
+        self._verified: dict[Any, Verification] = {}
+
+    def peak(self, step: Any) -> int:
+        """XLA's peak of ``step`` (its ``xla_peak_bytes``; ``xla_flops`` set too)."""
+        key = step.plan.regions
+        if key not in self._compiled:
+            c = step.lower(self.params, self.batch).compile()
+            self._compiled[key] = (*_report(c), c)
+        step.xla_peak_bytes, step.xla_flops, _ = self._compiled[key]
+        return int(step.xla_peak_bytes)
+
+    def seen(self, step: Any) -> bool:
+        return step.plan.regions in self._compiled
+
+    def exact(self, step: Any) -> bool:
+        """Whether ``step``'s outputs on the batch are the plain step's bits (its
+        ``verification`` set); True without a reference."""
+        if self.reference is None:
+            return True
+        key = step.plan.regions
+        if key not in self._verified:
+            self.peak(step)
+            self._verified[key] = self.reference.check(self._compiled[key][2])
+        step.verification = self._verified[key]
+        return step.verification.bitwise
+
+    def first_exact(self, ordered: Sequence[Any]) -> Any:
+        """The first of ``ordered`` whose outputs are bitwise the plain step's, else the first
+        (``fit`` then refuses its inexact regions or warns)."""
+        return next((s for s in ordered if self.exact(s)), ordered[0])
 
 
-def _cheapest(fitting: Sequence[Any]) -> Any:
+def _cost(s: Any) -> tuple[int, float, int]:
     """The least XLA FLOPs, then the least predicted recompute (NOTE [budgets checked
     against XLA])."""
-    return min(fitting, key=lambda s: (s.xla_flops, s.plan.recompute_s, s.xla_peak_bytes))
+    return (s.xla_flops, s.plan.recompute_s, s.xla_peak_bytes)
+
+
+def _cheapest(fitting: Sequence[Any], checks: OnXla) -> Any:
+    """Of the steps within the budget, the cheapest (``_cost``) that is exact."""
+    return checks.first_exact(sorted(fitting, key=_cost))
 
 
 def measured_rounds(first: Any, budget_bytes: int, replan: Callable[[int | str], Plan],
-                    build: Callable[[Plan], Any], params: Any, batch: Any, rounds: int,
+                    build: Callable[[Plan], Any], checks: OnXla, rounds: int,
                     alternatives: Sequence[Plan] = ()) -> Any:
-    """The step of least XLA FLOPs whose XLA peak is within ``budget_bytes``,
-    from ``first`` and up to ``rounds`` re-plans (NOTE [budgets checked against XLA]).
+    """The exact step of least XLA FLOPs whose XLA peak is within ``budget_bytes``, from
+    ``first`` and up to ``rounds`` re-plans (NOTE [budgets checked against XLA]).
 
     Args:
         first: the planned step at ``budget_bytes`` (a ``PlannedStep``).
         replan: model budget in bytes (or ``"min"``) -> Plan (raises ``InfeasibleBudget``).
         build: Plan -> step.
+        checks: compiles and runs the steps (``OnXla``).
         alternatives: plans checked too, after the rounds (JAX's own policies as plans).
 
     Raises:
         InfeasibleBudget: no step seen fits; ``min_feasible_bytes`` is the smallest XLA peak
-            seen (the budget that, given, plans at least that step).
+            seen of an exact step (the budget that, given, plans at least that step).
     """
     step, model_budget = first, budget_bytes
     fitting: list[Any] = []
-    seen: list[int] = []
-    measured: dict[Any, tuple[int, int]] = {}  # by the plan's regions: the same plan, no recompile
+    seen: list[Any] = []
     lo: int | None = None  # the largest model budget whose step XLA reports within the budget
     hi: int | None = None  # the smallest whose step it reports above
     for k in range(rounds + 1):
-        new = step.plan.regions not in measured
-        peak = _measure(step, params, batch, measured)
+        new = not checks.seen(step)
+        peak = checks.peak(step)
         if new:
-            seen.append(peak)
+            seen.append(step)
             if peak <= budget_bytes:
                 fitting.append(step)
         if peak <= budget_bytes:
@@ -133,36 +178,31 @@ def measured_rounds(first: Any, budget_bytes: int, replan: Callable[[int | str],
                 f"of jaxpr-level peak (NOTE [budgets checked against XLA])")
         step = build(dataclasses.replace(plan, budget_bytes=budget_bytes, notes=(*plan.notes, note)))
     for alt in alternatives:  # JAX's policies as plans (NOTE [budgets checked against XLA])
-        if alt.regions in measured:
-            continue
         step = build(dataclasses.replace(alt, budget_bytes=budget_bytes))
-        seen.append(peak := _measure(step, params, batch, measured))
-        if peak <= budget_bytes:
+        if checks.seen(step):
+            continue
+        seen.append(step)
+        if checks.peak(step) <= budget_bytes:
             fitting.append(step)
     if not fitting:  # the least-peak plan is the last to try
-        return least_on_xla([build(replan("min"))], budget_bytes, params, batch, seen)
-    return _cheapest(fitting)
+        return least_on_xla([build(replan("min"))], budget_bytes, checks, seen)
+    return _cheapest(fitting, checks)
 
 
-def least_on_xla(steps: Sequence[Any], budget_bytes: int, params: Any, batch: Any,
-                 seen: Sequence[int] = ()) -> Any:
-    """Of ``steps``, the one of least XLA FLOPs (then predicted recompute) whose XLA peak is
-    within ``budget_bytes``.
+def least_on_xla(steps: Sequence[Any], budget_bytes: int, checks: OnXla, seen: Sequence[Any] = ()) -> Any:
+    """Of ``steps``, the exact one of least XLA FLOPs (then predicted recompute) whose XLA
+    peak is within ``budget_bytes``.
 
     Raises:
-        InfeasibleBudget: none is; ``min_feasible_bytes`` is the smallest XLA peak of the
-            steps and of ``seen`` (peaks measured before).
+        InfeasibleBudget: none is; ``min_feasible_bytes`` is the smallest XLA peak of an
+            exact step among ``steps`` and ``seen`` (steps checked before; of any step where
+            none is exact).
     """
-    peaks = list(seen)
-    fitting = []
-    cache: dict[Any, tuple[int, int]] = {}
-    for step in steps:
-        peaks.append(peak := _measure(step, params, batch, cache))
-        if peak <= budget_bytes:
-            fitting.append(step)
+    fitting = [s for s in steps if checks.peak(s) <= budget_bytes]
     if fitting:
-        return _cheapest(fitting)
-    least = min(peaks)
+        return _cheapest(fitting, checks)
+    tried = sorted({id(s): s for s in (*seen, *steps)}.values(), key=lambda s: checks.peak(s))
+    least = checks.peak(next((s for s in tried if checks.exact(s)), tried[0]))
     raise InfeasibleBudget(
         f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes): XLA reports every planned "
         f"step above it, the smallest at {format_bytes(least)} ({least} bytes; NOTE [budgets "
@@ -171,13 +211,12 @@ def least_on_xla(steps: Sequence[Any], budget_bytes: int, params: Any, batch: An
         budget_bytes=budget_bytes, min_feasible_bytes=least, fits_with=(f"a budget of at least {least} bytes",))
 
 
-def least_peak_on_xla(steps: Sequence[Any], params: Any, batch: Any) -> Any:
-    """Of ``steps``, the one of least XLA peak (then least XLA FLOPs), its plan's budget that
-    peak: ``budget="min"`` checked against XLA (NOTE [budgets checked against XLA])."""
-    cache: dict[Any, tuple[int, int]] = {}
-    for step in steps:
-        _measure(step, params, batch, cache)
-    best = min(steps, key=lambda s: (s.xla_peak_bytes, s.xla_flops, s.plan.recompute_s))
+def least_peak_on_xla(steps: Sequence[Any], checks: OnXla) -> Any:
+    """Of ``steps``, the exact one of least XLA peak (then least XLA FLOPs), its plan's
+    budget that peak: ``budget="min"`` checked against XLA (NOTE [budgets checked against
+    XLA])."""
+    ordered = sorted(steps, key=lambda s: (checks.peak(s), s.xla_flops, s.plan.recompute_s))
+    best = checks.first_exact(ordered)
     note = (f"budget='min' checked against XLA's memory_analysis(): the least XLA peak of the "
             f"model's least-peak plan and JAX's policies ({best.plan.solver})")
     best.plan = dataclasses.replace(best.plan, budget_bytes=best.xla_peak_bytes, notes=(*best.plan.notes, note))
@@ -191,12 +230,14 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
     """JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``
     on every child scope of the model (as ``nn.remat`` on each would), as memfit plans: each
     child a region saving nothing, its dots and convolutions, or its dots without batch
-    dimensions (``extra["unbatched_dots"]``). None where the model has no child scope."""
+    dimensions (``extra["unbatched_dots"]``). None where the model has no child scope; a child
+    whose span the profile refuses (NOTE [refused spans]) is left out of each."""
     recs = {m.path: m for m in profile.modules}
     root = next((m for m in profile.modules if m.path and m.parent == ""), None)
     if root is None:
         return []
-    kids = [recs[c] for c in root.children if recs[c].calls == 1 and recs[c].first_op is not None]
+    kids = [recs[c] for c in root.children if recs[c].calls == 1 and recs[c].first_op is not None
+            and not contains_refused_span(profile, int(recs[c].first_op), int(recs[c].last_op))]  # type: ignore[arg-type]
     unbatched = set(profile.extra.get("unbatched_dots", ()))
     out = []
     for name in POLICIES:

@@ -101,7 +101,7 @@ from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKin
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "must_not_rerun", "collective_writes", "COLLECTIVE_NAMESPACES", "RERUN_NAMESPACES",
-           "CLOSED_REGIONS", "inputs_read_after"]
+           "CLOSED_REGIONS", "inputs_read_after", "REFUSED_SPANS", "contains_refused_span", "refusing"]
 
 # NOTE [inputs read after a region]
 #     A profile whose ``extra[CLOSED_REGIONS]`` is true plans only regions none of whose
@@ -128,6 +128,30 @@ def inputs_read_after(profile: Profile, first_op: int, last_op: int) -> bool:
             if made is not None and made < first_op and use is not None and use > last_op:
                 return True
     return False
+
+
+# NOTE [refused spans]
+#     ``extra[REFUSED_SPANS]`` lists forward op spans ``(first, last)`` that no planned region
+#     may contain whole: a front end that ran a plan and found one of its regions changes the
+#     step's result (NOTE [JAX plans verified on the batch] in ``memfit.jax.verify``) plans
+#     again without it, and without any region around it (a segment over the same block
+#     reruns it the same way); regions inside it remain candidates, to be checked in turn.
+REFUSED_SPANS = "refused_spans"
+
+
+def contains_refused_span(profile: Profile, first_op: int, last_op: int) -> bool:
+    """Whether forward ops ``first_op..last_op`` contain a span the profile refuses (NOTE
+    [refused spans])."""
+    return any(first_op <= a and b <= last_op for a, b in profile.extra.get(REFUSED_SPANS, ()))
+
+
+def refusing(profile: Profile, spans: Sequence[tuple[int, int]]) -> Profile:
+    """``profile`` with ``spans`` added to the spans it refuses (NOTE [refused spans])."""
+    import dataclasses
+
+    old = tuple(tuple(s) for s in profile.extra.get(REFUSED_SPANS, ()))
+    new = tuple(sorted({*old, *((int(a), int(b)) for a, b in spans)}))
+    return dataclasses.replace(profile, extra={**profile.extra, REFUSED_SPANS: new})
 
 
 def unkeyed_ops() -> frozenset[str]:
