@@ -19,7 +19,9 @@ NOTE [budgets checked against XLA]
     the least FLOPs by XLA's own ``cost_analysis()`` (then the least predicted recompute):
     the jaxpr-level count differs from XLA's by what XLA fuses, and on the tiny GPT of the
     tests a plan predicted cheaper than ``dots_saveable`` on every block ran 4,046,145 FLOPs
-    against its 3,943,745. None within: the least-peak plan if XLA reports it within, else
+    against its 3,943,745. Of those, only one whose outputs are the plain step's bits (NOTE
+    [JAX plans verified on the batch] in ``memfit.jax.verify``; ``fit`` refuses the regions
+    of one that is not and chooses again). None within: the least-peak plan if XLA reports it within, else
     ``InfeasibleBudget`` naming the smallest XLA peak seen. A budget under the model's least
     peak is checked the same way, on the least-peak plan and the policies' plans: the
     smallest XLA peak of those is the one named, and given it, that plan is returned.
