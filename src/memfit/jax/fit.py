@@ -71,7 +71,8 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
 
     Raises:
         InfeasibleBudget: no plan fits; ``min_feasible_bytes`` is the smallest peak (with
-            ``rounds``: the smallest XLA peak seen, where XLA reports every plan above it).
+            ``rounds``: the XLA peak of the step ``budget="min"`` returns, the least of the
+            exact steps found).
         ValueError: ``offload=True``, or a step with no backward.
 
     Example:
