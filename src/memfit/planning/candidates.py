@@ -54,11 +54,10 @@ from memfit.planning.offload import Copy, OffloadSpec, offload_copies, offload_e
 from memfit.planning.plan import OpPolicy, Region
 from memfit.planning.rules import (
     clobbered_inputs,
-    contains_refused_span,
     draws_into_region,
     in_place_writes,
-    inputs_read_after,
     op_keys,
+    span_refused,
     unkeyed_ops,
 )
 from memfit.profiling.profile import ModuleRecord, Profile
@@ -193,9 +192,8 @@ class PlanningContext:
                for a, b in pairwise(recs)):
             self._cands[key] = None  # type: ignore[index]
             return None
-        # NOTE [clobbered inputs], NOTE [inputs read after a region] in memfit.planning.rules
-        if (self._clobbered(recs) or inputs_read_after(self.profile, span.first_op, span.last_op)
-                or contains_refused_span(self.profile, span.first_op, span.last_op)):  # NOTE [refused spans]
+        # NOTE [clobbered inputs], [inputs read after a region], [refused spans] in planning.rules
+        if self._clobbered(recs) or span_refused(self.profile, span.first_op, span.last_op):
             self._cands[key] = None  # type: ignore[index]
             return None
         cand = self._build(span, with_ops)
@@ -441,8 +439,7 @@ class PlanningContext:
             if not m.path.startswith(prefix) or m.path == path or m.calls != 1 or m.first_op is None:
                 continue
             span = resolve_span(self.profile, (m.path,), self._index)
-            if (self._clobbered([m]) or inputs_read_after(self.profile, span.first_op, span.last_op)
-                    or contains_refused_span(self.profile, span.first_op, span.last_op)):
+            if self._clobbered([m]) or span_refused(self.profile, span.first_op, span.last_op):
                 continue
             rm = RegionModel(self.arrays, span)
             if rm.useful:

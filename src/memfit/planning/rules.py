@@ -101,7 +101,7 @@ from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKin
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",
            "must_not_rerun", "collective_writes", "COLLECTIVE_NAMESPACES", "RERUN_NAMESPACES",
-           "CLOSED_REGIONS", "inputs_read_after", "REFUSED_SPANS", "contains_refused_span", "refusing"]
+           "CLOSED_REGIONS", "inputs_read_after", "REFUSED_SPANS", "contains_refused_span", "refusing", "span_refused"]
 
 # NOTE [inputs read after a region]
 #     A profile whose ``extra[CLOSED_REGIONS]`` is true plans only regions none of whose
@@ -152,6 +152,12 @@ def refusing(profile: Profile, spans: Sequence[tuple[int, int]]) -> Profile:
     old = tuple(tuple(s) for s in profile.extra.get(REFUSED_SPANS, ()))
     new = tuple(sorted({*old, *((int(a), int(b)) for a, b in spans)}))
     return dataclasses.replace(profile, extra={**profile.extra, REFUSED_SPANS: new})
+
+
+def span_refused(profile: Profile, first_op: int, last_op: int) -> bool:
+    """Whether no region may cover forward ops ``first_op..last_op``: an input read after it
+    (NOTE [inputs read after a region]) or a refused span inside it (NOTE [refused spans])."""
+    return inputs_read_after(profile, first_op, last_op) or contains_refused_span(profile, first_op, last_op)
 
 
 def unkeyed_ops() -> frozenset[str]:
