@@ -18,10 +18,16 @@ def test_compare_bitwise_and_the_largest_difference():
     assert "1 of 2 leaves differ" in str(off)
 
 
-def test_compare_nan_where_plain_has_nan_is_equal():
-    x = jnp.array([jnp.nan, 1.0])
-    assert compare(x, x).bitwise
-    assert not compare(jnp.array([0.0, 1.0]), x).bitwise
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
+def test_compare_is_bit_for_bit(dtype):
+    x = jnp.array([jnp.nan, 1.0, 0.0], dtype=dtype)
+    assert compare(x, x).bitwise  # a NaN where plain's is
+    nan_moved = compare(jnp.array([0.0, 1.0, 0.0], dtype=dtype), x)
+    assert not nan_moved.bitwise and nan_moved.max_abs_diff == float("inf")
+    signed = compare(jnp.array([jnp.nan, 1.0, -0.0], dtype=dtype), x)
+    assert not signed.bitwise and signed.max_abs_diff == 0.0  # -0.0 is not 0.0's bits
+    off = compare(jnp.array([jnp.nan, 1.5, 0.0], dtype=dtype), x)
+    assert off.max_abs_diff == 0.5 and off.differing == ("<the output>",)
 
 
 def test_compare_refuses_another_structure_or_shape():
