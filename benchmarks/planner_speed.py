@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "plann
 
 from profile_builders import decoder_profile  # noqa: E402
 
-from memfit.planning.planner import plan  # noqa: E402
+from memfit.planning.planner import plan_for_budget  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        p = plan(prof, budget=0.4)
+        p = plan_for_budget(prof, budget=0.4)
         times.append(time.perf_counter() - t0)
     print(f"{args.blocks} blocks, {len(prof.forward_ops)} forward ops: solver {p.solver}, "
           f"runs {', '.join(f'{t:.2f}' for t in times)} s, median {statistics.median(times):.2f} s "

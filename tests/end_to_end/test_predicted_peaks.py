@@ -150,6 +150,8 @@ def _plans(p, blocks: list[str], name: str = "") -> dict[str, Plan]:
     if name in SEGMENT_NESTED:
         seg, inner = SEGMENT_NESTED[name]
         plans["segment_nested"] = hand([Region(seg), *(Region((i,)) for i in inner)])
+        # NOTE [nested segments]: the segment's blocks checkpointed inside it
+        plans["segment_blocks_nested"] = hand([Region(seg), *(Region((b,)) for b in seg)])
     return plans
 
 

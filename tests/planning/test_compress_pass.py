@@ -300,7 +300,9 @@ def test_the_smallest_compressed_peak_named_is_the_same_for_every_budget_under_i
     """The error's smallest peak comes from a fixed ladder of region budgets, not from the
     looser budgets of the one asked: benchmarks' ResNet-50 layout with one block a stage
     (fake mode, v100) was told 243,755,824 B at 50% of its plain peak and 225,291,056 B at 60%
-    before (the first is the recompute-only least plan's, compressed)."""
+    before (the first is the recompute-only least plan's, compressed). Its stem is a chain block
+    now (NOTE [merged blocks]): the recompute-only least peak is 60% of the plain one, so the
+    budgets asked are 30% and 40%."""
     import torch
     from benchmarks.published import resnet50
 
@@ -318,7 +320,7 @@ def test_the_smallest_compressed_peak_named_is_the_same_for_every_budget_under_i
         return plan_for_budget(p, budget=b)
 
     named = []
-    for f in (0.5, 0.6):
+    for f in (0.3, 0.4):
         with pytest.raises(InfeasibleBudget) as err:
             choose(p, solve, int(f * p.peak_bytes), mode="lossy", lossy_codec=None, costs=costs)
         named.append(err.value.min_feasible_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from profile_builders import gpt_like
+from profile_builders import chain_profile, gpt_like, residual_block
 
 from memfit.planning.candidates import PlanningContext
 from memfit.planning.plan import Plan, Region
@@ -75,3 +75,25 @@ def test_inner_replays_after_the_outer_one():
     # the attention runs in the block's replay and again in its own
     assert t_outer == alone.recompute_s and t_inner > 0
     assert sim.peak_bytes <= alone.peak_bytes
+
+
+@pytest.mark.parametrize("n_blocks", [8, 16])
+def test_blocks_nested_in_segments_lower_the_floor_and_predict_exactly(n_blocks, monkeypatch):
+    """NOTE [nested segments]: a segment with each of its blocks checkpointed inside it holds
+    one input from forward to its backward where a region per block holds one per block."""
+    prof = chain_profile([residual_block([256, 256], act_bytes=256)] * n_blocks, act_bytes=256)
+    lo = chain.min_peak(PlanningContext(prof))
+    with monkeypatch.context() as m:
+        m.setattr(chain.ChainModel, "_blocks_nested_choice", lambda self, k, j, seg: [])
+        without = chain.min_peak(PlanningContext(prof))
+    assert lo < without
+    seen = False
+    ctx = PlanningContext(prof)
+    for budget in np.linspace(lo, without, 5).astype(int):
+        sol = chain.solve(ctx, int(budget))
+        sim = simulate(prof, _plan(*sol.regions))
+        assert sim.peak_bytes == sol.predicted_peak_bytes <= budget
+        assert sim.recompute_s == sol.recompute_s  # dyadic op times: exact sums
+        segs = [r for r in sol.regions if r.is_segment]
+        seen |= any(Region((m,)) in sol.regions for s in segs for m in s.modules)
+    assert seen

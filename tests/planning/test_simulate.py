@@ -116,7 +116,21 @@ def test_segment_replays_all_blocks(chain3):
 
 def test_nested_or_overlapping_regions_rejected(chain3):
     with pytest.raises(ValueError, match="overlap or nest"):
-        simulate(chain3, _plan(Region(("layers.0",)), Region(("layers.0", "layers.1"))))
+        simulate(chain3, _plan(Region(("layers.0", "layers.1")), Region(("layers.1", "layers.2"))))
+    with pytest.raises(ValueError, match="overlap or nest"):  # a segment inside a segment
+        simulate(chain3, _plan(Region(("layers.0", "layers.1", "layers.2")), Region(("layers.0", "layers.1"))))
+
+
+def test_a_block_nested_in_its_segment_replays_twice(chain3):
+    """NOTE [nested segments]: the segment's replay reruns its first two blocks (the third's
+    call refills its frame: torch ends the replay there), then each block's own replay reruns
+    it again."""
+    seg = Region(("layers.0", "layers.1", "layers.2"))
+    alone = simulate(chain3, _plan(seg))
+    sim = simulate(chain3, _plan(seg, *(Region((f"layers.{i}",)) for i in range(3))))
+    assert sim.region_recompute_s[0] == alone.recompute_s - 3 * TICK
+    assert sim.region_recompute_s[1:] == (3 * TICK + DEFAULT_REGION_S + 3 * DEFAULT_OP_S,) * 3
+    assert sim.recompute_points[0] == alone.recompute_points[0] == sim.recompute_points[3]
 
 
 def test_unknown_key_and_module_rejected(chain3):

@@ -52,7 +52,8 @@ BAD = {
     "different_parents": (_plan(Region(("blocks.0", "ln"))), "different parents"),
     "type_mismatch": (_plan(Region(("blocks.0",)), types={"blocks.0": "LlamaDecoderLayer"}),
                       "LlamaDecoderLayer"),
-    "twice": (_plan(Region(("blocks.0",)), Region(("blocks.0", "blocks.1"))), "two regions"),
+    "twice": (_plan(Region(("blocks.0",)), Region(("blocks.0",))), "two regions"),
+    "two segments": (_plan(Region(("blocks.0", "blocks.1")), Region(("blocks.1", "blocks.2"))), "two regions"),
 }
 
 
@@ -104,6 +105,21 @@ def test_nested_regions_bitwise_and_inner_recomputed_twice():
     assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
     # per step: forward, the segment's replay, the inner replay; a plain segment member twice
     assert inner.count == 2 * 3 and outer.count == 2 * 2
+
+
+def test_blocks_nested_in_their_segment_bitwise_and_rerun_twice():
+    # NOTE [nested segments]: a segment of three blocks with each block checkpointed inside it,
+    # listed before or after the segment; dropout on, two steps
+    for order in (1, -1):
+        model, twin = pair(TinyGPT)
+        regions = (Region(("blocks.0", "blocks.1", "blocks.2")),
+                   *(Region((f"blocks.{i}",)) for i in range(3)))
+        apply_plan(model, _plan(*regions[::order]))
+        counters = [CallCounter(model.blocks[i].attn.qkv) for i in range(3)]
+        assert_bitwise_twin(model, twin, (torch.randint(0, 64, (2, 8)),), steps=2)
+        # per step: forward, the segment's replay, the block's own replay; the last block's
+        # call refills the segment's frame (its inputs), so torch ends that replay before it
+        assert [c.count for c in counters] == [2 * 3, 2 * 3, 2 * 2]
 
 
 def test_nested_regions_update_batchnorm_once():

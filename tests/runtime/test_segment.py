@@ -164,7 +164,10 @@ def test_misuse_errors():
     with pytest.raises(WrapError, match="already checkpointed"):
         checkpoint_segment(model.blocks, [0, 1])
     checkpoint_segment(model.blocks, [1, 2])
-    with pytest.raises(WrapError, match="segment"):
+    with pytest.raises(WrapError, match="make the segment first"):
+        checkpoint_segment(model.blocks, [0])
+    wrap(model.blocks[2])  # a block checkpointed inside its segment (NOTE [nested segments])
+    with pytest.raises(WrapError, match="already wrapped"):
         wrap(model.blocks[2])
 
 

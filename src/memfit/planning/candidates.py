@@ -22,9 +22,13 @@ NOTE [merged blocks]
     NOTE [chains] asks of a single-module block, so ``solvers.chain`` stays exact without a
     rule of its own: a block of one child is the old block, and a container whose children
     all qualify alone gets the old chain. Children left over at the end (no useful block
-    can be closed) end the chain; a run with parent code between two children is cut there,
-    and a child whose input is written in place (NOTE [clobbered inputs]) ends the chain, as
-    before: no block can start with it.
+    can be closed) end the chain; a run with parent code between two children is cut there.
+    A child whose input is written in place (NOTE [clobbered inputs]) cannot start a block:
+    it joins the closed block before it where that block made the input (a ResNet stem's
+    ``[conv, bn]`` and its in-place ReLU become ``[conv, bn, relu_]``, whose region holds
+    both the write and what it writes); otherwise it ends the chain, which may start again
+    after it. (Before the join, a stem began no chain: its conv and norm outputs, 1.18 GB of
+    ResNet-50 at batch 184, were held through the whole backward of every plan.)
     ``[conv, relu_]`` becomes one block (the ReLU saves the conv's output, which the region's
     frame then drops and replays); alone it lowers nothing, since the next conv saves that
     output too (its constant on later blocks is the frame's generator state, > 0), but a
@@ -339,6 +343,15 @@ class PlanningContext:
             ids = arrs.created_in(int(prev[0].first_op), int(blk[0].first_op) - 1)  # type: ignore[arg-type]
             return not (ids.size and int(arrs.lfu[ids].max()) > int(blk[-1].last_op))  # type: ignore[arg-type]
 
+        def rejoin(merged: list[ModuleRecord]) -> list[ModuleRecord]:
+            """The run's last block replaced by ``merged``: closed (the open block is then
+            empty) or left open."""
+            run.pop()
+            if closes(merged):
+                run.append(merged)
+                return []
+            return merged
+
         for k in kids:
             last = open_[-1] if open_ else (run[-1][-1] if run else None)
             if last is not None and k.first_op <= last.last_op:  # type: ignore[operator]
@@ -347,6 +360,14 @@ class PlanningContext:
             elif open_ and self.parent_ops_between(int(last.last_op), int(k.first_op)):  # type: ignore[arg-type, union-attr]
                 open_ = []  # no block spans the parent's code (a segment's replay cannot)
             open_.append(k)
+            if self._clobbered(open_) and run:
+                # its input is written in place (NOTE [clobbered inputs]) where the block
+                # before made it (a stem's in-place relu after its norm): the two as one
+                # block, whose region holds both the write and what it writes
+                merged = run[-1] + open_
+                if not self._clobbered(merged) and self.candidate(tuple(c.path for c in merged)) is not None:
+                    open_ = rejoin(merged)
+                    continue
             if self._clobbered(open_):
                 # its input is written in place (NOTE [clobbered inputs]): no block starts
                 # here, however long; the chain ends before it and may start again after
@@ -368,12 +389,7 @@ class PlanningContext:
                 runs.append(run)  # they cannot be one region (parent code between): a new chain
                 run, open_ = [open_], []
                 continue
-            run.pop()
-            if closes(merged):
-                run.append(merged)
-                open_ = []
-            else:
-                open_ = merged
+            open_ = rejoin(merged)
         runs.append(run)
         return runs
 

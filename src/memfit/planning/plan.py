@@ -331,7 +331,8 @@ class Plan:
             return None
         path = region.modules[0]
         for r in self.regions:
-            if r is not region and any(path.startswith(m + ".") or (m == "" and path) for m in r.modules):
+            if r is not region and any(path.startswith(m + ".") or (m == "" and path)
+                                       or (r.is_segment and path == m) for m in r.modules):
                 return r
         return None
 

@@ -142,8 +142,11 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
         if open_:
             o = open_[-1]
             outer, inner = regions[o], regions[q]
+            # a module inside the outer one, or one block of an outer segment (NOTE [nested
+            # segments] in memfit.planning.nesting)
             ok = (rm.b <= models[o].b and not inner.is_segment
-                  and any(inner.modules[0].startswith(m + ".") or m == "" for m in outer.modules))
+                  and any(inner.modules[0].startswith(m + ".") or m == ""
+                          or (outer.is_segment and inner.modules[0] == m) for m in outer.modules))
             if not ok:
                 raise ValueError(
                     f"regions {outer.name!r} (ops {models[o].a}..{models[o].b}) and {inner.name!r} "

@@ -115,13 +115,16 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
             )
     _check_shapes(model, plan)
     targets: list[tuple[Region, Any]] = []
-    seen: set[str] = set()
+    seen: dict[bool, set[str]] = {True: set(), False: set()}  # by region.is_segment
     for region in plan.regions:
         for path in region.modules:
-            if path in seen:
+            # a block of a segment may also be a region of its own, checkpointed inside the
+            # segment (NOTE [nested segments] in memfit.planning.nesting)
+            if path in seen[region.is_segment]:
                 raise PlanMismatch(f"module {path!r} appears in two regions of the plan; "
-                                   "a module can be checkpointed only once")
-            seen.add(path)
+                                   "a module can be checkpointed only once (or once on its own "
+                                   "inside a segment)")
+            seen[region.is_segment].add(path)
         if not region.is_segment:
             module = _get(model, region.modules[0], region)
             _refuse_fsdp_inside(region, [m for _, m in module.named_modules() if m is not module])
@@ -276,7 +279,8 @@ def _wrap_regions(model: nn.Module, plan: Plan, targets: list[tuple[Region, Any]
 
         applied.host = HostPool(cap)
     try:
-        for region, target in targets:
+        # segments first: a block of one may be wrapped inside it (NOTE [nested segments])
+        for region, target in sorted(targets, key=lambda t: not t[0].is_segment):
             policy = _policies.by_key(region.ops, host=applied.host) if region.ops else None
             if isinstance(target, nn.Module):
                 wrap(target, policy, check=check, name=region.modules[0] or "<root>",

@@ -374,7 +374,8 @@ def checkpoint_segment(
     for b, p in zip(blocks, positions, strict=True):
         if is_wrapped(b) or segment_of(b) is not None:
             raise WrapError(f"block {children[p]!r} ({type(b).__name__}) is already "
-                            "checkpointed (wrapped or in a segment); undo that first")
+                            "checkpointed (wrapped or in a segment); undo that first (to checkpoint "
+                            "a block inside a segment, make the segment first, then wrap the block)")
     label = name or f"{type(parent).__name__}[{children[positions[0]]}..{children[positions[-1]]}]"
     return SegmentHandle(blocks, _policies.resolve(policy), check=check, name=label,
                          watch_buffers=watch_buffers)

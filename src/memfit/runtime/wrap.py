@@ -36,7 +36,7 @@ from memfit.errors import WrapError
 from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
 from memfit.runtime.divergence import CheckArg, CheckSampler
-from memfit.runtime.marks import WRAP_ATTR, is_wrapped, segment_mark, suspended
+from memfit.runtime.marks import WRAP_ATTR, is_wrapped, suspended
 from memfit.runtime.policies import PolicyArg
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
@@ -120,7 +120,9 @@ def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
         ``module``.
 
     Raises:
-        WrapError: the module is already wrapped or is part of a chain segment.
+        WrapError: the module is already wrapped. A block of a chain segment may be wrapped
+            (after the segment is made): it is then checkpointed inside the segment (NOTE
+            [nested segments] in ``memfit.planning.nesting``).
         TypeError, ValueError: a bad policy (see ``memfit.runtime.policies.resolve``).
 
     Example:
@@ -138,10 +140,6 @@ def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
             f"{label} is already wrapped (policy {module.__dict__[WRAP_ATTR].policy!r}); "
             "wrapping twice would checkpoint it twice. Call memfit.unwrap(module) first"
         )
-    segment = segment_mark(module)
-    if segment is not None:
-        raise WrapError(f"{label} is part of the chain segment {segment.name}; "
-                        "remove the segment first")
     resolved = _policies.resolve(policy)
     instance_forward = module.__dict__.get("forward")
     setattr(module, WRAP_ATTR, _WrapState(resolved, check, label, instance_forward,

@@ -2,7 +2,8 @@
 
 Two plan spaces, the same the other solvers search:
 - ``"chain"``: partitions of the main chain into kept blocks, checkpointed blocks with any save
-  set, and recompute-all segments of up to ``segment_cap(n)`` blocks (``solvers.chain``);
+  set, and recompute-all segments of up to ``segment_cap(n)`` blocks (``solvers.chain`` with
+  ``nested=False``: no nesting, NOTE [nested regions] and [nested segments]);
 - ``"regions"``: any set of disjoint candidates (modules and chain segments) with any save sets
   (``solvers.milp``).
 Plans are scored with the linear model (NOTE [linear model]) on all its points.

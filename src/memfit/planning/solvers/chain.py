@@ -9,7 +9,8 @@ NOTE [chain DP]
     loss, forward and backward), where every block's constant applies.
     A *choice* covers blocks ``k..j``: keep block ``k``; checkpoint it with a save set, or with
     one sub-module checkpointed inside it (NOTE [nested regions]); or checkpoint the segment
-    ``k..j`` (recompute-all). Its effect (NOTE [linear model]) is
+    ``k..j`` (recompute-all), alone or with each of its blocks checkpointed inside it (NOTE
+    [nested segments] in ``memfit.planning.nesting``). Its effect (NOTE [linear model]) is
     - local: on the forward zones ``k..j``, the backward zones ``j..k`` and its own replays;
     - a constant ``D`` (kept bytes, usually negative) on the zones of every later block and on
       the tail;
@@ -123,6 +124,9 @@ class ChainModel:
         self.cap = segment_cap(n) if cap is None else cap
         self.windows = windows  # NOTE [chain DP with offload]
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
+        # NOTE [nested segments]: not under compiled costs (each block of a segment is its own
+        # region under torch.compile: NOTE [segments under torch.compile])
+        compiled = ctx.profile.extra.get("costs") == "compiled"
         self._masks: dict[tuple[bytes, ...], np.ndarray] = {}  # knapsack save sets, by block
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
@@ -136,6 +140,8 @@ class ChainModel:
                 vec, base, D = self._eval(seg.base, seg, k, j)
                 M = int((base + vec).max())
                 self.choices_by_end[j].append(_Choice(k, j, seg, (), M, D, seg.time_s))
+                if nested and not compiled:
+                    self.choices_by_end[j].extend(self._blocks_nested_choice(k, j, seg))
         self.choices: list[_Choice] = [c for chs in self.choices_by_end for c in chs]
         self.starting_at: list[list[int]] = [[] for _ in range(n)]
         for q, c in enumerate(self.choices):
@@ -220,17 +226,44 @@ class ChainModel:
             nm = NestedModel(arrs, cand.model, [inner])
             if nm.last_point > hi:
                 continue
-            eff, replays = nm.effect()
-            live, before = eff.live(lo, hi), eff.before(lo, hi)
-            vec = [live[pos - lo]]
-            base = [arrs.base_live[pos]]
-            for r in replays:
-                vec.append(before[r.rp - lo] + dense(r.rs, r.re, r.rv, r.a, r.stop))
-                base.append(np.full(r.stop - r.a + 1, arrs.base_before[r.rp], dtype=np.int64))
-            M = int((np.concatenate(base) + np.concatenate(vec)).max())
+            M, live, before = self._nested_peak(nm, lo, hi, pos)
             D = self._later_constant(live, before, lo, k, cand)
             out.append(_Choice(k, k, cand, (), M, D, nm.time_s, inner=(inner.span.modules[0],)))
         return out
+
+    def _blocks_nested_choice(self, k: int, j: int, seg: Candidate) -> list[_Choice]:
+        """Blocks ``k..j`` as one segment with each block checkpointed inside it (NOTE [nested
+        segments] in ``memfit.planning.nesting``): none where a block is a merged one or the
+        nesting reaches block ``k - 1``'s recompute point."""
+        blocks = self.blocks[k: j + 1]
+        if any(len(b.modules) > 1 for b in blocks) or seg.model.rp is None:
+            return []
+        arrs = self.ctx.arrays
+        nm = NestedModel(arrs, seg.model, [b.model for b in blocks])
+        lo, hi = self.a[k], self.bwd_hi[k]
+        if nm.last_point > hi:
+            return []
+        M, live, before = self._nested_peak(nm, lo, hi, self._local_positions(k, j))
+        D = self._later_constant(live, before, lo, j, seg)
+        return [_Choice(k, j, seg, (), M, D, nm.time_s, inner=tuple(b.modules[0] for b in blocks))]
+
+    def _nested_peak(self, nm: NestedModel, lo: int, hi: int, pos: np.ndarray
+                     ) -> tuple[int, np.ndarray, np.ndarray]:
+        """A nesting's local peak over ``pos`` and its replays, and its live and before vectors
+        over ``lo..hi``. Replays sharing a recompute point run one after another, each on top of
+        what the earlier ones left (their ``second_bytes``), as ``simulate``'s timeline has them."""
+        arrs = self.ctx.arrays
+        eff, replays = nm.effect()
+        live, before = eff.live(lo, hi), eff.before(lo, hi)
+        vec = [live[pos - lo]]
+        base = [arrs.base_live[pos]]
+        left: dict[int, int] = {}
+        for r in sorted(replays, key=lambda r: (r.rp, r.depth)):
+            extra = left.get(r.rp, 0)
+            vec.append(before[r.rp - lo] + extra + dense(r.rs, r.re, r.rv, r.a, r.stop))
+            base.append(np.full(r.stop - r.a + 1, arrs.base_before[r.rp], dtype=np.int64))
+            left[r.rp] = extra + r.second_bytes
+        return int((np.concatenate(base) + np.concatenate(vec)).max()), live, before
 
     def _later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
         """The effect on the zones of blocks after ``j`` and the tail (constant on a chain, else

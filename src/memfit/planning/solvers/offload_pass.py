@@ -36,12 +36,12 @@ log = logging.getLogger(__name__)
 
 
 def _nests(r: Region, regions: tuple[Region, ...]) -> bool:
-    """Whether ``r`` holds or sits in another region (nested regions take no op decisions)."""
-    if r.is_segment:
-        return False
-    p = r.modules[0]
-    return any(o is not r and any(m.startswith(p + ".") or p.startswith(m + ".") or m == "" or p == ""
-                                  for m in o.modules) for o in regions)
+    """Whether ``r`` holds or sits in another region (nested regions take no op decisions; a
+    segment holds its blocks' own regions: NOTE [nested segments] in ``memfit.planning.nesting``)."""
+    def related(p: str, m: str) -> bool:
+        return p == m or m == "" or p == "" or m.startswith(p + ".") or p.startswith(m + ".")
+
+    return any(o is not r and any(related(p, m) for p in r.modules for m in o.modules) for o in regions)
 
 
 def _by_threshold(ctx: PlanningContext, regions: list[Region],
