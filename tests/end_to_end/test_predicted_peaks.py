@@ -152,6 +152,7 @@ def _plans(p, blocks: list[str], name: str = "") -> dict[str, Plan]:
         plans["segment_nested"] = hand([Region(seg), *(Region((i,)) for i in inner)])
         # NOTE [nested segments]: the segment's blocks checkpointed inside it
         plans["segment_blocks_nested"] = hand([Region(seg), *(Region((b,)) for b in seg)])
+        plans["segment_last_block_nested"] = hand([Region(seg), Region((seg[-1],))])
     return plans
 
 

@@ -257,3 +257,31 @@ def test_memfit_compile_runs_its_own_graph_beside_a_graph_broken_compile():
     finally:
         sys.setprofile(None)
     assert eager == []
+
+
+def test_decoder_layers_nested_in_a_segment_train_bitwise():
+    """NOTE [nested segments] on a Hugging Face decoder loop: a segment of three layers, each
+    checkpointed inside it (attention dropout on), trains as the plain model does."""
+    from memfit.runtime.apply import apply_plan, unapply
+
+    model = llama()
+    model.config.use_cache = False
+    layers = tuple(f"model.layers.{i}" for i in range(1, 4))
+    plan = memfit.Plan(regions=(memfit.Region(layers), *(memfit.Region((m,)) for m in layers)),
+                       predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None, solver="hand",
+                       profile_signature="")
+    apply_plan(model, plan)
+    calls = [0, 0]
+    for k, i in enumerate((2, 3)):
+        model.model.layers[i].self_attn.q_proj.register_forward_hook(
+            lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+    try:
+        trained = train(model)  # three steps
+    finally:
+        unapply(model)
+    # per step: forward, the segment's replay, the layer's own; the segment's replay ends at
+    # its last layer's call (NOTE [nested segments])
+    assert calls == [3 * 3, 3 * 2]
+    plain = llama()
+    plain.config.use_cache = False
+    assert_same_weights(trained, train(plain))

@@ -194,7 +194,8 @@ class NestedModel:
         bv = _cat(bv, np.full(len(stash), out.state_bytes, dtype=np.int64))
         replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws, bs), _cat(end[rep], ws, be),
                           _cat(out.nb[rep], out.workspace[ws], bv),
-                          int(out.nb[(self.start2 == rp_o) & (owner < 0)].sum()), 0)]
+                          # what it made and leaves (not what an inner replay makes after it)
+                          int(out.nb[(self.start2 == rp_o) & (owner < 0) & (out.c <= self.stop)].sum()), 0)]
         for q in useful:
             inner = self.inners[q]
             rs, re_, rv = inner.replay_pieces(np.zeros(inner.c.shape, dtype=bool))
