@@ -38,12 +38,14 @@ COMPILE_BUDGET = 0.5
 
 
 def _peer_case(s: Setup) -> Any:
-    """The case as ``benchmarks.peers`` takes it, its blocks those of memfit's every-block plan."""
+    """The case as ``benchmarks.peers`` takes it, its blocks the single-module regions of
+    memfit's every-block plan (torch's checkpoint wraps modules: a merged block such as a
+    ResNet stem with its in-place ReLU, NOTE [merged blocks], is not one of them)."""
     from benchmarks.models import Case
 
     r = s.runner
-    blocks = tuple(m for reg in memfit.plan(s.prof, budget="100%", solver="every_block").regions
-                   for m in reg.modules)
+    blocks = tuple(reg.modules[0] for reg in memfit.plan(s.prof, budget="100%", solver="every_block").regions
+                   if len(reg.modules) == 1)
     return Case(r.case.name, r.case.description, r.base, r.inputs, r.case.loss_fn, blocks, hf=r.case.hf)
 
 

@@ -86,3 +86,19 @@ def test_smallest_peak_nests_blocks_in_segments_bitwise_at_the_predicted_peak(pl
         assert torch.equal(a.grad, b.grad), n
     for (n, a), (_, b) in zip(model.named_buffers(), twin.named_buffers(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_fit_at_the_smallest_peak_verifies_bitwise():
+    """``fit(budget="min")`` to ``verify``: the plan with nested segments (the chain DP's, the
+    one ``"min"`` returns here) is the plain step bit for bit, within its budget."""
+    import memfit
+
+    model = small_resnet()
+    x = torch.randn(2, 3, 64, 64)
+    memfit.fit(model, x, budget="min")
+    plan = model.memfit_plan
+    assert any(r.is_segment and any(q.modules == (r.modules[0],) for q in plan.regions)
+               for r in plan.regions), [r.name for r in plan.regions]
+    report = memfit.verify(model, x)
+    assert report.ok and report.bitwise, str(report)
+    assert report.peak_bytes <= report.budget_bytes
