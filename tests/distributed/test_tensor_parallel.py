@@ -89,9 +89,12 @@ def test_megatron_mlp_blocks_recomputed_whole_at_every_block_peak(tmp_path: Path
             budget_bytes = row["report"]["budget_bytes"]
             assert row["report"]["predicted_peak_bytes"] <= budget_bytes
             assert row["peak"] <= 1.03 * budget_bytes + GLOO_HELD_BYTES, (budget, row["peaks"], budget_bytes)
-            # the all-reduce only feeds the residual add: torch's early stop never re-runs it
-            assert row["report"]["collectives"] == 0
-            assert row["backward_collectives"] == res["plain_backward_collectives"]
+            # the all-reduce only feeds the residual add: torch's early stop never re-runs it in
+            # a block's own replay; a segment's replay (at "min": its blocks nested in it, NOTE
+            # [nested segments]) re-runs the all-reduce of each of its blocks but the last
+            segments = [r for r in row["regions"] if len(r) > 1]
+            assert row["report"]["collectives"] == sum(len(r) - 1 for r in segments), (budget, row["regions"])
+            assert row["backward_collectives"] == res["plain_backward_collectives"] + row["report"]["collectives"]
         # whole blocks are regions now (before: only ln and fc, 81% of plain TP's peak)
         assert ["blocks.1"] in plans["min"]["regions"]
         assert plans["min"]["peak"] <= 1.05 * max(plans["every_block"]["peaks"]) + GLOO_HELD_BYTES
