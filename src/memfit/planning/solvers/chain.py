@@ -50,10 +50,10 @@ import numpy as np
 
 from memfit.planning.candidates import Candidate, Chain, PlanningContext, segment_cap
 from memfit.planning.chain_joins import joined_chain
-from memfit.planning.effects import Effect, dense
-from memfit.planning.nesting import NestedModel
+from memfit.planning.effects import Effect
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution, refuse_offload
+from memfit.planning.solvers.chain_nesting import nested_effect
 
 __all__ = ["solve", "ChainModel", "chain_model", "suffix_peaks", "ENUM_LIMIT"]
 
@@ -150,7 +150,7 @@ class ChainModel:
         self.last_capped = False  # whether the last run_dp capped its states (NOTE [state cap])
 
     # -- local evaluation ----------------------------------------------------------------------
-    def _local_positions(self, k: int, j: int) -> np.ndarray:
+    def local_positions(self, k: int, j: int) -> np.ndarray:
         return np.concatenate([np.arange(self.a[k], self.fwd_hi[j] + 1),
                                np.arange(self.rp[j], self.bwd_hi[k] + 1)])
 
@@ -160,16 +160,16 @@ class ChainModel:
         lo, hi = self.a[k], self.bwd_hi[k]
         live = eff.live(lo, hi)
         before = eff.before(lo, hi)
-        pos = self._local_positions(k, j)
+        pos = self.local_positions(k, j)
         nb = cand.stop - cand.a + 1
         vec = np.concatenate([live[pos - lo], before[cand.rp - lo] + eff.replay(cand.a, cand.stop)])
         base = np.concatenate([arrs.base_live[pos], np.full(nb, arrs.base_before[cand.rp], dtype=np.int64)])
-        return vec, base, self._later_constant(live, before, lo, j, cand)
+        return vec, base, self.later_constant(live, before, lo, j, cand)
 
     def _block_choices(self, k: int) -> list[_Choice]:
         arrs = self.ctx.arrays
         cand = self.blocks[k]
-        pos = self._local_positions(k, k)
+        pos = self.local_positions(k, k)
         out = [_Choice(k, k, None, (), int(arrs.base_live[pos].max()), 0, 0.0)]
         v0, base, d0 = self._eval(cand.base, cand, k, k)
         J = len(cand.choices)
@@ -211,61 +211,27 @@ class ChainModel:
 
     def _nested_choices(self, k: int) -> list[_Choice]:
         """Block ``k`` checkpointed with one of its sub-modules checkpointed inside it (NOTE
-        [nested regions]). The nesting changes memory past the block's recompute point, until
-        the inner replay, inside the block's backward zone; one reaching block ``k - 1``'s
-        recompute point is not offered."""
-        arrs = self.ctx.arrays
+        [nested regions]); none in a merged block (NOTE [merged blocks])."""
         cand = self.blocks[k]
-        hi = self.bwd_hi[k]
-        lo = self.a[k]
-        pos = self._local_positions(k, k)
-        out: list[_Choice] = []
-        if len(cand.modules) > 1:  # a merged block (NOTE [merged blocks]): no nesting inside
-            return out
+        if len(cand.modules) > 1:
+            return []
+        out = []
         for inner in self.ctx.inner_candidates(cand.modules[0]):
-            nm = NestedModel(arrs, cand.model, [inner])
-            if nm.last_point > hi:
-                continue
-            M, live, before = self._nested_peak(nm, lo, hi, pos)
-            D = self._later_constant(live, before, lo, k, cand)
-            out.append(_Choice(k, k, cand, (), M, D, nm.time_s, inner=(inner.span.modules[0],)))
+            r = nested_effect(self, cand.model, [inner], k, k, cand)
+            if r is not None:
+                out.append(_Choice(k, k, cand, (), *r, inner=(inner.span.modules[0],)))
         return out
 
     def _blocks_nested_choice(self, k: int, j: int, seg: Candidate) -> list[_Choice]:
         """Blocks ``k..j`` as one segment with each block checkpointed inside it (NOTE [nested
-        segments] in ``memfit.planning.nesting``): none where a block is a merged one or the
-        nesting reaches block ``k - 1``'s recompute point."""
+        segments] in ``memfit.planning.nesting``); none where a block is a merged one."""
         blocks = self.blocks[k: j + 1]
         if any(len(b.modules) > 1 for b in blocks) or seg.model.rp is None:
             return []
-        arrs = self.ctx.arrays
-        nm = NestedModel(arrs, seg.model, [b.model for b in blocks])
-        lo, hi = self.a[k], self.bwd_hi[k]
-        if nm.last_point > hi:
-            return []
-        M, live, before = self._nested_peak(nm, lo, hi, self._local_positions(k, j))
-        D = self._later_constant(live, before, lo, j, seg)
-        return [_Choice(k, j, seg, (), M, D, nm.time_s, inner=tuple(b.modules[0] for b in blocks))]
+        r = nested_effect(self, seg.model, [b.model for b in blocks], k, j, seg)
+        return [] if r is None else [_Choice(k, j, seg, (), *r, inner=tuple(b.modules[0] for b in blocks))]
 
-    def _nested_peak(self, nm: NestedModel, lo: int, hi: int, pos: np.ndarray
-                     ) -> tuple[int, np.ndarray, np.ndarray]:
-        """A nesting's local peak over ``pos`` and its replays, and its live and before vectors
-        over ``lo..hi``. Replays sharing a recompute point run one after another, each on top of
-        what the earlier ones left (their ``second_bytes``), as ``simulate``'s timeline has them."""
-        arrs = self.ctx.arrays
-        eff, replays = nm.effect()
-        live, before = eff.live(lo, hi), eff.before(lo, hi)
-        vec = [live[pos - lo]]
-        base = [arrs.base_live[pos]]
-        left: dict[int, int] = {}
-        for r in sorted(replays, key=lambda r: (r.rp, r.depth)):
-            extra = left.get(r.rp, 0)
-            vec.append(before[r.rp - lo] + extra + dense(r.rs, r.re, r.rv, r.a, r.stop))
-            base.append(np.full(r.stop - r.a + 1, arrs.base_before[r.rp], dtype=np.int64))
-            left[r.rp] = extra + r.second_bytes
-        return int((np.concatenate(base) + np.concatenate(vec)).max()), live, before
-
-    def _later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
+    def later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
         """The effect on the zones of blocks after ``j`` and the tail (constant on a chain, else
         its maximum there)."""
         if j < self.n - 1:
