@@ -32,7 +32,9 @@ NOTE [nested regions]
       ``O``'s frame is refilled, which with an inner region at the end of a block can be
       sooner; the profile records where autograd saved tensors (``OpRecord.packs``) but not
       into which frame (an inner region's saves go to its own), so the model keeps the
-      later, conservative stop.
+      later, conservative stop, except where an inner region holds every op from its start
+      to that stop: then the replay ends at that inner region's call (NOTE [nested
+      segments]).
 
     The memory this saves: while a block's backward runs the part after ``I`` (in reverse
     order: before it in forward), ``I``'s activations are not held; a GPT block's attention
@@ -45,7 +47,8 @@ NOTE [nested segments]
     forward to ``O``'s backward only the segment's input is held, where a region per block
     holds each block's input; ``O``'s replay makes the blocks' inputs again (each block's
     internals are transients of its checkpointed call) and each block's own replay its
-    activations. Chen et al.'s recursion, one level deep. The rules above apply, and two more:
+    activations. Chen et al.'s recursion, one level deep. The rules above apply, and two more
+    (both hold for any nesting; a segment's last block meets the first every time):
 
     - Torch ends ``O``'s replay once ``O``'s frame is refilled: with every op from ``I``'s
       first to ``O``'s stop inside ``I`` (the last block), ``I``'s call saves only its inputs
