@@ -138,6 +138,12 @@ def _tensor_version() -> None:
     assert T.tensor_version(t) == before + 2
 
 
+def _runs_batch_norm_forward() -> None:
+    assert T.runs_batch_norm_forward(nn.BatchNorm2d(3)) and T.runs_batch_norm_forward(nn.BatchNorm3d(3))
+    assert not T.runs_batch_norm_forward(nn.SyncBatchNorm(3))
+    assert not T.runs_batch_norm_forward(nn.LayerNorm(3))
+
+
 def _module_buffers() -> None:
     bn = nn.BatchNorm1d(3)
     slots = T.module_buffers(bn)
@@ -647,6 +653,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "is_view_tensor": _is_view_tensor,
     "module_parameters": _module_parameters,
     "module_buffers": _module_buffers,
+    "runs_batch_norm_forward": _runs_batch_norm_forward,
     "forward_pre_hooks": _forward_pre_hooks,
     "forward_pre_hook_takes_kwargs": _forward_pre_hook_takes_kwargs,
     "remove_forward_pre_hook": _remove_forward_pre_hook,

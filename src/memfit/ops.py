@@ -130,8 +130,11 @@ def _torch_tables() -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     if name in ("STATISTICS_UPDATES", "IGNORED_OPS", "IGNORED_OP_NAMES"):
-        globals().update(_torch_tables())
-        return globals()[name]
+        found = globals().get(name)
+        if found is None:  # built once: the runtime asks per op
+            globals().update(_torch_tables())
+            found = globals()[name]
+        return found
     raise AttributeError(f"module 'memfit.ops' has no attribute {name!r}")
 
 

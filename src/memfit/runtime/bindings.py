@@ -116,7 +116,9 @@ class ForwardTensors:
 
 
 # a module's own state, not attributes its forward sets (NOTE [the forward's tensors], rule 6)
-_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+# and the attributes every nn.Module is made with (its hook tables and flags: no tensors)
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                           *vars(nn.Module())})
 
 
 def _tensor_attributes(modules: Iterable[nn.Module]) -> list[tuple[dict, str, Any, Any]]:

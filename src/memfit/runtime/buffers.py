@@ -57,6 +57,10 @@ NOTE [buffers written in forward]
        is no op of the region) and a copy is kept only if the buffer's version or value
        changed by the end of the forward.
 
+    7. A wrapped region found to write only its batch norms' statistics runs its unchecked
+       calls without the watcher and with the skipper inside the norms only (NOTE [batch
+       norms without the watcher] in ``memfit.runtime.norm_statistics``).
+
     Consequence: the recomputation reads exactly what the forward read, and after backward
     every buffer is what the plain step leaves (bitwise), however often backward recomputes
     the region (``retain_graph``). Memory: one copy of each written buffer while the region's
@@ -95,6 +99,12 @@ from memfit.ops import (
     updates_statistics,
     without_statistics,
     writes_input,
+)
+from memfit.runtime.norm_statistics import (
+    NormCounts,
+    StatisticsFinding,
+    UnwatchedNorms,
+    training_norms,
 )
 
 __all__ = ["BufferGuard"]
@@ -201,9 +211,16 @@ class BufferGuard:
     recomputation their pre-forward values or skips their updates (NOTE [buffers written in
     forward])."""
 
-    def __init__(self, modules: Iterable[nn.Module] = (), *, watch: bool | None = None) -> None:
+    def __init__(self, modules: Iterable[nn.Module] = (), *, watch: bool | None = None,
+                 finding: StatisticsFinding | None = None, watched: bool = True) -> None:
+        """``finding``: the region's rule-7 record (None: every call as rules 1-6);
+        ``watched``: whether this call must watch (a checked call), which renews it."""
         self._known = tuple(modules)
         self._watch_writes = watch  # rule 6; None: decide from the modules' buffers
+        self._finding = finding
+        self._may_skip_watch = finding is not None and not watched and finding.statistics_only
+        self._norms: UnwatchedNorms | None = None  # rule 7: this call runs unwatched
+        self._counts: NormCounts | None = None  # rule 7: a watched call's, for the finding
         self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
         self._seen: set[int] = set()
@@ -232,7 +249,11 @@ class BufferGuard:
                 self._by_storage.setdefault(key, []).append(buf)
 
     def _pre_hook(self, module: nn.Module, args: object) -> None:
-        if (self._watch is None and self._watch_writes is None  # rule 6: copy on call
+        if self._counts is not None:  # rule 7
+            self._counts.called(module)
+        if self._norms is not None:  # rule 7: the watcher's copies
+            self._norms.copy_on_call(module)
+        if (self._watch is None and (self._watch_writes is None or self._norms is not None)  # rule 6
                 and id(module) not in self._seen):
             with no_python_dispatch(), torch.no_grad():
                 for _, buf in module.named_buffers(recurse=False):
@@ -259,6 +280,8 @@ class BufferGuard:
             self._together.append(updated)  # skipped in the replay only all together
         elif not update:
             self._read.update(updated)
+        if update and self._counts is not None:  # rule 7
+            self._counts.updated(updated)
         for t in _tensors(args, kwargs):
             if not any(t is w for w in written):
                 self._read.update(id(buf) for buf in self._buffers_of(t))
@@ -271,6 +294,14 @@ class BufferGuard:
         watch = self._watch_writes
         if watch is None:
             watch = bool(self._by_storage) or not self._known
+        if watch and self._finding is not None:  # rule 7
+            norms = training_norms(self._known)
+            if norms is not None and self._may_skip_watch:
+                self._norms = UnwatchedNorms(norms, self._known)
+                self._unread = self._norms.unread(_storage_key)
+                return
+            if norms is not None:
+                self._counts = NormCounts(norms, self._known)
         if watch:  # rule 6
             self._watch = _Watch(self)
             self._watch.__enter__()
@@ -300,6 +331,11 @@ class BufferGuard:
                                                  or not torch.equal(buf, before)):
                     self._pre[id(buf)] = (buf, before)
         self._on_call = []
+        if self._norms is not None:
+            self._norms.forward_end()
+        if self._finding is not None and self._counts is not None:  # rule 7: renewed
+            self._finding.statistics_only = (not self._pre and not self._replaced
+                                             and self._counts.statistics_only(self._unread, _storage_key))
         self._named, self._by_storage, self._seen = [], {}, set()
         self._read, self._together = set(), []
 
@@ -319,13 +355,18 @@ class BufferGuard:
                 _copy_into(buf, before)
         for module, name, old in self._replaced:
             module_buffers(module)[name] = old
-        if self._unread:
+        if self._norms is not None and self._norms.scoped:  # rule 7: inside the norms only
+            unread = self._unread
+            self._norms.replay_enter(lambda: _SkipUpdates(unread))
+        elif self._unread:
             skip = _SkipUpdates(self._unread)
             skip.__enter__()
             self._skips.append(skip)
 
     def recompute_exit(self) -> None:
-        if self._unread:
+        if self._norms is not None and self._norms.scoped:
+            self._norms.replay_exit()
+        elif self._unread:
             self._skips.pop().__exit__(None, None, None)
         now, replaced = self._now.pop()
         with torch.no_grad():

@@ -45,6 +45,7 @@ from memfit.runtime.checkpoint_compiled import compiled_region
 from memfit.runtime.divergence import CheckArg, CheckSampler, OpChecker, OpRecorder, resolve_check
 from memfit.runtime.draws import DrawKeeper
 from memfit.runtime.generators import GeneratorReplay
+from memfit.runtime.norm_statistics import StatisticsFinding
 from memfit.runtime.offload import pool_of, selective_contexts
 from memfit.runtime.policies import PolicyArg
 from memfit.runtime.region_policy import OutputTap, RegionPolicy
@@ -136,6 +137,7 @@ class RegionContexts:
         count_ops: bool = False,
         watch_buffers: bool | None = None,
         user_contexts: Callable[[], tuple[Any, Any]] | None = None,
+        statistics: StatisticsFinding | None = None,
     ) -> None:
         self.policy = policy
         self.user_contexts = user_contexts  # the caller's own context_fn (torch's argument)
@@ -146,7 +148,8 @@ class RegionContexts:
         self.watch_generators = sampler is None or sampler.watches_generators(self.check)
         self.generators = GeneratorReplay(
             name, on_seen=None if sampler is None else sampler.saw_generator)
-        self.guard = BufferGuard(modules, watch=watch_buffers)
+        self.guard = BufferGuard(modules, watch=watch_buffers, finding=statistics,
+                                 watched=self.check is not None)
         self.tensors = ForwardTensors(modules) if modules else None
         self.recorder: OpRecorder | None = None
         if self.check is not None or count_ops:
@@ -333,8 +336,10 @@ def run_region(
     modules: Sequence[nn.Module] = (),
     watch_buffers: bool | None = None,
     user_contexts: Callable[[], tuple[Any, Any]] | None = None,
+    statistics: StatisticsFinding | None = None,
 ) -> Any:
-    """Checkpoint one call; the policy is already resolved (used by ``wrap``)."""
+    """Checkpoint one call; the policy is already resolved (used by ``wrap``, which passes its
+    region's ``statistics``: NOTE [buffers written in forward], rule 7)."""
     if not torch.is_grad_enabled():
         kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
         return fn(*args, **kwargs)
@@ -344,7 +349,8 @@ def run_region(
                              "pass a policy= instead")
         return compiled_region(fn, args, kwargs, policy)
     contexts = RegionContexts(policy, check=check, name=name, modules=modules,
-                              watch_buffers=watch_buffers, user_contexts=user_contexts)
+                              watch_buffers=watch_buffers, user_contexts=user_contexts,
+                              statistics=statistics)
     try:
         out = torch.utils.checkpoint.checkpoint(
             fn, *args, use_reentrant=False, context_fn=contexts, **checkpoint_options(kwargs)

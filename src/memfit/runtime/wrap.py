@@ -37,6 +37,7 @@ from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
 from memfit.runtime.divergence import CheckArg, CheckSampler
 from memfit.runtime.marks import WRAP_ATTR, is_wrapped, suspended
+from memfit.runtime.norm_statistics import StatisticsFinding
 from memfit.runtime.policies import PolicyArg
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
@@ -50,6 +51,8 @@ class _WrapState:
         self.policy = policy
         self.watch_buffers = watch_buffers
         self.check = CheckSampler(check)  # one call counter per wrapped module
+        # NOTE [buffers written in forward], rule 7: what its watched calls found
+        self.statistics = StatisticsFinding()
         self.name = name
         self.instance_forward = instance_forward  # None: the class's forward
 
@@ -86,7 +89,8 @@ class _CheckpointedForward:
         if suspended() or not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
             return inner(*args, **kwargs)
         return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
-                          name=state.name, modules=(module,), watch_buffers=state.watch_buffers)
+                          name=state.name, modules=(module,), watch_buffers=state.watch_buffers,
+                          statistics=state.statistics)
 
 
 class _WrappedName:

@@ -86,6 +86,7 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             if st.peak(chosen) > budget_bytes:
                 st.apply(eff, c, -1)
                 chosen[key].pop()
+        _drop_unpaid_saves(st, c, chosen, key, budget_bytes)
     # drop regions no longer needed
     for key in sorted(chosen, key=lambda k: -byid[k].time_s):
         c = byid[key]
@@ -103,3 +104,21 @@ def solve(ctx: PlanningContext, budget_bytes: int, *, time_limit_s: float = 10.0
             for k, ops in chosen.items())
     return Solution(regions, st.peak(chosen), float(t), "greedy",
                     (f"greedy: {len(cands)} candidates, {len(chosen)} chosen (heuristic, not optimal)",))
+
+
+def _drop_unpaid_saves(st: _State, c: Candidate, chosen: dict[int, list[int]], key: int,
+                       budget_bytes: int) -> None:
+    """Unsave every op of ``c`` when together they save less rerun time than the region's
+    selective charge (NOTE [dispatch overhead]) and the plan fits without them: a region whose
+    only saves are free to rerun (a batch norm's empty reserve) would otherwise run torch's
+    selective modes for nothing."""
+    ops = chosen[key]
+    if not ops or -sum(c.choices[j].effect.time_s for j in ops) >= c.selective_s:
+        return
+    for j in ops:
+        st.apply(c.choices[j].effect, c, -1)
+    chosen[key] = []
+    if st.peak(chosen) > budget_bytes:
+        for j in ops:
+            st.apply(c.choices[j].effect, c, +1)
+        chosen[key] = ops
