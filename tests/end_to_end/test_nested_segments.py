@@ -102,3 +102,27 @@ def test_fit_at_the_smallest_peak_verifies_bitwise():
     report = memfit.verify(model, x)
     assert report.ok and report.bitwise, str(report)
     assert report.peak_bytes <= report.budget_bytes
+
+
+def test_steps_after_the_checked_calls_stay_bitwise_at_the_same_peak(planned):
+    """Calls after the divergence check's first ones run the blocks' batch norms without the
+    buffer watcher (NOTE [batch norms without the watcher]); nested in segments, over five
+    steps, the gradients and every statistic stay the plain step's, and the memory of a step
+    after them is the first step's."""
+    model, x, _, plan = planned
+    planned_model, twin, metered = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    apply_plan(planned_model, plan)
+    for step in range(5):
+        for m in (planned_model, twin):
+            for p in m.parameters():
+                p.grad = None
+            m(x).sum().backward()
+        for (n, a), (_, b) in zip(planned_model.named_parameters(), twin.named_parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (step, n)
+        for (n, a), (_, b) in zip(planned_model.named_buffers(), twin.named_buffers(), strict=True):
+            assert torch.equal(a, b), (step, n)
+    apply_plan(metered, plan)
+    first = _measured_peaks(metered, x)
+    for _ in range(3):
+        metered(x).sum().backward()
+    assert _measured_peaks(metered, x) == first
