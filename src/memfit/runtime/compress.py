@@ -65,7 +65,7 @@ from memfit.runtime.bn_rebuild import (
     norm_taken,
     relu_out_of_place,
 )
-from memfit.runtime.codecs import Codec, Exactness, Packed, codec
+from memfit.runtime.codecs import Codec, Exactness, Packed, codec, prepare_bits
 
 __all__ = ["Compressor", "SIGN_READERS"]
 
@@ -196,6 +196,7 @@ class Compressor:
         # pickles] in memfit.job.shape_plans)
         handles = [model.register_forward_pre_hook(_Begin(self)),
                    model.register_forward_hook(_End(self), always_call=True)]
+        prepare_bits({t.device for t in (*model.parameters(), *model.buffers())} | {torch.device("cpu")})
         modules = [(path, ops, False) for path, ops in self.by_module.items()]
         modules += [(path, calls, True) for path, calls in self.calls_by_module.items()]
         for path, ops, shape in modules:
