@@ -76,3 +76,56 @@ def test_two_threads_bitwise_equal_to_plain(plan):
                          text=True, timeout=300)
     assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
     assert run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]
+
+
+NORM_SCRIPT = textwrap.dedent('''
+    import sys, threading
+    import torch
+    from torch import nn
+    from memfit.planning.plan import Plan, Region
+    from memfit.runtime.apply import apply_plan
+
+    N_THREADS, N_STEPS = 2, 8
+    sys.setswitchinterval(1e-5)
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh()) for _ in range(3)]
+    model = nn.Sequential(*blocks).train()
+    apply_plan(model, Plan(regions=tuple(Region((str(i),)) for i in range(3)),
+                           predicted_peak_bytes=0, recompute_s=0.0, budget_bytes=None,
+                           solver="test", profile_signature=""), check=False)
+    barrier = threading.Barrier(N_THREADS)
+    problems = []
+
+    def work(k):
+        try:
+            barrier.wait()
+            for s in range(N_STEPS):
+                x = torch.randn(8, 16)
+                torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+        except BaseException as e:
+            problems.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts = [int(b[1].num_batches_tracked) for b in model]
+    if counts != [N_THREADS * N_STEPS] * 3:
+        problems.append(f"statistics updated {counts} times, not {N_THREADS * N_STEPS} each")
+    if any("forward" in b[1].__dict__ for b in model):
+        problems.append("a norm's forward is still replaced")
+    print("\\n".join(problems) or "ok")
+''')
+
+
+@pytest.mark.processes
+def test_two_threads_replaying_batch_norms_update_every_statistic():
+    """NOTE [a norm's forward in a replay]: one thread's replay skips the statistics' updates
+    inside the norms, another thread's forward of the same norms makes them."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", NORM_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
+    assert run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]

@@ -33,7 +33,9 @@ NOTE [buffers written in forward]
        forward to backward. BatchNorm's three buffers are unread.
     3. Buffers are matched by storage: those of the modules the region is known to run (all
        their submodules included, parametrizations too) and of every module called inside
-       the region while its forward runs (a global forward pre-hook, installed only then).
+       the region while its forward runs (a global forward pre-hook, installed only then,
+       that ignores other threads' calls: a shared model's other forwards are not this
+       region's).
     4. A buffer replaced during the forward (``self.ema = self.ema * 0.9 + ...``, not in
        place) is found by identity at the end of the forward; the old tensor is kept.
     5. Any other written buffer (a counter read after its increment, spectral norm's
@@ -79,6 +81,7 @@ NOTE [buffers written in forward]
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -221,6 +224,7 @@ class BufferGuard:
         self._may_skip_watch = finding is not None and not watched and finding.statistics_only
         self._norms: UnwatchedNorms | None = None  # rule 7: this call runs unwatched
         self._counts: NormCounts | None = None  # rule 7: a watched call's, for the finding
+        self._thread = 0  # the forward's thread (rule 3's hook is global)
         self._by_storage: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._named: list[tuple[nn.Module, str, torch.Tensor]] = []  # buffers as first seen
         self._seen: set[int] = set()
@@ -249,12 +253,14 @@ class BufferGuard:
                 self._by_storage.setdefault(key, []).append(buf)
 
     def _pre_hook(self, module: nn.Module, args: object) -> None:
+        if threading.get_ident() != self._thread:  # the hook is global: another thread's call
+            return
         if self._counts is not None:  # rule 7
             self._counts.called(module)
         if self._norms is not None:  # rule 7: the watcher's copies
             self._norms.copy_on_call(module)
-        if (self._watch is None and (self._watch_writes is None or self._norms is not None)  # rule 6
-                and id(module) not in self._seen):
+        if (self._watch is None and self._watch_writes is None  # rule 6: copy on call
+                and self._norms is None and id(module) not in self._seen):
             with no_python_dispatch(), torch.no_grad():
                 for _, buf in module.named_buffers(recurse=False):
                     if buf is not None and _storage_key(buf) is not None:
@@ -287,6 +293,7 @@ class BufferGuard:
                 self._read.update(id(buf) for buf in self._buffers_of(t))
 
     def forward_enter(self) -> None:
+        self._thread = threading.get_ident()
         for root in self._known:
             for m in root.modules():
                 self._see(m)

@@ -23,14 +23,17 @@ NOTE [batch norms without the watcher]
        the step's memory is the memory model's (NOTE [buffer copies] in
        ``memfit.planning.buffer_copies``).
     3. Its replay runs rule 2's update skipper inside the norms' forwards only (their
-       ``forward`` replaced while the replay runs; the ``with`` leaves the mode when torch
-       stops the replay inside a norm). A region that is a norm itself replays by its
+       ``forward`` replaced while the replay runs, skipping in the replaying thread only:
+       NOTE [a norm's forward in a replay]; the ``with`` leaves the mode when torch stops
+       the replay inside a norm). A region that is a norm itself replays by its
        class's forward: the whole replay, the norm's own ops, runs under the skipper then.
-    4. A module outside the region's subtree that the forward calls is copied on call (rule
-       6). Where a batch norm is in eval mode or another buffer is written, every call is
+    4. Where a batch norm is in eval mode or another buffer is written, every call is
        watched. As with the divergence check's sampling, a region that starts reading a
-       statistic after its finding (a flag flipped mid-training) is seen at its next checked
-       call: until then its replays read the statistics as the forward left them.
+       statistic, or writing another buffer (a shared module's, outside its subtree), after
+       its finding (a flag flipped mid-training) is seen at its next checked call: until then
+       its replays read those buffers as the forward left them. (Rule 6's copies on call are
+       not made: their forward pre-hook is global, and another thread's forward of a shared
+       model would have its updates put back by this region's replay.)
 
     Measured on the benchmark UNet3D (base 8, 56^3, batch 2, its 7 blocks checkpointed, 40
     paired steps): memfit's CPU time over torch's every-block checkpoint 1.054 -> 1.028.
@@ -38,6 +41,7 @@ NOTE [batch norms without the watcher]
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -125,7 +129,6 @@ class UnwatchedNorms:
         self.scoped = not any(id(m) in root_ids for m in norms)
         self._uncopied = {id(m) for m in norms}
         self._copies: list[torch.Tensor | None] = []
-        self._patched: list[list[tuple[nn.Module, Any]]] = []
         for m in norms:  # a root was called before the guard's pre-hook was installed
             if id(m) in root_ids:
                 self.copy_on_call(m)
@@ -151,26 +154,65 @@ class UnwatchedNorms:
             copies[i] = None
 
     def replay_enter(self, skipper: Callable[[], Any]) -> None:
-        """Run each norm's forward under a fresh ``skipper()`` mode until ``replay_exit``."""
-        self._patched.append([(m, _skip_in_forward(m, skipper)) for m in self.norms])
+        """Run each norm's forward under a fresh ``skipper()`` mode, in this thread, until
+        ``replay_exit``."""
+        for m in self.norms:
+            _skipping(m).append(skipper)
 
     def replay_exit(self) -> None:
-        for m, before in self._patched.pop():
-            if before is None:
-                del m.__dict__["forward"]
+        for m in self.norms:
+            _unskipping(m)
+
+
+# NOTE [a norm's forward in a replay] rule 3 replaces a norm's ``forward`` while a replay runs,
+# and a model may be shared by threads (NOTE [segments and threads] in memfit.runtime.segment):
+# the replacement is installed by the first replay that needs it in any thread and removed by
+# the last, and skips only in the threads whose replay asked (a thread-local stack per norm),
+# so that another thread's forward of the same norm updates its statistics as usual.
+_LOCK = threading.Lock()
+_INSTALLED: dict[int, list[Any]] = {}  # id(norm) -> [its instance forward before (None: none), users]
+_LOCAL = threading.local()
+
+
+def _stacks() -> dict[int, list[Callable[[], Any]]]:
+    stacks = getattr(_LOCAL, "stacks", None)
+    if stacks is None:
+        stacks = _LOCAL.stacks = {}
+    return stacks
+
+
+def _skipping(module: nn.Module) -> list[Callable[[], Any]]:
+    """This thread's skipper stack for ``module``, its forward replaced if not already."""
+    with _LOCK:
+        entry = _INSTALLED.get(id(module))
+        if entry is None:
+            before = module.__dict__.get("forward")
+            forward = module.forward
+            key = id(module)
+
+            def skipping(*args: Any, **kwargs: Any) -> Any:
+                stack = _stacks().get(key)
+                if not stack:
+                    return forward(*args, **kwargs)
+                with stack[-1]():
+                    return forward(*args, **kwargs)
+
+            module.__dict__["forward"] = skipping
+            entry = _INSTALLED[id(module)] = [before, 0]
+        entry[1] += 1
+    return _stacks().setdefault(id(module), [])
+
+
+def _unskipping(module: nn.Module) -> None:
+    stack = _stacks().get(id(module))
+    if stack:
+        stack.pop()
+    with _LOCK:
+        entry = _INSTALLED[id(module)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _INSTALLED[id(module)]
+            if entry[0] is None:
+                del module.__dict__["forward"]
             else:
-                m.__dict__["forward"] = before
-
-
-def _skip_in_forward(module: nn.Module, skipper: Callable[[], Any]) -> Any:
-    """Replace ``module``'s ``forward`` by one that runs it under ``skipper()``; return the
-    instance attribute it replaced (None: none)."""
-    before = module.__dict__.get("forward")
-    forward = module.forward
-
-    def skipping(*args: Any, **kwargs: Any) -> Any:
-        with skipper():
-            return forward(*args, **kwargs)
-
-    module.__dict__["forward"] = skipping
-    return before
+                module.__dict__["forward"] = entry[0]
