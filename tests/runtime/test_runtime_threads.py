@@ -70,9 +70,14 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.processes
 @pytest.mark.parametrize("plan", ["segment", "segment_selective", "blocks"])
 def test_two_threads_bitwise_equal_to_plain(plan):
+    _assert_script_ok(SCRIPT, plan)
+
+
+def _assert_script_ok(script: str, *args: str) -> None:
+    """Run ``script`` in a fresh Python: it must exit 0 and print ``ok``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-c", SCRIPT, plan], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
     assert run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]
@@ -123,9 +128,4 @@ NORM_SCRIPT = textwrap.dedent('''
 def test_two_threads_replaying_batch_norms_update_every_statistic():
     """NOTE [a norm's forward in a replay]: one thread's replay skips the statistics' updates
     inside the norms, another thread's forward of the same norms makes them."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-c", NORM_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}"
-    assert run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]
+    _assert_script_ok(NORM_SCRIPT)
