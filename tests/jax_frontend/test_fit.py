@@ -2,10 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from memfit.errors import InfeasibleBudget
 from memfit.jax.fit import PlannedStep, fit, plain_step
+from memfit.jax.measured import MIN_SLACK
 from memfit.jax.verify import compare
 
 from .models_tiny import MODELS
@@ -47,8 +49,8 @@ def test_planned_step_gradients_match_plain(model, budget):
         # of the exact plans (NOTE [JAX plans verified on the batch]): no higher than the
         # model's least-peak plan unless that one changes the result (the tiny GPT's: its
         # first block whole, 1.5e-8 on a LayerNorm scale, at 126,724 B against 170,612 B)
-        if bare.verify(params, batch).bitwise:
-            assert step.xla_peak_bytes <= _xla_peak(bare.lower(params, batch))
+        if bare.verify(params, batch).bitwise:  # within MIN_SLACK of it, the least FLOPs
+            assert step.xla_peak_bytes <= _xla_peak(bare.lower(params, batch)) * (1 + MIN_SLACK)
     _assert_exact(step(params, batch), ref, name)
 
 
@@ -161,3 +163,112 @@ def test_rounds_spend_the_budget_xla_leaves_and_never_pass_it(model):
     if before <= bare.plan.budget_bytes:  # the plain plan fitted: rounds only trade up
         assert before <= step.xla_peak_bytes
         assert step.plan.recompute_s <= bare.plan.recompute_s
+
+
+def test_nested_policy_plans_cut_each_stage_after_its_convolutions():
+    """NOTE [budgets checked against XLA]: beside JAX's policies, every child scope with its
+    parts nested inside it; the parts are its chain's blocks, or its sub-modules cut after
+    each that runs a convolution (the ReLU between two blocks is the stage's own code, in the
+    segment ``bn0..conv1``). No compile: the plans as memfit simulates them."""
+    from memfit.jax.measured import NESTED, NESTED_AT_DOTS, policy_plans
+    from memfit.jax.profiler import profile_program
+    from memfit.jax.program import trace_program
+    from memfit.planning.simulate import simulate
+
+    loss_fn, params, batch, aux = MODELS["conv3d"]()
+    prof = profile_program(trace_program(loss_fn, params, batch), has_aux=aux)
+    plans = {p.solver: p for p in policy_plans(prof, 0)}
+    s = "ConvNet3D.stage_1"
+    at_dots = [r.name for r in plans[NESTED_AT_DOTS].regions if r.name.startswith(s)]
+    assert at_dots == [s, f"{s}.conv0", f"{s}.bn0..{s}.conv1", f"{s}.bn1"]
+    by_chain = [r.name for r in plans[NESTED].regions if r.name.startswith(s)]
+    assert by_chain == [s, f"{s}.conv0..{s}.bn0", f"{s}.conv1..{s}.bn1"]
+    flat = plans["nothing_saveable"]
+    for p in (plans[NESTED], plans[NESTED_AT_DOTS]):
+        sim = simulate(prof, p)
+        assert sim.peak_bytes == p.predicted_peak_bytes < flat.predicted_peak_bytes
+        assert len(sim.recompute_points) == len(p.regions)
+
+
+@pytest.mark.slow  # the benchmark's conv net: about 30 s
+def test_parts_lower_the_benchmark_conv_nets_peak_and_its_recompute():
+    """NOTE [segments nested in a block] on ``memfit.jax.models.conv3d()``, against
+    ``nothing_saveable`` on every stage (4,563,580 B, 1.529 GFLOPs; what ``fit`` returned at
+    0.5 and at "min" before): at "min" a stage with its parts nested, a lower XLA peak at
+    fewer FLOPs (measured 3,515,068 B, 1.478 GFLOPs; every stage nested at its dots 3,515,580
+    B at 1.529); at 0.5 the chain DP's plan with parts, fewer FLOPs within the budget
+    (4,039,364 B, 1.300 GFLOPs). Both bitwise."""
+    from memfit.jax.measured import NESTED_AT_DOTS, policy_plans, xla_report
+    from memfit.jax.models import conv3d
+    from memfit.jax.profiler import profile_program
+    from memfit.jax.program import trace_program
+
+    loss_fn, params, batch, aux = conv3d()
+    program = trace_program(loss_fn, params, batch)
+    prof = profile_program(program, has_aux=aux)
+    every_stage = next(p for p in policy_plans(prof, 0) if p.solver == "nothing_saveable")
+    flat = PlannedStep(program, every_stage, prof, has_aux=aux, keep_barriers=True, loss_fn=loss_fn)
+    flat_peak, flat_flops = xla_report(flat.lower(params, batch))
+    ref = plain_step(loss_fn, has_aux=aux)(params, batch)
+
+    least = fit(loss_fn, params, batch, budget="min", has_aux=aux, time_limit_s=5.0)
+    assert least.xla_peak_bytes == _xla_peak(least.lower(params, batch)) < flat_peak
+    assert least.xla_flops < flat_flops
+    assert any(r.is_segment and least.plan.outer_of(r) is not None for r in least.plan.regions)
+    at_dots = next(p for p in policy_plans(prof, 0) if p.solver == NESTED_AT_DOTS)
+    nested = PlannedStep(program, at_dots, prof, has_aux=aux, keep_barriers=True, loss_fn=loss_fn)
+    peak, flops = xla_report(nested.lower(params, batch))
+    # every stage nested at its dots: measured 3,515,580 B and 256 FLOPs more than flat's
+    assert peak < flat_peak and flops <= flat_flops * (1 + 1e-6)
+    assert least.xla_peak_bytes <= peak * (1 + MIN_SLACK) and least.xla_flops <= flops
+    _assert_exact(least(params, batch), ref, "conv3d min")
+
+    half = fit(loss_fn, params, batch, budget=0.5, has_aux=aux, time_limit_s=5.0)
+    assert half.xla_peak_bytes <= half.plan.budget_bytes < flat_peak * 1.05
+    assert half.xla_flops < flat_flops
+    assert any(r.is_segment for r in half.plan.regions)  # a part: bn0..conv1 with the ReLU
+    _assert_exact(half(params, batch), ref, "conv3d 0.5")
+
+
+def test_the_chain_dp_nests_parts_where_regions_are_op_runs():
+    """NOTE [segments nested in a block]: on a JAX profile (``OP_RUNS``) a stage may be
+    checkpointed with its parts inside it, the parts its chain's blocks or its sub-modules cut
+    after each convolution; the chain DP's least peak falls below the one without, and
+    ``simulate`` predicts the DP's plan exactly. Without ``OP_RUNS`` (a torch profile) no
+    partition is offered."""
+    import dataclasses
+
+    from memfit.jax.profiler import profile_program
+    from memfit.jax.program import trace_program
+    from memfit.planning.candidates import PlanningContext
+    from memfit.planning.nesting import OP_RUNS
+    from memfit.planning.plan import Plan
+    from memfit.planning.simulate import simulate
+    from memfit.planning.solvers import chain
+
+    loss_fn, params, batch, aux = MODELS["conv3d"]()
+    prof = profile_program(trace_program(loss_fn, params, batch), has_aux=aux)
+    s = "ConvNet3D.stage_1"
+    ctx = PlanningContext(prof)
+    parts = [[rm.span.modules for rm in p] for p in ctx.part_partitions(s)]
+    assert parts == [[(f"{s}.conv0", f"{s}.bn0"), (f"{s}.conv1", f"{s}.bn1")],
+                     [(f"{s}.bn0", f"{s}.conv1"), (f"{s}.bn1",)]]  # conv0 alone drops nothing
+    torch_like = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != OP_RUNS})
+    assert PlanningContext(torch_like).part_partitions(s) == []
+    lo = chain.min_peak(ctx)
+    assert lo < chain.min_peak(PlanningContext(torch_like))
+    sol = chain.solve(ctx, lo)
+    plan = Plan(sol.regions, 0, 0.0, None, "chain", "")
+    assert simulate(prof, plan).peak_bytes == sol.predicted_peak_bytes == lo
+    assert any(r.is_segment and plan.outer_of(r) is not None for r in plan.regions)
+    # between that peak and the plain one: every plan's peak is simulate's; some keep a
+    # stage and checkpoint its parts alone
+    alone = False
+    for budget in np.linspace(lo, prof.peak_bytes, 7).astype(int)[1:-1]:
+        sol = chain.solve(ctx, int(budget))
+        plan = Plan(sol.regions, 0, 0.0, None, "chain", "")
+        assert simulate(prof, plan).peak_bytes == sol.predicted_peak_bytes <= budget
+        names = {r.name for r in plan.regions}
+        alone |= any(r.is_segment and plan.outer_of(r) is None and r.modules[0].rsplit(".", 1)[0] not in names
+                     for r in plan.regions)
+    assert alone

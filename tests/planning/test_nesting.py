@@ -55,6 +55,9 @@ def test_planner_reaches_the_nested_floor():
     ((Region(("layers.0",)), Region.saving(("layers.0.attn",), ("aten.mm.default#0",))), "must save no ops"),
     ((Region(("layers.0", "layers.1")), Region(("layers.1", "layers.2"))), "overlap or nest"),
     ((Region(("layers.0.attn",)), Region(("layers.0.mlp",)), Region(("layers.0", "layers.1"))), None),
+    # NOTE [segments nested in a block]: a segment of a block's sub-modules inside the block
+    ((Region(("layers.0",)), Region(("layers.0.ln1", "layers.0.attn"))), None),
+    ((Region(("layers.0", "layers.1")), Region(("layers.0.ln1", "layers.0.attn"))), "overlap or nest"),
 ])
 def test_nesting_rules(regions, message):
     prof = gpt_like(3)
@@ -74,6 +77,21 @@ def test_inner_replays_after_the_outer_one():
     t_outer, t_inner = sim.region_recompute_s
     # the attention runs in the block's replay and again in its own
     assert t_outer == alone.recompute_s and t_inner > 0
+    assert sim.peak_bytes <= alone.peak_bytes
+
+
+def test_a_segment_nested_in_its_block_replays_after_it():
+    """NOTE [segments nested in a block]: the segment's ops rerun in the block's replay and
+    again in its own, as a module nested in the block does."""
+    prof = gpt_like(2)
+    seg = Region(("layers.1.ln1", "layers.1.attn"))
+    sim = simulate(prof, _plan(Region(("layers.1",)), seg))
+    alone = simulate(prof, _plan(Region(("layers.1",))))
+    rp_outer, rp_inner = sim.recompute_points
+    assert rp_outer == alone.recompute_points[0] < rp_inner
+    t_outer, t_inner = sim.region_recompute_s
+    assert t_outer == alone.recompute_s
+    assert t_inner == simulate(prof, _plan(seg)).recompute_s
     assert sim.peak_bytes <= alone.peak_bytes
 
 

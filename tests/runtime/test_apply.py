@@ -54,6 +54,9 @@ BAD = {
                       "LlamaDecoderLayer"),
     "twice": (_plan(Region(("blocks.0",)), Region(("blocks.0",))), "two regions"),
     "two segments": (_plan(Region(("blocks.0", "blocks.1")), Region(("blocks.1", "blocks.2"))), "two regions"),
+    # NOTE [segments nested in a block]: simulate models it, memfit.jax runs it, torch does not
+    "segment_in_block": (_plan(Region(("blocks.1",)), Region(("blocks.1.ln1", "blocks.1.attn"))),
+                         r"segment blocks\.1\.ln1\.\.blocks\.1\.attn is nested in region blocks\.1"),
 }
 
 

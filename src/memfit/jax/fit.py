@@ -19,6 +19,7 @@ from memfit.jax.measured import (
     least_on_xla,
     least_peak_on_xla,
     measured_rounds,
+    near_least,
     policy_plans,
 )
 from memfit.jax.profiler import profile_program
@@ -26,6 +27,7 @@ from memfit.jax.program import trace_program
 from memfit.jax.step import PlannedStep, plain_step, region_specs
 from memfit.jax.verify import Reference
 from memfit.planning.effects import resolve_span
+from memfit.planning.nesting import unnesting
 from memfit.planning.plan import Plan
 from memfit.planning.planner import plan_for_budget, refuse_over_budget
 from memfit.planning.rules import refusing
@@ -104,13 +106,15 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
             if not measured:
                 raise
             # NOTE [budgets checked against XLA]: the least-peak plan and JAX's policies, on XLA
-            tried = [replan("min"), *policy_plans(prof, e.budget_bytes)]
+            least = replan("min")
+            tried = [least, *near_least(replan, least), *policy_plans(prof, e.budget_bytes)]
             steps = [build(dataclasses.replace(q, budget_bytes=e.budget_bytes)) for q in tried]
             return least_on_xla(steps, e.budget_bytes, checks)
         refuse_over_budget(p)
         step = build(p)
-        if budget == "min" and rounds > 0:  # the least XLA peak of it and JAX's policies
-            return least_peak_on_xla([step, *map(build, policy_plans(prof, p.budget_bytes or 0))], checks)
+        if budget == "min" and rounds > 0:  # the least XLA peak of it, plans near it and JAX's policies
+            near = [*near_least(replan, p), *policy_plans(prof, p.budget_bytes or 0)]
+            return least_peak_on_xla([step, *map(build, near)], checks)
         if not measured or p.budget_bytes is None:
             return step
         return measured_rounds(step, p.budget_bytes, replan, build, checks, rounds,
@@ -124,10 +128,10 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         for _ in range(REFUSALS):
             if checks.exact(step):
                 return step
-            spans = inexact_spans(step, checks)
-            if not spans:
+            spans, unnest = inexact_spans(step, checks)
+            if not spans and not unnest:
                 break
-            prof = refusing(prof, spans)
+            prof = unnesting(refusing(prof, spans), unnest)
             step = choose(prof, budget)
         if checks.exact(step):
             return step
@@ -165,15 +169,25 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
 REFUSALS = 6
 
 
-def inexact_spans(step: PlannedStep, checks: OnXla) -> list[tuple[int, int]]:
-    """The op spans of ``step``'s top-level regions that change the result on their own: each
-    region alone, compiled and run against the plain step (NOTE [JAX plans verified on the
-    batch])."""
-    out = []
-    for r in step.plan.regions:
-        alone = PlannedStep(step.program, dataclasses.replace(step.plan, regions=(r,)), step.profile,
-                            has_aux=step.has_aux, keep_barriers=step.keep_barriers, loss_fn=step.loss_fn)
-        if not checks.exact(alone):
-            span = resolve_span(step.profile, r.modules)
-            out.append((span.first_op, span.last_op))
-    return out
+def inexact_spans(step: PlannedStep, checks: OnXla) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The op spans of ``step``'s top-level regions that change the result on their own (each
+    region alone, with the regions nested in it, compiled and run against the plain step:
+    NOTE [JAX plans verified on the batch]), and the spans of those that change it only with
+    their nested regions (``memfit.planning.nesting.unnesting``: the region alone keeps the
+    result)."""
+    refuse: list[tuple[int, int]] = []
+    unnest: list[tuple[int, int]] = []
+    plan = step.plan
+    for r in (q for q in plan.regions if plan.outer_of(q) is None):
+        group = tuple(q for q in plan.regions if q is r or plan.outer_of(q) is r)
+        if checks.exact(_alone(step, group)):
+            continue
+        span = resolve_span(step.profile, r.modules)
+        exact_alone = len(group) > 1 and checks.exact(_alone(step, (r,)))
+        (unnest if exact_alone else refuse).append((span.first_op, span.last_op))
+    return refuse, unnest
+
+
+def _alone(step: PlannedStep, regions: tuple[Any, ...]) -> PlannedStep:
+    return PlannedStep(step.program, dataclasses.replace(step.plan, regions=regions), step.profile,
+                       has_aux=step.has_aux, keep_barriers=step.keep_barriers, loss_fn=step.loss_fn)

@@ -26,9 +26,25 @@ NOTE [budgets checked against XLA]
     peak is checked the same way, on the least-peak plan and the policies' plans: the
     smallest XLA peak of those is the one named, and given it, that plan is returned.
     ``"min"`` is not re-planned (it asks for the least peak, not a budget): it returns the
-    least XLA peak of the model's least-peak plan and the policies' plans (the conv net:
-    ``nothing_saveable`` on every stage, 4,563,580 B, where the least-peak plan was at
-    5,087,804), the plan's ``budget_bytes`` that peak.
+    least XLA peak of the model's least-peak plan, the model's plans at 1.05, 1.1 and 1.2
+    times its least peak (``near_least``: the model's ranking of peaks is not XLA's) and the
+    policies' plans, the plan's ``budget_bytes`` that peak; steps within ``MIN_SLACK``
+    (0.1%) of the least XLA peak count as equal, and of those the one of least XLA FLOPs is
+    returned.
+    Beside JAX's three policies, two-level ones (``NESTED``, ``NESTED_AT_DOTS``): every child
+    scope checkpointed with its parts checkpointed inside it (NOTE [segments nested in a
+    block] in ``memfit.planning.nesting``), the parts the blocks of its chain, or its
+    sub-modules cut after each that runs a dot or a convolution (the replay of such a part
+    reruns the elementwise ops after its dot, not the dot: a dot's backward reads only its
+    inputs). A child scope whose nested plan changes the result where the scope alone does
+    not is left whole by both (``memfit.planning.nesting.unnesting``; NOTE [JAX plans
+    verified on the batch]). On the benchmark conv net (``memfit.jax.models.conv3d``):
+    before nesting, ``"min"`` returned ``nothing_saveable`` on every stage (4,563,580 B at
+    1.529 GFLOPs; the model's least-peak plan was at 5,087,804 B); with it, the model's
+    least-peak plan (the chain DP's: the second stage with its blocks nested, the third's
+    blocks alone) is the least on XLA too, 3,515,068 B at 1.677 GFLOPs, ``NESTED_AT_DOTS``
+    3,515,580 B at 1.529, and the model's plan at 1.1 times its least peak 3,515,068 B at
+    1.478, which ``"min"`` returns.
     The plan returned keeps the user's budget as ``budget_bytes``; its
     ``predicted_peak_bytes`` is the jaxpr-level model's (it may exceed the budget where XLA's
     peak is lower), and the step's ``xla_peak_bytes`` is XLA's.
@@ -42,13 +58,15 @@ from typing import Any
 
 from memfit.errors import InfeasibleBudget
 from memfit.jax.verify import Reference, Verification
+from memfit.planning.candidates import PlanningContext
+from memfit.planning.nesting import nesting_refused, parts_after_dots
 from memfit.planning.plan import Plan, Region
 from memfit.planning.rules import contains_refused_span, is_matmul, op_keys
 from memfit.planning.simulate import simulate
 from memfit.profiling.profile import Profile
 from memfit.units import format_bytes
 
-__all__ = ["xla_peak_bytes", "xla_report", "OnXla", "measured_rounds", "least_on_xla", "least_peak_on_xla", "policy_plans"]
+__all__ = ["xla_peak_bytes", "xla_report", "OnXla", "measured_rounds", "least_on_xla", "least_peak_on_xla", "near_least", "policy_plans"]
 
 NEAR = 0.98  # a round within 2% below the budget ends the search
 
@@ -214,16 +232,42 @@ def least_on_xla(steps: Sequence[Any], budget_bytes: int, checks: OnXla, seen: S
 
 
 def least_peak_on_xla(steps: Sequence[Any], checks: OnXla) -> Any:
-    """Of ``steps``, the exact one of least XLA peak (then least XLA FLOPs), its plan's
-    budget that peak: ``budget="min"`` checked against XLA (NOTE [budgets checked against
-    XLA])."""
+    """Of ``steps``, the exact one of least XLA peak (within ``MIN_SLACK``, the one of least
+    XLA FLOPs), its plan's budget that peak: ``budget="min"`` checked against XLA (NOTE
+    [budgets checked against XLA])."""
     ordered = sorted(steps, key=lambda s: (checks.peak(s), s.xla_flops, s.plan.recompute_s))
     best = checks.first_exact(ordered)
+    # within MIN_SLACK of that peak, the least FLOPs (bytes XLA's scheduling moves do not
+    # buy a quarter more compute)
+    near = [s for s in ordered if checks.peak(s) <= best.xla_peak_bytes * (1 + MIN_SLACK)]
+    best = checks.first_exact(sorted(near, key=lambda s: (s.xla_flops, checks.peak(s), s.plan.recompute_s)))
     note = (f"budget='min' checked against XLA's memory_analysis(): the least XLA peak of the "
             f"model's least-peak plan and JAX's policies ({best.plan.solver})")
     best.plan = dataclasses.replace(best.plan, budget_bytes=best.xla_peak_bytes, notes=(*best.plan.notes, note))
     return best
 
+
+def near_least(replan: Callable[[int | str], Plan], least: Plan) -> list[Plan]:
+    """The model's plans for ``NEAR_LEAST`` times its least peak (``least``'s), distinct from
+    it and from each other: ``"min"`` checks them on XLA too (NOTE [budgets checked against
+    XLA])."""
+    out: list[Plan] = []
+    seen = {least.regions}
+    for f in NEAR_LEAST:
+        try:
+            q = replan(int(least.predicted_peak_bytes * f))
+        except InfeasibleBudget:
+            continue
+        if q.regions not in seen:
+            seen.add(q.regions)
+            out.append(q)
+    return out
+
+
+# "min": the model's plans at these multiples of its least peak are checked on XLA too
+NEAR_LEAST = (1.05, 1.1, 1.2)
+
+MIN_SLACK = 0.001  # "min": steps this close to the least XLA peak count as equal (then the least FLOPs)
 
 POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
@@ -232,8 +276,9 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
     """JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``
     on every child scope of the model (as ``nn.remat`` on each would), as memfit plans: each
     child a region saving nothing, its dots and convolutions, or its dots without batch
-    dimensions (``extra["unbatched_dots"]``). None where the model has no child scope; a child
-    whose span the profile refuses (NOTE [refused spans]) is left out of each."""
+    dimensions (``extra["unbatched_dots"]``); and ``nothing_saveable`` nested, where a child has
+    a chain of blocks of its own (``_nested_regions``). None where the model has no child
+    scope; a child whose span the profile refuses (NOTE [refused spans]) is left out of each."""
     recs = {m.path: m for m in profile.modules}
     root = next((m for m in profile.modules if m.path and m.parent == ""), None)
     if root is None:
@@ -251,7 +296,38 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
             regions.append(Region.saving((m.path,), take))
         if regions:
             out.append(_priced(profile, regions, name, budget_bytes))
+    chains = {ch.parent: ch.blocks for ch in reversed(PlanningContext(profile).chains)}
+    for name, parts in ((NESTED, chains.get), (NESTED_AT_DOTS, lambda p: parts_after_dots(profile, p))):
+        nested = _nested_regions(profile, kids, parts)
+        if nested:
+            out.append(_priced(profile, nested, name, budget_bytes))
     return out
+
+
+NESTED = "nothing_saveable, nested"
+NESTED_AT_DOTS = "nothing_saveable, nested at dots"
+
+
+def _nested_regions(profile: Profile, kids: Sequence[Any],
+                    parts: Callable[[str], Sequence[tuple[str, ...]] | None]) -> list[Region]:
+    """``nothing_saveable`` on every child scope with each of its parts (``parts(path)``: runs
+    of its sub-modules, joined by its own code between them) checkpointed inside it (NOTE
+    [segments nested in a block] in ``memfit.planning.nesting``); [] where no child has two
+    parts. Parts whose span the profile refuses are left out."""
+    recs = {m.path: m for m in profile.modules}
+    regions: list[Region] = []
+    inner = 0
+    for m in kids:
+        regions.append(Region((m.path,)))
+        blocks = parts(m.path) or () if not nesting_refused(profile, int(m.first_op), int(m.last_op)) else ()  # type: ignore[arg-type]
+        if len(blocks) < 2:
+            continue
+        for blk in blocks:
+            first, last = recs[blk[0]].first_op, recs[blk[-1]].last_op
+            if not contains_refused_span(profile, int(first), int(last)):  # type: ignore[arg-type]
+                regions.append(Region(blk))
+                inner += 1
+    return regions if inner else []
 
 
 def _priced(profile: Profile, regions: list[Region], name: str, budget_bytes: int) -> Plan:

@@ -43,6 +43,7 @@ from memfit.jax.program import Program, trace_program
 from memfit.jax.trace import FlatJaxpr, flatten
 from memfit.jax.xla_costs import CALIBRATION, rerun_time_s, saveable, unbatched_dot
 from memfit.planning.arrays import ProfileArrays
+from memfit.planning.nesting import OP_RUNS
 from memfit.planning.rules import CLOSED_REGIONS
 from memfit.profiling.profile import (
     ModuleRecord,
@@ -176,7 +177,7 @@ def _build(fj: FlatJaxpr, program: Program, model: str) -> Profile:
                               for j, v in enumerate(program.closed.jaxpr.invars[program.n_params:])),
         parameters=tuple(ParameterRecord(names[j], tuple(a.shape), str(a.dtype), aval_bytes(a))
                          for j, a in enumerate(params)),
-        extra={"frontend": "jax", "tags": {str(k): v for k, v in sorted(fj.tags.items())},
+        extra={"frontend": "jax", OP_RUNS: True, "tags": {str(k): v for k, v in sorted(fj.tags.items())},
                CLOSED_REGIONS: True,  # NOTE [XLA's costs], rule 4
                "unbatched_dots": [i for i, e in enumerate(eqns[:n_forward]) if unbatched_dot(e.primitive, e.params)]},
     )

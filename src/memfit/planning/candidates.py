@@ -29,6 +29,7 @@ from memfit.planning.effects import (
     resolve_span,
 )
 from memfit.planning.merged_blocks import merged_runs
+from memfit.planning.nesting import OP_RUNS, parts_after_dots
 from memfit.planning.offload import Copy, OffloadSpec, offload_copies, offload_effect
 from memfit.planning.plan import OpPolicy, Region
 from memfit.planning.rules import (
@@ -371,6 +372,36 @@ class PlanningContext:
         out = [rm for _, _, rm in found[:INNER_LIMIT]]
         self._inner[path] = out
         return out
+
+    def part_partitions(self, path: str) -> list[list[RegionModel]]:
+        """Ways to cut ``path`` into parts checkpointed inside it (NOTE [segments nested in a
+        block] in ``memfit.planning.nesting``): its chain's blocks, and its sub-modules cut
+        after each dot; only where the profile's front end runs any run of ops as a region
+        (``OP_RUNS``). Parts that drop nothing, are refused or have clobbered inputs are left
+        out; a partition keeps at least two."""
+        memo = self.memo.setdefault("part_partitions", {})
+        if path in memo:
+            return memo[path]  # type: ignore[no-any-return]
+        out: list[list[RegionModel]] = []
+        if self.profile.extra.get(OP_RUNS):
+            chain = next((c for c in self.chains if c.parent == path), None)
+            seen = set()
+            for parts in (chain.blocks if chain else (), parts_after_dots(self.profile, path)):
+                models = [rm for rm in map(self._part, parts) if rm is not None]
+                key = tuple(rm.span.modules for rm in models)
+                if len(models) >= 2 and key not in seen:
+                    seen.add(key)
+                    out.append(models)
+        memo[path] = out
+        return out
+
+    def _part(self, modules: tuple[str, ...]) -> RegionModel | None:
+        recs = [self.profile.modules[self._index[m]] for m in modules]
+        span = resolve_span(self.profile, modules, self._index)
+        if self.clobbered(recs) or span_refused(self.profile, span.first_op, span.last_op):
+            return None
+        rm = RegionModel(self.arrays, span)
+        return rm if rm.useful else None
 
     def region_candidates(self, *, segments: bool = True) -> list[Candidate]:
         """Module candidates plus chain segments, indexed 0..R-1 (the MILP/brute plan space)."""

@@ -66,18 +66,93 @@ NOTE [nested segments]
     smallest peak fell 5.70 -> 4.39 GB with the stem as a block (NOTE [merged blocks]).
     Measured on the CPU: ``tests/end_to_end/test_nested_segments.py`` (a ResNet-50 of three
     stages at its smallest peak, bitwise, the predicted peak), ``test_predicted_peaks.py``.
+NOTE [segments nested in a block]
+    The inner region may also be a segment of sibling modules inside the outer module: a
+    stage checkpointed with each block of its own chain inside it (``stage_1`` with
+    ``stage_1.conv0..stage_1.bn0`` and ``stage_1.conv1..stage_1.bn1``, merged blocks whose
+    activation is the stage's own code). Its model is the one above: an inner region is a run
+    of ops (``RegionModel`` of a span) whether one module or several make it. ``memfit.jax``
+    runs it (a region is a run of primal equations, the inner one a ``jax.checkpoint`` inside
+    the outer one's; ``fit`` measures such plans on XLA, NOTE [budgets checked against XLA]).
+    The torch runtime does not: it runs a segment from its parent's calls, and inside a
+    checkpointed module that parent's replay would have to stop and restart it; ``apply``
+    refuses such a plan (``PlanMismatch``), and no solver makes one for a torch profile (the
+    chain DP nests modules and blocks of segments, the MILP and greedy nest nothing).
+    The chain DP offers a block with its *parts* nested (``PlanningContext.part_partitions``),
+    and the block kept with its parts checkpointed alone (each a region of its own: their
+    effects add, NOTE [linear model]), where the profile says its front end runs any run of
+    ops as a region (``OP_RUNS``, set by ``memfit.jax``): the parts are the blocks of the
+    block's own chain, or its sub-modules cut after each that runs a dot or a convolution
+    (``parts_after_dots``), a part then spanning its parent's code between two sub-modules
+    (a stage's ReLU in ``bn0..conv1``), which a torch segment would not rerun (NOTE
+    [chains]). Measured on XLA (jax 0.10.2, CPU, the 3D conv net
+    of ``memfit.jax.models``, batch 2, 16^3, widths 8/16/16): every stage checkpointed with
+    nothing saved, 4,563,580 B at 1.529 GFLOPs; each stage with its chain's two blocks
+    nested, 3,515,388 B at 1.906 GFLOPs (the blocks' convolutions rerun twice); nested at its
+    dots, 3,515,580 B at 1.529 GFLOPs; the first stage whole, the second nested at its dots
+    and the last one's parts alone, 3,515,196 B at 1.328 GFLOPs. ``memfit.jax.fit`` at half
+    the plain peak chose ``nothing_saveable`` on every stage before (4,563,580 B, 1.529
+    GFLOPs) and now the chain DP's plan: the first stage whole, the second with its parts at
+    its dots nested, the last one's parts alone (4,039,364 B, 1.300 GFLOPs).
+
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from memfit.planning.effects import Effect, ProfileArrays, RegionModel, _cat
+from memfit.planning.rules import is_matmul
+from memfit.profiling.profile import Profile
 
-__all__ = ["NestedModel", "Replay"]
+__all__ = ["NestedModel", "Replay", "OP_RUNS", "parts_after_dots", "unnesting", "nesting_refused"]
+
+# Profile.extra: the front end runs any run of the step's ops as a region, its parent's code
+# between two modules included (memfit.jax; NOTE [segments nested in a block])
+OP_RUNS = "regions_are_op_runs"
+
+
+# Profile.extra: spans of modules no plan nests a region inside (``unnesting``)
+UNNESTED = "unnested_spans"
+
+
+def unnesting(profile: Profile, spans: Sequence[tuple[int, int]]) -> Profile:
+    """``profile`` with the modules of op spans ``spans`` nesting nothing: checkpointed, they
+    are checkpointed whole (``memfit.jax.fit``: their nested regions changed the result where
+    the module alone did not, NOTE [JAX plans verified on the batch] in ``memfit.jax.verify``)."""
+    if not spans:
+        return profile
+    old = {tuple(s) for s in profile.extra.get(UNNESTED, ())}
+    new = tuple(sorted(old | {(int(a), int(b)) for a, b in spans}))
+    return dataclasses.replace(profile, extra={**profile.extra, UNNESTED: new})
+
+
+def nesting_refused(profile: Profile, first_op: int, last_op: int) -> bool:
+    """Whether no region may be nested in the region of ops ``first_op..last_op``."""
+    return any(a == first_op and b == last_op for a, b in profile.extra.get(UNNESTED, ()))
+
+
+def parts_after_dots(profile: Profile, path: str) -> list[tuple[str, ...]]:
+    """The sub-modules of ``path`` in call order, cut after each one that runs a dot or a
+    convolution (NOTE [segments nested in a block]): parts whose backward needs no dot's
+    output (a dot's backward reads its inputs), so a part's replay reruns the elementwise ops
+    after a dot, not the dot."""
+    subs = sorted((m for m in profile.modules if m.parent == path and m.calls == 1 and m.first_op is not None),
+                  key=lambda m: int(m.first_op))  # type: ignore[arg-type]
+    out: list[tuple[str, ...]] = []
+    run: list[str] = []
+    for m in subs:
+        run.append(m.path)
+        if any(is_matmul(profile.ops[i]) for i in range(int(m.first_op), int(m.last_op) + 1)):  # type: ignore[arg-type]
+            out.append(tuple(run))
+            run = []
+    if run:
+        out.append(tuple(run))
+    return out
 
 
 @dataclass(frozen=True)

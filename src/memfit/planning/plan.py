@@ -327,12 +327,12 @@ class Plan:
     def outer_of(self, region: Region) -> Region | None:
         """The region ``region`` is nested in (NOTE [nested regions] in
         ``memfit.planning.nesting``), or None."""
-        if region.is_segment:
-            return None
         path = region.modules[0]
         for r in self.regions:
-            if r is not region and any(path.startswith(m + ".") or (m == "" and path)
-                                       or (r.is_segment and path == m) for m in r.modules):
+            if r is region or (region.is_segment and r.is_segment):
+                continue
+            if any(path.startswith(m + ".") or (m == "" and path)
+                   or (r.is_segment and path == m) for m in r.modules):
                 return r
         return None
 

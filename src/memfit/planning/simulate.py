@@ -130,7 +130,7 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
 
     Raises:
         ValueError: regions that overlap without nesting, or nesting NOTE [nested regions] does
-            not allow (more than one level, saved ops, an inner segment).
+            not allow (more than one level, saved ops, a segment inside a segment).
     """
     parent = [-1] * len(regions)
     order = sorted(range(len(regions)), key=lambda q: (models[q].a, -models[q].b))
@@ -142,11 +142,15 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
         if open_:
             o = open_[-1]
             outer, inner = regions[o], regions[q]
-            # a module inside the outer one, or one block of an outer segment (NOTE [nested
-            # segments] in memfit.planning.nesting)
-            ok = (rm.b <= models[o].b and not inner.is_segment
-                  and any(inner.modules[0].startswith(m + ".") or m == ""
-                          or (outer.is_segment and inner.modules[0] == m) for m in outer.modules))
+            # a module inside the outer one, one block of an outer segment (NOTE [nested
+            # segments] in memfit.planning.nesting), or a segment of modules inside an outer
+            # module (NOTE [segments nested in a block])
+            ok = rm.b <= models[o].b and (
+                any(inner.modules[0].startswith(m + ".") or m == ""
+                    or (outer.is_segment and inner.modules[0] == m) for m in outer.modules)
+                if not inner.is_segment else
+                not outer.is_segment and all(p.startswith(outer.modules[0] + ".") or outer.modules[0] == ""
+                                             for p in inner.modules))
             if not ok:
                 raise ValueError(
                     f"regions {outer.name!r} (ops {models[o].a}..{models[o].b}) and {inner.name!r} "

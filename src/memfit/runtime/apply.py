@@ -137,6 +137,12 @@ def _check(model: nn.Module, plan: Plan) -> list[tuple[Region, Any]]:
                 "a segment must be consecutive siblings"
             )
         parent_path = parents.pop()
+        outer = plan.outer_of(region)
+        if outer is not None:  # NOTE [segments nested in a block] in memfit.planning.nesting
+            raise PlanMismatch(
+                f"segment {region.name} is nested in region {outer.name}: the torch runtime runs a "
+                "segment from its parent's calls and cannot replay one inside a checkpointed module "
+                "(memfit.jax can); checkpoint the segment or the module, not both")
         parent = _get(model, parent_path, region)
         for path in region.modules:
             _get(model, path, region)

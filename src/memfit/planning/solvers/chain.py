@@ -8,9 +8,10 @@ NOTE [chain DP]
     prefix, untouched by any plan; between ``b_{n-1}`` and ``rp_{n-1}`` the tail (head and
     loss, forward and backward), where every block's constant applies.
     A *choice* covers blocks ``k..j``: keep block ``k``; checkpoint it with a save set, or with
-    one sub-module checkpointed inside it (NOTE [nested regions]); or checkpoint the segment
-    ``k..j`` (recompute-all), alone or with each of its blocks checkpointed inside it (NOTE
-    [nested segments] in ``memfit.planning.nesting``). Its effect (NOTE [linear model]) is
+    one sub-module or its parts checkpointed inside it (NOTE [nested regions], [segments
+    nested in a block]); or checkpoint the segment ``k..j`` (recompute-all), alone or with
+    each of its blocks checkpointed inside it (NOTE [nested segments] in
+    ``memfit.planning.nesting``). Its effect (NOTE [linear model]) is
     - local: on the forward zones ``k..j``, the backward zones ``j..k`` and its own replays;
     - a constant ``D`` (kept bytes, usually negative) on the zones of every later block and on
       the tail;
@@ -53,7 +54,7 @@ from memfit.planning.chain_joins import joined_chain
 from memfit.planning.effects import Effect
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution, refuse_offload
-from memfit.planning.solvers.chain_nesting import nested_effect
+from memfit.planning.solvers.chain_nesting import nested_effect, parts_choices
 
 __all__ = ["solve", "ChainModel", "chain_model", "suffix_peaks", "ENUM_LIMIT"]
 
@@ -82,7 +83,7 @@ class _Choice:
     M: int
     D: int
     T: float
-    inner: tuple[str, ...] = ()  # modules checkpointed inside the block (NOTE [nested regions])
+    inner: tuple[tuple[str, ...], ...] = ()  # regions inside the block, or the kept block's parts
     H: int = 0  # host bytes offloaded (NOTE [chain DP with offload])
 
 
@@ -219,7 +220,8 @@ class ChainModel:
         for inner in self.ctx.inner_candidates(cand.modules[0]):
             r = nested_effect(self, cand.model, [inner], k, k, cand)
             if r is not None:
-                out.append(_Choice(k, k, cand, (), *r, inner=(inner.span.modules[0],)))
+                out.append(_Choice(k, k, cand, (), *r, inner=(inner.span.modules,)))
+        out.extend(_Choice(k, k, cand if n else None, (), M, D, T, inner=p) for M, D, T, p, n in parts_choices(self, k, cand))
         return out
 
     def _blocks_nested_choice(self, k: int, j: int, seg: Candidate) -> list[_Choice]:
@@ -229,7 +231,7 @@ class ChainModel:
         if any(len(b.modules) > 1 for b in blocks) or seg.model.rp is None:
             return []
         r = nested_effect(self, seg.model, [b.model for b in blocks], k, j, seg)
-        return [] if r is None else [_Choice(k, j, seg, (), *r, inner=tuple(b.modules[0] for b in blocks))]
+        return [] if r is None else [_Choice(k, j, seg, (), *r, inner=tuple(b.modules for b in blocks))]
 
     def later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
         """The effect on the zones of blocks after ``j`` and the tail (constant on a chain, else
@@ -439,7 +441,7 @@ def regions_of(chosen: list[_Choice]) -> tuple:
     for ch in chosen:
         if ch.cand is not None:
             out.append(ch.cand.region(ch.ops))
-            out.extend(Region((m,)) for m in ch.inner)
+        out.extend(Region(m) for m in ch.inner)  # nested, or parts of a kept block
     return tuple(out)
 
 
