@@ -242,7 +242,7 @@ def least_peak_on_xla(steps: Sequence[Any], checks: OnXla) -> Any:
     near = [s for s in ordered if checks.peak(s) <= best.xla_peak_bytes * (1 + MIN_SLACK)]
     best = checks.first_exact(sorted(near, key=lambda s: (s.xla_flops, checks.peak(s), s.plan.recompute_s)))
     note = (f"budget='min' checked against XLA's memory_analysis(): the least XLA peak of the "
-            f"model's least-peak plan and JAX's policies ({best.plan.solver})")
+            f"model's plans at and near its least peak and JAX's policies ({best.plan.solver})")
     best.plan = dataclasses.replace(best.plan, budget_bytes=best.xla_peak_bytes, notes=(*best.plan.notes, note))
     return best
 
@@ -276,8 +276,8 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
     """JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``
     on every child scope of the model (as ``nn.remat`` on each would), as memfit plans: each
     child a region saving nothing, its dots and convolutions, or its dots without batch
-    dimensions (``extra["unbatched_dots"]``); and ``nothing_saveable`` nested, where a child has
-    a chain of blocks of its own (``_nested_regions``). None where the model has no child
+    dimensions (``extra["unbatched_dots"]``); and ``nothing_saveable`` with each child's parts
+    nested in it, where a child has parts (``_nested_regions``). None where the model has no child
     scope; a child whose span the profile refuses (NOTE [refused spans]) is left out of each."""
     recs = {m.path: m for m in profile.modules}
     root = next((m for m in profile.modules if m.path and m.parent == ""), None)
@@ -319,7 +319,9 @@ def _nested_regions(profile: Profile, kids: Sequence[Any],
     inner = 0
     for m in kids:
         regions.append(Region((m.path,)))
-        blocks = parts(m.path) or () if not nesting_refused(profile, int(m.first_op), int(m.last_op)) else ()  # type: ignore[arg-type]
+        if nesting_refused(profile, int(m.first_op), int(m.last_op)):  # type: ignore[arg-type]
+            continue
+        blocks = parts(m.path) or ()
         if len(blocks) < 2:
             continue
         for blk in blocks:
