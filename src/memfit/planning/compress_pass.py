@@ -317,10 +317,14 @@ def with_compression(profile: Profile, plan: Plan, *, mode: CompressMode = "loss
                                recompute_s=plan.recompute_s + codec_s, notes=(*plan.notes, note))
 
 
+FLOOR_LADDER = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)  # region budgets: fractions of plain - least
+
+
 def _smallest_compressed(error: InfeasibleBudget, options: Sequence[Plan], kind: str) -> InfeasibleBudget:
-    """The error to raise when nothing fits: naming the smallest peak of the compressed
-    options (each with every candidate outside its regions compressed, none having fit) where
-    it is below the recompute-only one, else the recompute-only error itself."""
+    """The error to raise when nothing fits: naming the smallest peak of the floor's
+    compressed options (NOTE [the named compressed floor]; each with every candidate outside
+    its regions compressed, none having fit) where it is below the recompute-only one, else
+    the recompute-only error itself."""
     from memfit.errors import InfeasibleBudget
     from memfit.units import format_bytes
 
@@ -383,10 +387,23 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         plain step with every candidate compressed; and, for looser region budgets (the
         budget plus 100/75/50/25% of what compression frees on the plain step), the solver's
         plan there with the candidates outside its regions compressed, kept if its peak fits
-        the budget; where none fits and no recompute-only plan does, the least-peak plan
-        with its outside candidates compressed. The least predicted time wins (recompute +
-        codec seconds; ties: the lower peak). ``solve`` is the solver (budget -> Plan); it
-        raises ``InfeasibleBudget``.
+        the budget; where none fits and no recompute-only plan does, the floor below. The
+        least predicted time wins (recompute + codec seconds; ties: the lower peak).
+        ``solve`` is the solver (budget -> Plan); it raises ``InfeasibleBudget``.
+
+    NOTE [the named compressed floor]
+        Under the least recompute-only peak (``low``) the options above depend on the budget,
+        and so would the least peak an error names: a budget that one search called
+        infeasible, naming a peak whose own search found nothing (a zoo GPT: 476,713 B named,
+        nothing under 481,304 B found there). So where no option fits, the floor's options
+        are tried, in this order, none depending on the budget: the least-peak plan, then the
+        solver's plans at ``low`` + 1/16, 1/8, 1/4, 1/2 and 3/4 of (plain peak - ``low``),
+        each with its outside candidates compressed, the first that fits taken. Where none
+        fits, the error names their least peak (each then has every candidate compressed): at
+        that budget the same plan fits again, with the cheapest subset of its candidates
+        that does. The fractions near ``low`` are there for plans that leave the compressible
+        tensors outside their regions (that GPT's lossy floor: 476,716 B from region budgets
+        ``low`` + 7-12%, none of 1/4, 1/2 and 3/4 reached it).
 
     NOTE [variants planned with the regions]
         A batch-norm variant frees a norm's input for a few passes over memory, far less than
@@ -450,30 +467,23 @@ def choose(profile: Profile, solve: Callable[[int | float | str | None], Plan],
         options += _with_variants(profile, solve_on, cap, compress)
     fits = [p for p in options if p.predicted_peak_bytes <= cap]
     if not fits and error is not None:
-        # under every recompute-only plan's peak: the least-peak plan, compressed outside its
-        # regions, is the last to try (the looser budgets' fastest plans may hold the
-        # compressible tensors inside their regions; the chain solver's did on a zoo GPT)
-        try:
-            options.append(least := compress(solve("min")))
-        except InfeasibleBudget:
-            least = None
-        if least is not None and least.predicted_peak_bytes <= cap:
-            fits = [least]
-        elif least is not None:
-            # the error names the smallest compressed peak found, the same for every budget
-            # under it: a fixed ladder of region budgets between the least and the plain peak
-            # (a looser plan may hold fewer compressible tensors in regions: a ResNet's 199.6
-            # MB against the least plan's 218.1 MB, found at one budget and not at another)
-            low = error.min_feasible_bytes
-            for k in (1, 2, 3):
-                try:
-                    options.append(compress(solve(low + k * (profile.peak_bytes - low) // 4)))
-                except InfeasibleBudget:
-                    continue
-            fits = [p for p in options if p.predicted_peak_bytes <= cap]
+        # NOTE [the named compressed floor]: under every recompute-only plan's peak, the
+        # options below do not depend on the budget; the error names their least peak
+        floor = [whole]
+        low = error.min_feasible_bytes
+        region_budgets: list[int | str] = ["min", *(low + int(f * (profile.peak_bytes - low)) for f in FLOOR_LADDER)]
+        for region_budget in region_budgets:
+            try:
+                floor.append(compress(solve(region_budget)))
+            except InfeasibleBudget:
+                continue
+            if floor[-1].predicted_peak_bytes <= cap:
+                break
+        options += floor[1:]
+        fits = [p for p in options if p.predicted_peak_bytes <= cap]
+        if not fits:
+            raise _smallest_compressed(error, floor, kind)
     if not fits:
-        if error is not None:
-            raise _smallest_compressed(error, options, kind)
         return options[0]
     best = min(fits, key=lambda p: (p.recompute_s, p.predicted_peak_bytes))
     return dataclasses.replace(best, budget_bytes=cap)
