@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 BATCH, SEQ, VOCAB = 4, 64, 128
 
 
-def llama(max_positions: int = SEQ) -> torch.nn.Module:
+def llama(max_positions: int = SEQ, layers: int = 6) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         attention_dropout=0.1)  # Llama's default dropout is 0: turn it on to test RNG replay
     return transformers.LlamaForCausalLM(cfg).train()
