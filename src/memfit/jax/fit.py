@@ -82,8 +82,9 @@ def fit(loss_fn: Callable[..., Any], params: Any, batch: Any, *,
         >>> loss, grads = step(params, batch)                           # doctest: +SKIP
     """
     if offload:
-        raise ValueError("memfit.jax does not offload yet: the JAX CPU backend has no host memory "
-                         "kind to offload to; plan without offload=True")
+        raise ValueError("memfit.jax does not offload yet: the JAX CPU backend's host memory is "
+                         "its device memory (an offloading policy compiles to the peak of saving); "
+                         "plan without offload=True")
     program = trace_program(loss_fn, params, batch)
     profile = profile_program(program, has_aux=has_aux, model=model)
     if keep_barriers is None:

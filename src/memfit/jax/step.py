@@ -8,8 +8,10 @@ NOTE [a plan as a JAX policy]
     ops the plan saves there (``OpPolicy.SAVE``), ``nothing_saveable`` when it saves none:
     everything else the region's backward needs is recomputed from its inputs. A region
     nested in another (NOTE [nested regions] in ``memfit.planning.nesting``) is a
-    ``jax.checkpoint`` inside the outer one's. ``OpPolicy.OFFLOAD`` is refused: the JAX CPU
-    backend has no host memory kind to offload to (``fit(offload=True)`` raises). On the CPU
+    ``jax.checkpoint`` inside the outer one's. ``OpPolicy.OFFLOAD`` is refused: on the JAX CPU
+    backend host memory is device memory (jax 0.10.2 lists ``pinned_host``, but a
+    ``save_and_offload_only_these_names`` policy compiles to the peak of saving, 0 host bytes
+    in ``memory_analysis()``), so nothing measures an offload (``fit(offload=True)`` raises). On the CPU
     backend the step compiles with jax.checkpoint's barriers kept (NOTE [barriers kept on XLA
     CPU] in ``memfit.jax.program``): without them XLA merges the recompute into the forward
     and the plan saves no memory there.
@@ -111,8 +113,8 @@ def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionS
     flat: list[RegionSpec] = []
     for r in plan.regions:
         if r.keys_with(OpPolicy.OFFLOAD):
-            raise ValueError(f"region {r.name} offloads, which memfit.jax cannot do yet (no host "
-                             "memory kind on the JAX CPU backend); plan without offload")
+            raise ValueError(f"region {r.name} offloads, which memfit.jax cannot do yet (on the JAX "
+                             "CPU backend host memory is device memory); plan without offload")
         start, end = _primal_range(program, r.modules)
         span = resolve_span(profile, r.modules)
         by_key = {k: i for i, k in op_keys(profile, span.first_op, span.last_op).items()}
