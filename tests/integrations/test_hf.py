@@ -222,8 +222,10 @@ def test_memfit_compile_recompiles_a_new_shape_in_one_graph():
         pytest.skip(f"this torch has no dynamo setting {flag}")
     torch._dynamo.reset()
     counters.clear()
-    model = llama(layers=2)  # two layers: what is tested is per layer, compiling is per op (CI time)
-    compiled = memfit.compile(model, batch(), budget=0.5, rounds=0)
+    # two layers: what is tested is per layer, compiling is per op (CI time); at 0.5 the
+    # 2-layer compiled step measured 0.8% over the budget (refused), at 0.6 11% under
+    model = llama(layers=2)
+    compiled = memfit.compile(model, batch(), budget=0.6, rounds=0)
     assert model.memfit_plan.regions
     assert (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]) == (0, 1)
     before = getattr(dynamo_config, flag)
@@ -248,7 +250,7 @@ def test_memfit_compile_runs_its_own_graph_beside_a_graph_broken_compile():
     assert other.memfit_plan.regions
     torch.compile(other)(**batch()).loss.backward()
     model = llama(layers=2)
-    compiled = memfit.compile(model, batch(), budget=0.6, rounds=0)  # at 0.5 measured 0.8% over
+    compiled = memfit.compile(model, batch(), budget=0.6, rounds=0)  # 0.5: 0.8% over, refused
     assert model.memfit_plan.regions
     eager: list[str] = []
     code = runtime_checkpoint.run_region.__code__
