@@ -191,16 +191,12 @@ def test_plan_file_that_is_not_a_plan(tmp_path, capsys):
 def test_plan_compress_lossy_below_the_least_exact_peak(tmp_path, capsys, monkeypatch):
     # Below the smallest recompute-only peak exact codecs still fit (two_level on the dropout
     # masks), and below the smallest of those fp8 does. Each floor is the one `plan` names for
-    # a budget nothing fits (the least peak of its search, NOTE [compress or recompute]).
-    # One profile and the codecs' default costs for every `plan` call: this test is of the
-    # planning, not of the timing. Before, each call profiled afresh and the test lowered the
-    # lossless budget plan by plan: the lossy search one byte under that floor found no plan
-    # twice in CI and in 2 of 30 runs alone (its looser budgets follow the measured op times, and its region
-    # plans were not those of the lossless call that set the floor). Named for one tiny
-    # budget, both searches try the same region plans (the lossy one its variants as well),
-    # each with the candidates outside its regions compressed, the lossy candidates a
-    # superset of the exact ones: the lossy floor is at most the lossless one by construction,
-    # and its plan is found again at that budget.
+    # a budget nothing fits (NOTE [the named compressed floor]: the same for every budget under
+    # it, and it plans). One profile and the codecs' default costs for every `plan` call: this
+    # test is of the planning, not of the timing. Before, each call profiled afresh and the test
+    # lowered the lossless budget plan by plan: one byte under that floor the lossy search found
+    # no plan twice in CI and in 2 of 30 runs alone (its options there followed the budget and
+    # the measured op times).
     import memfit.cli.plan as cli_plan
     import memfit.measuring.codec_cost as codec_cost
     from memfit.planning.compression import DEFAULT_CODEC_COSTS
