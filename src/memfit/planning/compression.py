@@ -131,26 +131,30 @@ SHAPE_ONLY = CodecSpec("shape_only", Exactness.SHAPE, _nothing, 0.0,
                        "of one element). Exact for a node that reads its saved input's geometry "
                        "alone (SHAPE_READERS: max pool's backward scatters by its indices), wrong "
                        "for any other", passes=0.0, ops=1)
-# inplace_abn's per_byte_s: measured by benchmarks/abn.py (two 2 MiB norms of a 3D conv net,
-# +3.6 ms a step on this 2-core CPU: 0.86e-9 s per byte of the inputs let go)
-INPLACE_ABN = CodecSpec("inplace_abn", Exactness.REBUILT, _nothing, 0.9e-9,
+# inplace_abn's per_byte_s: measured by `benchmarks/abn.py --act leaky` (six norms of a 3D
+# conv net, 5.5 MB of inputs let go, on this 2-core CPU, 15 rounds: +1.4 to +4.7 ms a step in
+# three runs, 0.25e-9 to 0.85e-9 s per byte, the largest taken; +5.9 and +6.5 ms, 1.1e-9 s
+# per byte, in the same session before the statistics came from the kernel, NOTE [the
+# kernel's statistics]). passes: the inverse leaky relu in place (2) and one addcmul (2)
+INPLACE_ABN = CodecSpec("inplace_abn", Exactness.REBUILT, _nothing, 0.8e-9,
                         "batch norm's input, kept as nothing: rebuilt in backward from the "
-                        "output of the in-place leaky relu after it (z = y, or y / slope where "
-                        "y < 0; x = (z - bias) / weight / invstd + mean): fp32 roundings of x, "
+                        "output of the in-place leaky relu after it (y = z, or z / slope where "
+                        "z < 0; x = y a + b, a = 1 / (weight invstd), b = mean - bias a): fp32 roundings of x, "
                         "|x' - x| <= 2^-20 (|x| + |mean| + |bias / weight| / invstd) (NOTE "
-                        "[in-place activated batch norm])", passes=4.0, ops=10)
-# bn_from_output's per_byte_s: measured by `benchmarks/abn.py --act relu` (six norms of a 3D
-# conv net, 5.5 MB of inputs let go, +6.6 ms a step on this 2-core CPU: 1.19e-9 s per byte):
-# the norm's statistics in forward, the input rebuilt from the output (one addcmul pass) and
-# relu(y) for the next convolution's save. passes: 1 + 2 + 2 (the relu run out of place moves
-# the bytes the in-place one did)
-BN_FROM_OUTPUT = CodecSpec("bn_from_output", Exactness.REBUILT, _nothing, 1.2e-9,
+                        "[in-place activated batch norm])", passes=4.0, ops=8)
+# bn_from_output's per_byte_s: measured by `benchmarks/abn.py --act relu` (five norms of a 3D
+# conv net, 5.4 MB of inputs let go, on this 2-core CPU, 15 rounds: +3.6 and +3.7 ms a step,
+# 0.68e-9 s per byte; +7.3 and +7.6 ms, 1.4e-9 s per byte, in the same session when a var_mean
+# pass in forward computed the statistics again, NOTE [the kernel's statistics]): the input
+# rebuilt from the output (one addcmul pass) and relu(y) for the next convolution's save.
+# passes: 2 + 2 (the relu run out of place moves the bytes the in-place one did)
+BN_FROM_OUTPUT = CodecSpec("bn_from_output", Exactness.REBUILT, _nothing, 0.7e-9,
                            "batch norm's input, kept as nothing: rebuilt in backward from the norm's "
                            "own output y, kept whole because the relu after it then runs out of "
                            "place (x = y a + b, a = 1 / (weight invstd), b = mean - bias a); the relu "
                            "result's saves are rebuilt as relu(y), bitwise. fp32 roundings of x: |x' - x| <= 2^-20 "
                            "(|x| + |mean| + |bias / weight| / invstd) (NOTE [output-activated batch "
-                           "norm])", passes=5.0, ops=8)
+                           "norm])", passes=4.0, ops=8)
 BF16 = CodecSpec("bf16", Exactness.LOSSY, _two_bytes, 0.1e-9,
                  "bfloat16: |x' - x| <= 2^-8 |x| for normal fp32 x", passes=3.0, ops=2)
 FP8_E4M3 = CodecSpec("fp8_e4m3", Exactness.LOSSY, _byte_and_scale, 1.5e-9,

@@ -60,10 +60,9 @@ def inplace_activated(profile: Profile, i: int, rec: StorageRecord, pair: tuple[
     activated batch norm])."""
     (bn_key, bn_call), (act_key, act_call) = (key_in_call(profile, j, calls) for j in pair)
     bn, act = (profile.ops[j] for j in pair)
-    # its packed form: the per-channel mean and invstd the rebuild needs (fp32)
-    channels = bn.outputs[0].shape[1] if len(bn.outputs[0].shape) > 1 else 1
-    entry = Compressed(f"{bn.name}#{bn_key}", INPLACE_ABN.name, bn.module, rec.nbytes,
-                       2 * 4 * channels, 0, bn_call)
+    # its packed form: nothing; the rebuild reads the mean and invstd the norm's node saves
+    # (NOTE [the kernel's statistics] in memfit.runtime.bn_rebuild)
+    entry = Compressed(f"{bn.name}#{bn_key}", INPLACE_ABN.name, bn.module, rec.nbytes, 0, 0, bn_call)
     extra = (Compressed(f"{act.name}#{act_key}", INPLACE_ABN.name, act.module, call=act_call),)
     used = rec.last_forward_use if rec.last_forward_use is not None else i
     # rebuilt in place in the norm's output, which is then held until the norm's backward
@@ -90,10 +89,9 @@ def output_activated(profile: Profile, i: int, rec: StorageRecord, pair: tuple[i
         return None
     (bn_key, bn_call), (act_key, act_call) = (key_in_call(profile, pair[0], calls),
                                               activation_key(profile, pair[1], calls, tuple(OUTPUT_BN_ACTIVATIONS)))
-    channels = bn.outputs[0].shape[1] if len(bn.outputs[0].shape) > 1 else 1
-    # its packed form: the per-channel mean and invstd the rebuild needs (fp32)
-    entry = Compressed(f"{bn.name}#{bn_key}", BN_FROM_OUTPUT.name, bn.module, rec.nbytes,
-                       2 * 4 * channels, 0, bn_call)
+    # its packed form: nothing; the rebuild reads the mean and invstd the norm's node saves
+    # (NOTE [the kernel's statistics] in memfit.runtime.bn_rebuild)
+    entry = Compressed(f"{bn.name}#{bn_key}", BN_FROM_OUTPUT.name, bn.module, rec.nbytes, 0, 0, bn_call)
     extra = (Compressed(f"{act.name}#{act_key}", BN_FROM_OUTPUT.name, act.module, call=act_call),)
     used = rec.last_forward_use if rec.last_forward_use is not None else i
     # each save of the relu result decodes relu(y), a whole copy while its node runs; the

@@ -5,8 +5,9 @@ NOTE [in-place activated batch norm]
     affine ``y = (x - mean) * invstd * weight + bias`` per channel. When the op after it is an
     in-place leaky relu (``inplace_abn``), ``z = leaky_relu(y)`` overwrites ``y``'s storage and
     is invertible (``y = z`` where ``z >= 0``, else ``z / slope``), so ``x`` can be rebuilt from
-    ``z`` and the per-channel ``mean`` and ``invstd``: ``x = (y - bias) / (weight invstd) +
-    mean``. The planned norm's call is taken over by a function mode over its module
+    ``z`` and the per-channel ``mean`` and ``invstd`` the kernel normalised with (NOTE [the
+    kernel's statistics]): the inverse leaky relu in place, then ``x = y a + b``, ``a = 1 /
+    (weight invstd)``, ``b = mean - bias a`` (one ``addcmul`` pass). The planned norm's call is taken over by a function mode over its module
     (``memfit.runtime.compress._CallTagging``): the norm's node saves a ``_Rebuilt`` instead of
     ``x``, which holds ``x`` itself until the planned activation has run in place on the norm's
     output, then lets it go. In backward the norm's node unpacks last among the readers of
@@ -34,10 +35,22 @@ NOTE [output-activated batch norm]
     forward ``x`` is freed after the norm and ``r`` after its last reader; ``y`` is held until
     the norm's backward (in its storage the rebuilt ``x``, one ``addcmul`` pass: ``x = y a + b``
     per channel). One tensor of each norm-relu pair is kept where two were (``x`` and ``r``),
-    at no recompute of the convolution before it; the costs are the statistics in forward
-    (one pass), the rebuild, and one relu per unpack of ``r`` by a reader of its values. The relu's own node
+    at no recompute of the convolution before it; the costs are the rebuild and one relu per
+    unpack of ``r`` by a reader of its values. The relu's own node
     saves ``r`` while ``torch.relu`` runs, before the mode has its result: the pack hook takes
     the first save whose node is a ``ReluBackward`` while that relu runs, and tags its storage.
+
+NOTE [the kernel's statistics]
+    Both variants rebuild ``x`` from the per-channel ``mean`` and ``invstd``. Those are outputs
+    1 and 2 of the batch-norm kernel (``ABN_NORMS``: ``native_batch_norm`` and
+    ``_native_batch_norm_legit`` return ``save_mean, save_invstd``, ``cudnn_batch_norm`` its
+    ``save_mean`` and inverse std), which ``F.batch_norm`` drops and the norm's autograd node
+    saves for its own backward. A dispatch mode over the planned call (``_KernelStatistics``)
+    takes them as the kernel returns them: no pass over ``x`` and no tensor of memfit's own
+    (before 2026-12-07 a ``var_mean(x)`` pass in forward computed them again and held 8 bytes
+    a channel: on the 3D conv net of ``benchmarks/abn.py`` the same values, bitwise), and the
+    rebuild inverts ``y`` with the very numbers it was made with. A kernel that returns no such
+    pair (another backend's): the input is kept whole.
 """
 
 from __future__ import annotations
@@ -47,7 +60,9 @@ from typing import Any
 
 import torch
 
-from memfit._torch import no_python_dispatch, tensor_version
+from memfit._torch import TorchDispatchMode, tensor_version
+from memfit.ops import op_name
+from memfit.planning.compression import ABN_NORMS
 
 __all__ = ["Rebuilt", "ReluOf", "norm_taken", "activation_in_place", "relu_out_of_place", "check_not_replaced"]
 
@@ -97,16 +112,13 @@ class Rebuilt:
         # in place: every other reader of y (the activation's and the next op's backward) has
         # run by the time the norm's backward unpacks its input
         shape = [1, -1] + [1] * (y.dim() - 2)
-        if self.from_output:
-            # one pass: x = y a + b, a = 1 / (weight invstd), b = mean - bias a, per channel
-            a = 1.0 / (self.invstd if self.weight is None else self.invstd * self.weight.detach())
-            b = self.mean if self.bias is None else self.mean - self.bias.detach() * a
-            return torch.addcmul(b.view(shape), y, a.view(shape), out=y)
-        torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
-        if self.bias is not None:
-            y.sub_(self.bias.detach().view(shape))
-        scale = self.invstd if self.weight is None else self.invstd * self.weight.detach()
-        return y.div_(scale.view(shape)).add_(self.mean.view(shape))
+        if not self.from_output:
+            torch.nn.functional.leaky_relu(y, 1.0 / self.slope, inplace=True)  # the inverse
+        # one pass: x = y a + b, a = 1 / (weight invstd), b = mean - bias a, per channel (in
+        # the kernel's fp32 statistics, then y's dtype)
+        a = 1.0 / (self.invstd if self.weight is None else self.invstd * self.weight.detach())
+        b = self.mean if self.bias is None else self.mean - self.bias.detach() * a
+        return torch.addcmul(b.to(y.dtype).view(shape), y, a.to(y.dtype).view(shape), out=y)
 
 
 class ReluOf:
@@ -134,17 +146,35 @@ def norm_taken(owner: Any, func: Any, args: tuple, kwargs: dict, from_output: bo
         return func(*args, **kwargs)  # kept whole: eval statistics, or a weight that is 0
     held = Rebuilt(x, weight, bound.get("bias"), eps, from_output)
     owner.shape = (weakref.ref(x.untyped_storage()), held)
+    kernel = _KernelStatistics()
     try:
-        out = func(*args, **kwargs)
+        with kernel:
+            out = func(*args, **kwargs)
     finally:
         owner.shape = None
-    with torch.no_grad(), no_python_dispatch():
-        dims = [d for d in range(x.dim()) if d != 1]
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
-        held.mean, held.invstd = mean, torch.rsqrt(var + eps)
+    if kernel.found is None:  # not one of ABN_NORMS' kernels: the input is kept whole
+        return out
+    held.mean, held.invstd = kernel.found
     held.out = out
     owner.abn_pending = held
     return out
+
+
+class _KernelStatistics(TorchDispatchMode):
+    """Over one ``F.batch_norm`` call: the per-channel mean and invstd its kernel (one of
+    ``ABN_NORMS``: outputs 1 and 2) computed and normalised with, which its autograd node
+    saves anyway (NOTE [the kernel's statistics])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (self.found is None and op_name(func) in ABN_NORMS and isinstance(out, tuple) and len(out) >= 3
+                and all(isinstance(t, torch.Tensor) and t.numel() > 0 for t in out[1:3])):
+            self.found = (out[1], out[2])
+        return out
 
 
 def activation_in_place(owner: Any, func: Any, args: tuple, kwargs: dict) -> Any:
