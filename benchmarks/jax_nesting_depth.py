@@ -67,6 +67,12 @@ def main() -> None:
         ("[s0 > parts, s1 > parts], s2 > parts", 3, [joined(stage(0), stage(1)), stage(2)]),
         ("[s0, s1, s2.p1], s2.p2", 2, [joined(stage(0, False), stage(1, False), part(2, 1)), part(2, 2)]),
         ("[s0 > parts, s1 > parts, s2.p1], s2.p2", 3, [joined(stage(0), stage(1), part(2, 1)), part(2, 2)]),
+        ("[[s0 > parts, s1 > parts], s2.p1], s2.p2", 4,
+         [joined(joined(stage(0), stage(1)), part(2, 1)), part(2, 2)]),
+        ("[[s0 > parts, s1.p1], s1.p2], [s2.p1], s2.p2", 4,
+         [joined(joined(stage(0), part(1, 1)), part(1, 2)), part(2, 1), part(2, 2)]),
+        ("[[[s0 > parts, s1.p1], s1.p2], s2.p1], s2.p2", 5,
+         [joined(joined(joined(stage(0), part(1, 1)), part(1, 2)), part(2, 1)), part(2, 2)]),
     ]
     plain = plain_step(loss_fn, has_aux=aux)
     ref = jax.tree_util.tree_leaves(plain(params, batch))
