@@ -138,6 +138,12 @@ def _tensor_version() -> None:
     assert T.tensor_version(t) == before + 2
 
 
+def _check_batch_norm_input() -> None:
+    T.check_batch_norm_input(nn.BatchNorm2d(3), torch.zeros(2, 3, 4, 4))
+    with pytest.raises(ValueError, match="expected 4D input"):
+        T.check_batch_norm_input(nn.BatchNorm2d(3), torch.zeros(2, 3))
+
+
 def _runs_batch_norm_forward() -> None:
     assert T.runs_batch_norm_forward(nn.BatchNorm2d(3)) and T.runs_batch_norm_forward(nn.BatchNorm3d(3))
     assert not T.runs_batch_norm_forward(nn.SyncBatchNorm(3))
@@ -654,6 +660,7 @@ EXERCISES: dict[str, Callable[[], None]] = {
     "module_parameters": _module_parameters,
     "module_buffers": _module_buffers,
     "runs_batch_norm_forward": _runs_batch_norm_forward,
+    "check_batch_norm_input": _check_batch_norm_input,
     "forward_pre_hooks": _forward_pre_hooks,
     "forward_pre_hook_takes_kwargs": _forward_pre_hook_takes_kwargs,
     "remove_forward_pre_hook": _remove_forward_pre_hook,

@@ -201,3 +201,57 @@ def _peak(events: list[int]) -> int:
         live += n
         peak = max(peak, live)
     return peak
+
+
+def _skipper_ops(monkeypatch) -> list[int]:
+    """Ops dispatched through rule 2's update skipper (a Python mode over a norm's forward)."""
+    seen = [0]
+    real = buffers._SkipUpdates.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen[0] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(buffers._SkipUpdates, "__torch_dispatch__", counting)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["plain", "twice"])  # "cumulative" is watched every call
+def test_unwatched_replays_run_their_norms_on_scratch_statistics(kind, monkeypatch):
+    """NOTE [scratch statistics]: after the watched first call, a replay runs each norm's
+    ``F.batch_norm`` on the scratch wrap made, no op through the skipper; bitwise the plain
+    step's (statistics and counters included). A norm whose buffers changed dtype after wrap,
+    or that is wrapped itself, replays under the skipper, bitwise too."""
+    from memfit.runtime import norm_statistics
+
+    skipped = _skipper_ops(monkeypatch)
+    model, twin = _pair(kind, False)
+    assert all(b.bn in norm_statistics._SCRATCH for b in model.blocks)
+    assert_bitwise_twin(model, twin, (_x(),), steps=1)  # watched: its replay skips by the mode
+    assert skipped[0] > 0
+    skipped[0] = 0
+    assert_bitwise_twin(model, twin, (_x(),), steps=3)
+    assert skipped[0] == 0
+    calls = 8 if kind == "twice" else 4
+    assert [int(b.bn.num_batches_tracked) for b in model.blocks] == [calls, calls]
+
+    for plan, dtype in ((NESTED, torch.float32), (PLAN, torch.float64)):
+        # blocks.1.bn wrapped itself (its own forward); buffers cast after wrap (no scratch)
+        model, twin = _pair(kind, False, plan)
+        model.to(dtype), twin.to(dtype)
+        x = _x().detach().to(dtype).requires_grad_()
+        assert_bitwise_twin(model, twin, (x,), steps=1)
+        skipped[0] = 0
+        assert_bitwise_twin(model, twin, (x,), steps=2)
+        assert skipped[0] > 0
+
+
+def test_unwrap_lets_the_scratch_go():
+    from memfit.runtime import norm_statistics
+    from memfit.runtime.apply import unapply
+
+    model, _ = _pair("plain", False)
+    norms = [b.bn for b in model.blocks]
+    assert all(n in norm_statistics._SCRATCH for n in norms)
+    unapply(model)
+    assert not any(n in norm_statistics._SCRATCH for n in norms)

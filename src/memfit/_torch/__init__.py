@@ -53,7 +53,8 @@ __all__ = [
     "SUPPORTED_TORCH", "require_supported_torch", "TorchDispatchMode", "FakeTensorMode",
     "FAKE_TENSOR_LOGGER", "OpOverload", "OpOverloadPacket", "tree_flatten", "tree_map",
     "op_schema", "op_packet", "op_namespace", "written_tensors", "is_view_tensor", "storage_key",
-    "tensor_version", "module_parameters", "module_buffers", "runs_batch_norm_forward", "forward_pre_hooks",
+    "tensor_version", "module_parameters", "module_buffers", "runs_batch_norm_forward", "check_batch_norm_input",
+    "forward_pre_hooks",
     "forward_pre_hook_takes_kwargs", "remove_forward_pre_hook", "set_display_name",
     "clear_display_name", "current_autograd_node", "node_sequence_nr", "peek_sequence_nr",
     "no_python_dispatch", "without_dispatch_modes", "outer_saved_tensors_hooks", "sac_op_output",
@@ -191,6 +192,12 @@ def runs_batch_norm_forward(module: nn.Module) -> bool:
     """Whether ``module``'s forward is torch's own batch norm forward (``BatchNorm1d/2d/3d`` and
     subclasses that keep it; not ``SyncBatchNorm`` or a subclass with its own forward)."""
     return type(module).forward is torch.nn.modules.batchnorm._BatchNorm.forward
+
+
+def check_batch_norm_input(module: nn.Module, x: Any) -> None:
+    """What torch's batch norm forward checks of its input first (``_check_input_dim``: the
+    number of dimensions of ``BatchNorm1d/2d/3d``), raising as it does."""
+    module._check_input_dim(x)  # type: ignore[operator]
 
 
 def forward_pre_hooks(module: nn.Module) -> dict[int, Callable[..., Any]]:

@@ -37,7 +37,7 @@ from memfit.runtime import policies as _policies
 from memfit.runtime.checkpoint import run_region
 from memfit.runtime.divergence import CheckArg, CheckSampler
 from memfit.runtime.marks import WRAP_ATTR, is_wrapped, suspended
-from memfit.runtime.norm_statistics import StatisticsFinding
+from memfit.runtime.norm_statistics import StatisticsFinding, drop_scratch, prepare_scratch
 from memfit.runtime.policies import PolicyArg
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
@@ -150,6 +150,7 @@ def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
                                           watch_buffers))
     module.forward = _CheckpointedForward(module)  # type: ignore[method-assign]
     set_display_name(module, _WrappedName(module))
+    prepare_scratch(module)  # NOTE [scratch statistics] in memfit.runtime.norm_statistics
     return module
 
 
@@ -172,6 +173,7 @@ def unwrap(module: nn.Module) -> nn.Module:
         )
     state: _WrapState = module.__dict__.pop(WRAP_ATTR)
     clear_display_name(module)
+    drop_scratch(module)
     if state.instance_forward is None:
         del module.__dict__["forward"]
     else:
