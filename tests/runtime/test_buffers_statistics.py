@@ -255,3 +255,16 @@ def test_unwrap_lets_the_scratch_go():
     assert all(n in norm_statistics._SCRATCH for n in norms)
     unapply(model)
     assert not any(n in norm_statistics._SCRATCH for n in norms)
+
+
+def test_a_lazy_norm_gets_no_scratch():
+    """A lazy norm's buffers are uninitialized at wrap: wrap gives it none (it replays under the
+    skipper), and wrapping does not touch them."""
+    from memfit.runtime import norm_statistics
+    from memfit.runtime.wrap import unwrap, wrap
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d(), nn.BatchNorm1d(4))
+    wrap(block)
+    assert block[1] not in norm_statistics._SCRATCH and block[2] in norm_statistics._SCRATCH
+    unwrap(block)
+    assert block[2] not in norm_statistics._SCRATCH

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from memfit._torch import (
     check_batch_norm_input,
@@ -259,7 +260,7 @@ def prepare_scratch(root: nn.Module) -> None:
             continue
         bufs = module_buffers(m)
         mean, var = bufs.get("running_mean"), bufs.get("running_var")
-        if mean is not None and var is not None:
+        if mean is not None and var is not None and not (is_lazy(mean) or is_lazy(var)):  # a lazy norm: none
             with torch.no_grad():
                 _SCRATCH[m] = (torch.zeros_like(mean), torch.zeros_like(var))
 
