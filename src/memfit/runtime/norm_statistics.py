@@ -248,6 +248,8 @@ def _unskipping(module: nn.Module) -> None:
 # NOTE [scratch statistics]: per norm, the tensors its replays' kernel updates instead of its
 # running mean and variance
 _SCRATCH: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
 def _ON_SCRATCH() -> Any:  # a skipper stack's entry: replay on the scratch statistics
     raise AssertionError("_ON_SCRATCH marks a replay on scratch statistics; it is not a mode")
 
