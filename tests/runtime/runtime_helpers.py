@@ -196,3 +196,16 @@ class CallCounter:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def dispatch_counter(monkeypatch: Any, mode: type) -> list[int]:
+    """How many ops go through ``mode.__torch_dispatch__`` from now on (``[count]``, live)."""
+    seen = [0]
+    real = mode.__torch_dispatch__
+
+    def counting(self: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        seen[0] += 1
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(mode, "__torch_dispatch__", counting)
+    return seen

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime_helpers import assert_bitwise_twin
+from runtime_helpers import assert_bitwise_twin, dispatch_counter
 from torch import nn
 
 import memfit
@@ -364,15 +364,7 @@ class SharedNet(nn.Module):
 def _watched_ops(monkeypatch) -> list[int]:
     from memfit.runtime import buffers
 
-    seen = [0]
-    real = buffers._Watch.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        seen[0] += 1
-        return real(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(buffers._Watch, "__torch_dispatch__", counting)
-    return seen
+    return dispatch_counter(monkeypatch, buffers._Watch)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import assert_bitwise_twin
+from runtime_helpers import assert_bitwise_twin, dispatch_counter
 from torch import nn
 
 from memfit.planning.plan import Plan, Region
@@ -205,15 +205,7 @@ def _peak(events: list[int]) -> int:
 
 def _skipper_ops(monkeypatch) -> list[int]:
     """Ops dispatched through rule 2's update skipper (a Python mode over a norm's forward)."""
-    seen = [0]
-    real = buffers._SkipUpdates.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        seen[0] += 1
-        return real(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(buffers._SkipUpdates, "__torch_dispatch__", counting)
-    return seen
+    return dispatch_counter(monkeypatch, buffers._SkipUpdates)
 
 
 @pytest.mark.parametrize("kind", ["plain", "twice"])  # "cumulative" is watched every call
