@@ -57,6 +57,9 @@ BAD = {
     # NOTE [segments nested in a block]: simulate models it, memfit.jax runs it, torch does not
     "segment_in_block": (_plan(Region(("blocks.1",)), Region(("blocks.1.ln1", "blocks.1.attn"))),
                          r"segment blocks\.1\.ln1\.\.blocks\.1\.attn is nested in region blocks\.1"),
+    # NOTE [regions nested deeper]: a segment in a segment, which memfit.jax runs
+    "segment_in_segment": (_plan(Region(("blocks.0", "blocks.1", "blocks.2")), Region(("blocks.0", "blocks.1"))),
+                           "module 'blocks.0' appears in two regions"),
 }
 
 

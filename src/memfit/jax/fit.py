@@ -180,7 +180,7 @@ def inexact_spans(step: PlannedStep, checks: OnXla) -> tuple[list[tuple[int, int
     unnest: list[tuple[int, int]] = []
     plan = step.plan
     for r in (q for q in plan.regions if plan.outer_of(q) is None):
-        group = tuple(q for q in plan.regions if q is r or plan.outer_of(q) is r)
+        group = tuple(q for q in plan.regions if q is r or any(o is r for o in plan.outers_of(q)))
         if checks.exact(_alone(step, group)):
             continue
         span = resolve_span(step.profile, r.modules)

@@ -127,12 +127,11 @@ def region_specs(program: Program, plan: Plan, profile: Profile) -> list[RegionS
         flat.append(RegionSpec(start, end, frozenset(saved)))
     flat.sort(key=lambda s: (s.start, -s.end))
     top: list[RegionSpec] = []
-    for s in flat:
-        outer = next((t for t in reversed(top) if t.start <= s.start and s.end <= t.end), None)
-        if outer is None:
-            top.append(s)
-        else:
-            outer.inner.append(s)
+    for s in flat:  # into the innermost region that contains it (NOTE [regions nested deeper])
+        level = top
+        while (outer := next((t for t in reversed(level) if t.start <= s.start and s.end <= t.end), None)):
+            level = outer.inner
+        level.append(s)
     return top
 
 

@@ -101,7 +101,13 @@ from memfit.planning.arrays import NEVER, ProfileArrays, dense
 from memfit.planning.buffer_copies import buffer_copies
 from memfit.profiling.profile import Profile
 
-__all__ = ["ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span", "dense"]
+__all__ = ["ProfileArrays", "RegionSpan", "RegionModel", "Effect", "resolve_span", "dense", "OP_RUNS"]
+
+# Profile.extra: the front end runs any run of the step's ops as a region (memfit.jax): a
+# segment's members may be modules of different parents in call order, the code between them
+# included (NOTE [segments nested in a block], NOTE [regions nested deeper] in
+# memfit.planning.nesting)
+OP_RUNS = "regions_are_op_runs"
 
 @dataclass(frozen=True)
 class RegionSpan:
@@ -123,7 +129,7 @@ def resolve_span(profile: Profile, modules: tuple[str, ...],
 
     Raises:
         ValueError: an unknown module, one that ran no op, or a segment whose members are not
-            siblings in call order.
+            siblings in call order (in call order, of any parents, on an ``OP_RUNS`` profile).
     """
     index = _index if _index is not None else {m.path: k for k, m in enumerate(profile.modules)}
     recs = []
@@ -138,7 +144,7 @@ def resolve_span(profile: Profile, modules: tuple[str, ...],
         recs.append(rec)
     if len(recs) > 1:
         parents = {r.parent for r in recs}
-        if len(parents) != 1:
+        if len(parents) != 1 and not profile.extra.get(OP_RUNS):
             raise ValueError(f"segment {modules} mixes modules of different parents {sorted(map(str, parents))}; "
                              "a segment is a run of consecutive siblings")
         for r0, r1 in zip(recs, recs[1:], strict=False):

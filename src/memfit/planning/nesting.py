@@ -94,6 +94,33 @@ NOTE [segments nested in a block]
     the plain peak chose ``nothing_saveable`` on every stage before (4,563,580 B, 1.529
     GFLOPs) and now the chain DP's plan: the first stage whole, the second with its parts at
     its dots nested, the last one's parts alone (4,039,364 B, 1.300 GFLOPs).
+NOTE [regions nested deeper]
+    Where the profile's front end runs any run of ops as a region (``OP_RUNS``), a region
+    nests in every region whose op range contains it, at any depth, and a segment's members
+    may be modules of different parents in call order (a run of ops from the first one's
+    first op to the last one's last, the code between included): ``memfit.jax`` runs each as
+    a ``jax.checkpoint`` inside the one around it. The model is the one above, applied at
+    each level: an inner region with regions nested in it is a ``NestedModel`` of its own,
+    and the outer one takes from it what its frames do to each storage they drop (both
+    lifetimes, from the innermost region that drops it), the inputs its regions hold (until
+    their recompute points) and its replays. In an outer replay each inner call runs as a
+    checkpointed forward, and a storage that it, or a region nested deeper, drops lives until
+    the innermost such call returns (``call_end``; counted to the end of the outermost inner
+    call, the conv net's prefixes below were predicted at 7.7 MB). Each region's replay
+    reruns its whole op range once, its nested regions' ops included, up to where its last
+    inner region starts when that one reaches its stop; so an op ``k`` levels deep reruns up
+    to ``k`` times.
+    Why deeper: with one level, an outer region's replay holds the inputs of every region
+    nested in it until each one's backward, so the step's peak holds one input per part
+    beside the backward of the costliest part. The *nested prefixes* (``memfit.jax.measured``:
+    parts ``u1..un``, each a region, and each run ``u1..uk`` a region around ``u1..u(k-1)``
+    and ``uk``) hold one input at a time, at quadratic rerun. Measured on XLA (jax 0.10.2,
+    CPU, the benchmark conv net, its six stage parts): 2,730,196 B, 0.951 of 0.3 of the plain
+    peak, where the least one-level plan peaked at 3,515,068 B; 1.819 GFLOPs (the plain step
+    1.150), gradients bitwise plain's; predicted 3,333,524 B (1.22x XLA's, as the one-level
+    plans' 1.08-1.28x) and 675.9 M extra FLOPs (XLA's 669.0 M: +1.0%). The torch runtime nests
+    one level and runs no segment of several parents; ``simulate`` refuses both on a torch
+    profile, and ``memfit.apply`` refuses a segment nested in a segment (``PlanMismatch``).
 
 """
 
@@ -105,15 +132,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.planning.effects import Effect, ProfileArrays, RegionModel, _cat
+from memfit.planning.effects import OP_RUNS, Effect, ProfileArrays, RegionModel, _cat
 from memfit.planning.rules import is_matmul
 from memfit.profiling.profile import Profile
 
 __all__ = ["NestedModel", "Replay", "OP_RUNS", "parts_after_dots", "unnesting", "nesting_refused"]
 
-# Profile.extra: the front end runs any run of the step's ops as a region, its parent's code
-# between two modules included (memfit.jax; NOTE [segments nested in a block])
-OP_RUNS = "regions_are_op_runs"
 
 
 # Profile.extra: spans of modules no plan nests a region inside (``unnesting``)
@@ -186,22 +210,32 @@ class NestedModel:
         replays: the outer replay, then one per useful inner region.
         time_s: recompute seconds of all replays and the regions' fixed costs.
         outer_flops: FLOPs of the outer replay (inner regions' ops included: it reruns them).
+        subtrees: per inner region, its own NestedModel where regions nest in it, else None.
+        call_end: per storage of the outer region, the op until which it lives when the outer
+            region runs as a call inside the replay of a region around it (NOTE [regions
+            nested deeper]).
     """
 
-    def __init__(self, arrs: ProfileArrays, outer: RegionModel, inners: Sequence[RegionModel]) -> None:
+    replays: tuple[Replay, ...]
+    call_end: np.ndarray
+
+    def __init__(self, arrs: ProfileArrays, outer: RegionModel,
+                 inners: Sequence[RegionModel | NestedModel]) -> None:
         if outer.rp is None:
             raise ValueError(f"nested regions: {outer.span.name} drops nothing")
         self.outer = outer
-        self.inners = list(inners)
+        # an inner region with regions nested in it (NOTE [regions nested deeper]) is its
+        # NestedModel; ``self.inners`` are the regions' own models either way
+        self.subtrees: list[NestedModel | None] = [x if isinstance(x, NestedModel) else None for x in inners]
+        self.inners = [x.outer if isinstance(x, NestedModel) else x for x in inners]
         out = outer
         pos = {int(s): k for k, s in enumerate(out.ids)}
         owner = np.full(out.ids.shape, -1, dtype=np.int64)
         useful = [q for q, inner in enumerate(self.inners) if inner.rp is not None]
         for q in useful:
-            inner = self.inners[q]
             # an output of I that I's own ops saved (``held``) is O's: O's ops read it, and
             # what they save goes to O's frame, so O's replay makes it again
-            for s in inner.ids[inner.dropped & ~inner.held]:
+            for s in self.inners[q].ids[self._mine(q)]:
                 owner[pos[int(s)]] = q
         rp_o = int(out.rp)  # type: ignore[arg-type]
         rp_i = {q: int(self.inners[q].rp) for q in useful}  # type: ignore[arg-type]
@@ -210,14 +244,17 @@ class NestedModel:
         own = out.dropped & (owner < 0)
         self.end1 = np.where(out.dropped, out.d, out.f)
         self.start2 = np.where(own, rp_o, -1)
-        for q in useful:
-            inner = self.inners[q]
-            self.start2[owner == q] = rp_i[q]
-            # Python locals of an inner forward live until it returns, not until O's member's
-            mine = inner.dropped & ~inner.held
-            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
-            self.end1[ks] = inner.d[mine]
         self.end2 = out.f2.copy()
+        for q in useful:
+            inner, sub = self.inners[q], self.subtrees[q]
+            mine = self._mine(q)
+            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
+            if sub is None:
+                self.start2[ks] = rp_i[q]
+                # Python locals of an inner forward live until it returns, not until O's member's
+                self.end1[ks] = inner.d[mine]
+            else:  # both lifetimes as the inner region's own nesting has them
+                self.start2[ks], self.end1[ks], self.end2[ks] = sub.start2[mine], sub.end1[mine], sub.end2[mine]
         for q in useful:
             # an output I's own ops saved (O's, made again by O's replay): that copy serves
             # the saves of ops outside I; I's saves unpack the copy I's replay makes
@@ -233,18 +270,18 @@ class NestedModel:
         in_ext: dict[int, int] = {int(s): out.hold_end for s in out.inputs}
         held = np.zeros(out.ids.shape, dtype=bool)  # created in out, held by O's frame after rp_O
         for q in useful:
-            for s in self.inners[q].inputs:
-                k = pos.get(int(s))
+            for s, until, outside in self._inputs(q, rp_i[q]):
+                k = pos.get(s)
                 if k is None:
-                    in_ext[int(s)] = max(in_ext.get(int(s), -1), self.inners[q].hold_end)
+                    in_ext[s] = max(in_ext.get(s, -1), outside)
                     continue
                 if self.start2[k] < 0 and out.f[k] < rp_o:  # plain transient: held from rp_O
                     self.start2[k] = rp_o
-                    self.end2[k] = max(rp_i[q], int(out.f[k]))
+                    self.end2[k] = max(until, int(out.f[k]))
                 elif self.start2[k] >= 0:
-                    self.end2[k] = max(int(self.end2[k]), rp_i[q])
+                    self.end2[k] = max(int(self.end2[k]), until)
                 else:  # still live at rp_O
-                    self.end1[k] = max(int(self.end1[k]), rp_i[q])
+                    self.end1[k] = max(int(self.end1[k]), until)
                 held[k] = True
         self.input_ids = np.array(sorted(in_ext), dtype=np.int64)
         self.input_end = np.array([in_ext[s] for s in sorted(in_ext)], dtype=np.int64)
@@ -256,11 +293,17 @@ class NestedModel:
         ends_in = ending[0] if ending else None
         if ends_in is not None:
             self.stop = self.inners[ends_in].a - 1
-        # storages of inner frames end with their inner forward's last op
-        inner_b = np.array([self.inners[q].b for q in range(len(self.inners))] + [0], dtype=np.int64)
+        # storages of inner frames end with their inner forward's last op, or with that of
+        # the region nested deeper that drops them (its call returns first)
+        self.call_end = np.minimum(out.f, out.b)
+        for q in useful:
+            inner, sub = self.inners[q], self.subtrees[q]
+            mine = self._mine(q)
+            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
+            self.call_end[ks] = np.minimum(inner.f, inner.b)[mine] if sub is None else sub.call_end[mine]
         rep = out.c <= self.stop
         end = np.where(own | held, self.stop, np.minimum(out.f, self.stop))
-        end = np.where(owner >= 0, np.minimum(out.f, inner_b[owner]), end)
+        end = np.where(owner >= 0, self.call_end, end)
         end = np.minimum(end, self.stop)
         ops = np.arange(out.a, self.stop + 1, dtype=np.int64)
         ws = ops[out.workspace[ops] > 0]
@@ -270,28 +313,67 @@ class NestedModel:
                  if (i.a <= self.stop or q == ends_in) and out.state_bytes > 0]
         bs, be = _cat(bs, np.array(stash, dtype=np.int64)), _cat(be, np.full(len(stash), self.stop, dtype=np.int64))
         bv = _cat(bv, np.full(len(stash), out.state_bytes, dtype=np.int64))
-        replays = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws, bs), _cat(end[rep], ws, be),
+        replays: list[Replay] = [Replay(rp_o, out.a, self.stop, _cat(out.c[rep], ws, bs), _cat(end[rep], ws, be),
                           _cat(out.nb[rep], out.workspace[ws], bv),
                           # what it made and leaves (not what an inner replay makes after it)
                           int(out.nb[(self.start2 == rp_o) & (owner < 0) & (out.c <= self.stop)].sum()), 0)]
         for q in useful:
-            inner = self.inners[q]
+            inner, sub = self.inners[q], self.subtrees[q]
+            if sub is not None:
+                replays.extend(dataclasses.replace(r, depth=r.depth + 1) for r in sub.replays)
+                continue
             rs, re_, rv = inner.replay_pieces(np.zeros(inner.c.shape, dtype=bool))
             replays.append(Replay(rp_i[q], inner.a, inner.stop, rs, re_, rv,
                                   int(inner.nb[inner.dropped].sum()), 1))
         self.replays = tuple(replays)
         self.outer_time_s = float(out.op_time[out.a: self.stop + 1].sum()) + out.fixed_s(selective=False)
         self.outer_flops = int(out.op_flops[out.a: self.stop + 1].sum())
-        self.time_s = (self.outer_time_s
-                       + sum(inner.time_s(set()) + inner.fixed_s(selective=False)
-                             for inner in self.inners if inner.rp is not None)
+        useful_s = [c[0] for c, i in zip(self._inner_costs(), self.inners, strict=True) if i.rp is not None]
+        self.time_s = (self.outer_time_s + sum(useful_s)
                        + sum(inner.fixed_s(selective=False) for inner in self.inners if inner.rp is None))
         self.arrs = arrs
+
+    def _mine(self, q: int) -> np.ndarray:
+        """Which storages of inner region ``q`` its frame (or a frame nested in it) drops and
+        its replay makes again: not its outputs that its own ops saved (O's, above)."""
+        inner, sub = self.inners[q], self.subtrees[q]
+        dropped = inner.dropped if sub is None else sub.start2 >= 0
+        return dropped & ~inner.held
+
+    def _inputs(self, q: int, rp_q: int) -> list[tuple[int, int, int]]:
+        """Storages inner region ``q`` (and the regions nested in it) hold as inputs: (storage,
+        the op until which O's frame holds it when O made it, until which the checkpoints
+        hold it when it was made before O)."""
+        inner, sub = self.inners[q], self.subtrees[q]
+        own = [(int(s), rp_q, inner.hold_end) for s in inner.inputs]
+        if sub is None:
+            return own
+        mine = {s for s, _, _ in own}
+        return own + [(int(s), int(e), int(e)) for s, e in zip(sub.input_ids, sub.input_end, strict=True)
+                      if int(s) not in mine]
+
+    def _inner_costs(self) -> list[tuple[float, int, int | None]]:
+        """Per inner region: the seconds of its replays (its own and those nested in it), its
+        outer replay's FLOPs and its recompute point."""
+        return [(sub.time_s if sub is not None else inner.time_s(set()) + inner.fixed_s(selective=False),
+                 sub.outer_flops if sub is not None else inner.flops(set()), self.inner_rps[q])
+                if inner.rp is not None else (inner.fixed_s(selective=False), 0, None)
+                for q, (inner, sub) in enumerate(zip(self.inners, self.subtrees, strict=True))]
+
+    def node_costs(self) -> list[tuple[float, int, int | None]]:
+        """Per region of this nesting, outer first, then each inner one as nested, depth first:
+        its own replay's seconds (fixed charges included), FLOPs and recompute point."""
+        out: list[tuple[float, int, int | None]] = [(self.outer_time_s, self.outer_flops, self.rp)]
+        for cost, inner, sub in zip(self._inner_costs(), self.inners, self.subtrees, strict=True):
+            out.extend(sub.node_costs() if sub is not None and inner.rp is not None else [cost])
+        return out
 
     def state_pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The generator states the outer call and each useful inner call stash, each from its
         first op to its recompute point (NOTE [region memory model] in ``effects``)."""
-        parts = [self.outer.state_pieces(), *(i.state_pieces() for i in self.inners)]
+        parts = [self.outer.state_pieces(),
+                 *(i.state_pieces() if sub is None else sub.state_pieces()
+                   for i, sub in zip(self.inners, self.subtrees, strict=True))]
         return _cat(*(p[0] for p in parts)), _cat(*(p[1] for p in parts)), _cat(*(p[2] for p in parts))
 
     @property

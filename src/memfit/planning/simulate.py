@@ -17,7 +17,7 @@ from memfit.planning.effects import (
     dense,
     resolve_span,
 )
-from memfit.planning.nesting import NestedModel
+from memfit.planning.nesting import OP_RUNS, NestedModel
 from memfit.planning.offload import (
     Copy,
     OffloadSpec,
@@ -122,11 +122,16 @@ def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, 
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         offloaded = keys_to_ops(profile, span.first_op, span.last_op, r.keys_with(OpPolicy.OFFLOAD), r.name)
         out.append((rm, saved, offloaded))
-    return out, nesting(regions, [m[0] for m in out])
+    return out, nesting(regions, [m[0] for m in out], runs=bool(profile.extra.get(OP_RUNS)))
 
 
-def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]:
+def nesting(regions: tuple[Region, ...], models: list[RegionModel], *, runs: bool = False) -> list[int]:
     """For each region, the index of the region it is nested in (-1: top level).
+
+    Args:
+        runs: the profile's front end runs any run of ops as a region (``OP_RUNS``): a region
+            nests in any region whose op range contains its own, at any depth (NOTE [regions
+            nested deeper] in ``memfit.planning.nesting``).
 
     Raises:
         ValueError: regions that overlap without nesting, or nesting NOTE [nested regions] does
@@ -145,18 +150,18 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel]) -> list[int]
             # a module inside the outer one, one block of an outer segment (NOTE [nested
             # segments] in memfit.planning.nesting), or a segment of modules inside an outer
             # module (NOTE [segments nested in a block])
-            ok = rm.b <= models[o].b and (
+            ok = rm.b <= models[o].b and (runs or (
                 any(inner.modules[0].startswith(m + ".") or m == ""
                     or (outer.is_segment and inner.modules[0] == m) for m in outer.modules)
                 if not inner.is_segment else
                 not outer.is_segment and all(p.startswith(outer.modules[0] + ".") or outer.modules[0] == ""
-                                             for p in inner.modules))
+                                             for p in inner.modules)))
             if not ok:
                 raise ValueError(
                     f"regions {outer.name!r} (ops {models[o].a}..{models[o].b}) and {inner.name!r} "
                     f"(ops {rm.a}..{rm.b}) overlap or nest; a plan's regions must be disjoint, or one "
                     "module nested in a region that contains it")
-            if parent[o] >= 0:
+            if parent[o] >= 0 and not runs:
                 raise ValueError(f"region {inner.name!r} is nested two levels deep (in {outer.name!r}, "
                                  f"itself in {regions[parent[o]].name!r}); one level is supported")
             if outer.ops or inner.ops:
@@ -191,9 +196,9 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
     """
     arrs = _arrays if _arrays is not None else ProfileArrays(profile)
     models, parent = region_models(profile, arrs, plan.regions)
-    for q in range(len(models)):  # inside a region that drops nothing: on its own
-        if parent[q] >= 0 and not models[parent[q]][0].useful:
-            parent[q] = -1
+    for q in range(len(models)):  # inside a region that drops nothing: in the one around it
+        while parent[q] >= 0 and not models[parent[q]][0].useful:
+            parent[q] = parent[parent[q]]
     acc = _Lifetimes.plain(arrs, len(models))
     for q, (rm, saved, offloaded) in enumerate(models):
         if parent[q] >= 0:
@@ -202,7 +207,7 @@ def simulate(profile: Profile, plan: Plan, *, offload: OffloadSpec | None = None
         if not rm.useful:
             acc.rec_s[q] = rm.fixed_s(selective=False)
         elif inner_q:
-            acc.add_nested(arrs, q, rm, inner_q, [models[i][0] for i in inner_q])
+            acc.add_nested(arrs, q, rm, parent, [m[0] for m in models])
         else:
             acc.add_region(q, rm, saved, offloaded)
     live, before = _live_and_before(arrs, acc, [m[0] for m in models])
@@ -259,11 +264,23 @@ class _Lifetimes:
                    end2=arrs.freed.copy(), rec_s=[0.0] * n_regions, saved_b=[0] * n_regions,
                    rps=[None] * n_regions, rec_flops=[0] * n_regions)
 
-    def add_nested(self, arrs: ProfileArrays, q: int, rm: RegionModel, inner_q: list[int],
-                   inner: list[RegionModel]) -> None:
-        """Region ``q`` with the regions ``inner_q`` nested in it (NOTE [nested regions])."""
+    def add_nested(self, arrs: ProfileArrays, q: int, rm: RegionModel, parent: list[int],
+                   models: list[RegionModel]) -> None:
+        """Region ``q`` with the regions nested in it (``parent``: each region's outer one;
+        NOTE [nested regions], NOTE [regions nested deeper])."""
         end1, second, end2 = self.end1, self.second, self.end2
-        nm = NestedModel(arrs, rm, inner)
+
+        def tree(o: int) -> tuple[NestedModel | RegionModel, list[int]]:
+            """Region ``o``'s model (a NestedModel where regions nest in it, a useful one) and
+            the regions it covers in ``NestedModel.node_costs`` order."""
+            kids = [i for i in range(len(models)) if parent[i] == o]
+            if not kids or (o != q and not models[o].useful):
+                return models[o], [o]
+            subs = [tree(i) for i in kids]
+            return NestedModel(arrs, models[o], [m for m, _ in subs]), [o, *(i for _, ix in subs for i in ix)]
+
+        nm, order = tree(q)
+        assert isinstance(nm, NestedModel)
         has2 = nm.start2 >= 0
         end1[nm.ids[has2]] = nm.end1[has2]
         end1[nm.ids[~has2]] = np.maximum(end1[nm.ids[~has2]], nm.end1[~has2])
@@ -273,15 +290,9 @@ class _Lifetimes:
         for r in nm.replays:
             self.replays.append((r.rp, (-rm.a, r.depth), r.a, r.stop, (r.rs, r.re, r.rv), r.second_bytes))
         self.states.append(nm.state_pieces())
-        self.rec_s[q] = nm.outer_time_s
-        self.rec_flops[q] = nm.outer_flops
-        self.saved_b[q] = nm.saved_bytes
-        self.rps[q] = nm.rp
-        for i, irm, rp_i in zip(inner_q, inner, nm.inner_rps, strict=True):
-            self.rec_s[i] = irm.fixed_s(selective=False) + (irm.time_s(set()) if rp_i is not None else 0.0)
-            self.rec_flops[i] = irm.flops(set()) if rp_i is not None else 0
-            self.saved_b[i] = 0  # its outer region drops its inputs in forward
-            self.rps[i] = rp_i
+        self.saved_b[q] = nm.saved_bytes  # the others 0: their outer region drops their inputs
+        for i, (t, flops, rp_i) in zip(order, nm.node_costs(), strict=True):
+            self.rec_s[i], self.rec_flops[i], self.rps[i] = t, flops, rp_i
 
     def add_region(self, q: int, rm: RegionModel, saved: list[int], offloaded: list[int]) -> None:
         """Region ``q``, which drops something, on its own: ``saved`` and ``offloaded`` ops."""
