@@ -283,8 +283,9 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
     """JAX's ``nothing_saveable``, ``dots_saveable`` and ``dots_with_no_batch_dims_saveable``
     on every child scope of the model (as ``nn.remat`` on each would), as memfit plans: each
     child a region saving nothing, its dots and convolutions, or its dots without batch
-    dimensions (``extra["unbatched_dots"]``); and ``nothing_saveable`` with each child's parts
-    nested in it, where a child has parts (``_nested_regions``). None where the model has no child
+    dimensions (``extra["unbatched_dots"]``); ``nothing_saveable`` with each child's parts
+    nested in it, where a child has parts (``_nested_regions``); and the nested prefixes of
+    the children's parts (``_prefix_regions``). None where the model has no child
     scope; a child whose span the profile refuses (NOTE [refused spans]) is left out of each."""
     recs = {m.path: m for m in profile.modules}
     root = next((m for m in profile.modules if m.path and m.parent == ""), None)

@@ -163,7 +163,8 @@ def nesting(regions: tuple[Region, ...], models: list[RegionModel], *, runs: boo
                     "module nested in a region that contains it")
             if parent[o] >= 0 and not runs:
                 raise ValueError(f"region {inner.name!r} is nested two levels deep (in {outer.name!r}, "
-                                 f"itself in {regions[parent[o]].name!r}); one level is supported")
+                                 f"itself in {regions[parent[o]].name!r}); the torch runtime nests one level (memfit.jax "
+                                 "nests deeper: NOTE [regions nested deeper] in memfit.planning.nesting)")
             if outer.ops or inner.ops:
                 raise ValueError(f"nested regions {outer.name!r} and {inner.name!r} must save no ops "
                                  "(recompute-all); drop the save keys or the nesting")
