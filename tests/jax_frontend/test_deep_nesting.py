@@ -3,6 +3,7 @@ a region may be a run of modules of different parents; the nested prefixes of
 ``memfit.jax.measured``, simulated, run and checked against XLA."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from memfit.jax.profiler import profile_program
 from memfit.jax.program import trace_program
 from memfit.jax.step import PlannedStep, plain_step, region_specs
 from memfit.planning.effects import OP_RUNS, ProfileArrays, RegionModel, resolve_span
+from memfit.planning.plan import Plan
 from memfit.planning.simulate import simulate
 
 from .models_tiny import MODELS
@@ -51,6 +53,9 @@ def test_prefix_plans_nest_each_run_of_parts_in_the_next(conv):
     assert line.startswith(" " * (2 + 2 * 4) + S)
     # simulated as planned, and below every stage with its parts nested one level
     assert simulate(prof, plan).peak_bytes == plan.predicted_peak_bytes < plans[NESTED].predicted_peak_bytes
+    # the auditable JSON keeps the runs of two stages' modules as they are
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.regions == plan.regions and simulate(prof, again).peak_bytes == plan.predicted_peak_bytes
 
 
 def test_each_replay_reruns_its_whole_range_up_to_its_last_part(conv):
