@@ -139,7 +139,6 @@ from memfit.profiling.profile import Profile
 __all__ = ["NestedModel", "Replay", "OP_RUNS", "parts_after_dots", "unnesting", "nesting_refused"]
 
 
-
 # Profile.extra: spans of modules no plan nests a region inside (``unnesting``)
 UNNESTED = "unnested_spans"
 
@@ -232,11 +231,13 @@ class NestedModel:
         pos = {int(s): k for k, s in enumerate(out.ids)}
         owner = np.full(out.ids.shape, -1, dtype=np.int64)
         useful = [q for q, inner in enumerate(self.inners) if inner.rp is not None]
+        # per useful inner region: which of its storages are its frames' (``_mine``: an output
+        # of I that I's own ops saved is O's, O's ops read it and what they save goes to O's
+        # frame, so O's replay makes it again), and where they sit among O's
+        where = {q: (m, np.array([pos[int(s)] for s in self.inners[q].ids[m]], dtype=np.int64))
+                 for q in useful for m in (self._mine(q),)}
         for q in useful:
-            # an output of I that I's own ops saved (``held``) is O's: O's ops read it, and
-            # what they save goes to O's frame, so O's replay makes it again
-            for s in self.inners[q].ids[self._mine(q)]:
-                owner[pos[int(s)]] = q
+            owner[where[q][1]] = q
         rp_o = int(out.rp)  # type: ignore[arg-type]
         rp_i = {q: int(self.inners[q].rp) for q in useful}  # type: ignore[arg-type]
         self.rp = rp_o
@@ -247,8 +248,7 @@ class NestedModel:
         self.end2 = out.f2.copy()
         for q in useful:
             inner, sub = self.inners[q], self.subtrees[q]
-            mine = self._mine(q)
-            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
+            mine, ks = where[q]
             if sub is None:
                 self.start2[ks] = rp_i[q]
                 # Python locals of an inner forward live until it returns, not until O's member's
@@ -298,8 +298,7 @@ class NestedModel:
         self.call_end = np.minimum(out.f, out.b)
         for q in useful:
             inner, sub = self.inners[q], self.subtrees[q]
-            mine = self._mine(q)
-            ks = np.array([pos[int(s)] for s in inner.ids[mine]], dtype=np.int64)
+            mine, ks = where[q]
             self.call_end[ks] = np.minimum(inner.f, inner.b)[mine] if sub is None else sub.call_end[mine]
         rep = out.c <= self.stop
         end = np.where(own | held, self.stop, np.minimum(out.f, self.stop))
