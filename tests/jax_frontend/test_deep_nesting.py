@@ -58,6 +58,17 @@ def test_prefix_plans_nest_each_run_of_parts_in_the_next(conv):
     assert again.regions == plan.regions and simulate(prof, again).peak_bytes == plan.predicted_peak_bytes
 
 
+def test_prefixes_are_offered_over_at_most_max_prefix_units_parts(conv, monkeypatch):
+    """The nested prefixes rerun the first part once per level: over more parts than
+    ``MAX_PREFIX_UNITS`` none is offered (the tiny conv net has six)."""
+    from memfit.jax import measured
+
+    _, prof, plans = conv
+    assert len([r for r in plans[PREFIXES].regions if r.modules in _units()]) == 6
+    monkeypatch.setattr(measured, "MAX_PREFIX_UNITS", 5)
+    assert PREFIXES not in {p.solver for p in policy_plans(prof, 0)}
+
+
 def test_each_replay_reruns_its_whole_range_up_to_its_last_part(conv):
     """A region's replay reruns every op of its range once, the regions nested in it
     included, and stops where its last inner region starts when that one holds its stop op

@@ -48,7 +48,8 @@ NOTE [budgets checked against XLA]
     And the nested prefixes (``PREFIXES``, ``PREFIXES_AT_DOTS``, ``PREFIXES_OF_CHILDREN``;
     NOTE [regions nested deeper] in ``memfit.planning.nesting``): the parts of every child
     scope in call order (those that drop nothing left out), each run of the first ``k`` a
-    region around the run of ``k - 1`` and the ``k``-th part. On the benchmark conv net
+    region around the run of ``k - 1`` and the ``k``-th part, over at most
+    ``MAX_PREFIX_UNITS`` (8) parts (the first part reruns once per level). On the benchmark conv net
     ``"min"`` and a budget of 0.3 of the plain peak (2,871,327 B; infeasible before, the
     least named 3,515,068 B) now return ``PREFIXES``: 2,730,196 B at 1.819 GFLOPs, bitwise.
     The plan returned keeps the user's budget as ``budget_bytes``; its
@@ -323,6 +324,9 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
 
 
 PREFIXES = "nothing_saveable, nested prefixes"
+# the nested prefixes rerun the first of n parts n - 1 times (about n^2 / 2 parts' forwards in
+# all) and nest n - 1 deep: offered over at most this many parts (the benchmark GPT has 8)
+MAX_PREFIX_UNITS = 8
 PREFIXES_AT_DOTS = "nothing_saveable, nested prefixes at dots"
 PREFIXES_OF_CHILDREN = "nothing_saveable, nested prefixes of child scopes"
 
@@ -331,11 +335,12 @@ def _prefix_regions(profile: Profile, units: Sequence[tuple[str, ...]]) -> list[
     """The units ``u1..un`` (runs of modules in call order) as nested prefixes (NOTE [regions
     nested deeper] in ``memfit.planning.nesting``): each unit a region, and for ``k`` in
     ``2..n-1`` the run ``u1..uk`` a region around the run ``u1..u(k-1)`` and ``uk``; [] where
-    there are fewer than three units that drop something (the others are left out), or a region would contain a refused span (NOTE [refused
-    spans]) or nest where the profile refuses it (``nesting_refused``)."""
+    fewer than three units, or more than ``MAX_PREFIX_UNITS``, drop something (the others are
+    left out), or a region would contain a refused span (NOTE [refused spans]) or nest where
+    the profile refuses it (``nesting_refused``)."""
     arrs = ProfileArrays(profile)
     units = [u for u in units if RegionModel(arrs, resolve_span(profile, u, arrs.module_index)).useful]
-    if len(units) < 3:
+    if not 3 <= len(units) <= MAX_PREFIX_UNITS:
         return []
     index = {m.path: m for m in profile.modules}
     spans = [(int(index[u[0]].first_op), int(index[u[-1]].last_op)) for u in units]  # type: ignore[arg-type]
