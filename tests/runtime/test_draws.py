@@ -127,8 +127,9 @@ def test_kept_draws_add_to_the_peak_exactly_as_predicted() -> None:
     """The copies (one byte per mask element) and the generator states live from the draw to
     its replay step. With both attention modules checkpointed the peak falls where every
     kept copy is held: each kept draw adds its 4,096 mask elements and a generator state
-    (5,056 B) to the measured peak, as to the predicted one. (The prediction of these
-    regions is 16 B under the measured peak with or without draws: the model's own gap.)"""
+    (5,056 B) to the measured peak, as to the predicted one, which is the measured peak to
+    the byte (it was 16 B under it, with or without draws, before the two wrapped attention
+    scales were counted: NOTE [wrapped numbers saved for backward])."""
     model, inputs = _case()
     prof = trace(model, inputs, repeats=1)
     measured, predicted = [], []
@@ -143,7 +144,7 @@ def test_kept_draws_add_to_the_peak_exactly_as_predicted() -> None:
     assert prof.region_state_bytes == 5056
     assert [m - measured[0] for m in measured] == [0, per_draw, 2 * per_draw]
     assert [q - predicted[0] for q in predicted] == [0, per_draw, 2 * per_draw]
-    assert measured[0] - predicted[0] == 16
+    assert measured[0] == predicted[0]
 
 
 def test_the_planner_keeps_draws_where_they_pay() -> None:

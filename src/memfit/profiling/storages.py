@@ -34,6 +34,20 @@ NOTE [unseen inputs]
     ``torch.tensor`` literal -- and is re-labelled an activation (gradient in backward) created
     by the op that first used it. This is how the tracker agrees with the allocator to the byte.
 
+NOTE [wrapped numbers saved for backward]
+    A Python number passed where an op's schema takes a Tensor (``att * (1 / sqrt(d))``:
+    ``aten.mul.Tensor``) is wrapped into a 0-dim tensor (8 bytes for a float) by torch's
+    argument parser, outside any op; a dispatch mode gets the Python number, and autograd saves
+    the wrapped tensor (``MulBackward0``'s ``other``) without calling saved-tensor hooks. So
+    before this, neither the tracker nor the dispatch meter saw it, and the allocator did: 8
+    bytes per such op held from forward to its backward (a 3-layer GPT's peak 24 bytes above
+    its profile, and a plan planned within 18 bytes of its budget measured over it). Now the
+    op's node is read when the next op starts (autograd attaches it after the op returns):
+    ``_saved_<arg>`` of each argument that was such a number, a tensor on the output's device
+    whose storage is unseen, is registered as created by the op, and its free is watched as
+    any storage's. On a CUDA step the wrapped number is a CPU tensor: not counted; in fake mode
+    (meta tensors) it is counted for a CPU target only.
+
 NOTE [op positions while tracing]
     ``pos`` is the index of the op that started last. A free seen while ``pos == i`` (during op
     ``i`` or between ``i`` and ``i + 1``) is recorded as ``freed_after = i``, so the storage
@@ -50,7 +64,7 @@ from typing import Any
 
 import torch
 
-from memfit._torch import TorchDispatchMode, op_namespace, storage_key
+from memfit._torch import TorchDispatchMode, op_namespace, op_schema, storage_key
 from memfit.profiling.profile import StorageKind, StorageRecord, live_timeline
 
 __all__ = ["LiveStorages", "TracedStorage", "live_timeline", "iter_arg_tensors", "out_tensors",
@@ -68,6 +82,22 @@ def iter_arg_tensors(args: Any, kwargs: dict[str, Any] | None = None) -> Iterato
                     yield b
     if kwargs:
         yield from iter_arg_tensors(kwargs.values())
+
+
+def _number_for_tensor(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """The names of ``func``'s Tensor arguments given a Python number (wrapped into a tensor
+    by torch's argument parser: NOTE [wrapped numbers saved for backward])."""
+    if not any(isinstance(a, (int, float, complex)) for a in (*args, *kwargs.values())):
+        return ()
+    schema = op_schema(func)
+    if schema is None:
+        return ()
+    names = []
+    for k, arg in enumerate(schema.arguments):
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        if isinstance(value, (int, float, complex)) and isinstance(arg.type, torch.TensorType):
+            names.append(arg.name)
+    return tuple(names)
 
 
 def out_tensors(out: Any) -> list[torch.Tensor]:
@@ -159,6 +189,12 @@ class LiveStorages(TorchDispatchMode):
         self._live_key: dict[int, int] = {}     # StorageImpl* -> sid, live storages only
         self._finalizers: list[weakref.finalize] = []
         self._closed = False
+        # ops that took a Python number for a Tensor: (op, argument names, outputs); NOTE
+        # [wrapped numbers saved for backward]
+        self._wrapped: list[tuple[int, tuple[str, ...], list[weakref.ref[torch.Tensor]]]] = []
+        # a fake step on the meta device for a CPU target: its wrapped numbers (CPU tensors)
+        # are in the target's memory
+        self.host_numbers = False
 
     # ---- storages ------------------------------------------------------------------------
     def _on_free(self, key: int, sid: int) -> None:
@@ -215,11 +251,13 @@ class LiveStorages(TorchDispatchMode):
 
     # ---- phases --------------------------------------------------------------------------
     def begin_backward(self) -> None:
+        self._saved_numbers()
         self.backward = True
         self.n_forward = self.pos + 1
 
     def close(self) -> None:
         """Stop watching frees: storages still live keep ``freed_after = None``."""
+        self._saved_numbers()
         self._closed = True
         for f in self._finalizers:
             f.detach()
@@ -244,6 +282,8 @@ class LiveStorages(TorchDispatchMode):
         kwargs = kwargs or {}
         if op_namespace(func) == "prim":  # metadata queries (a fake tensor's device): no op
             return func(*args, **kwargs)
+        if self._wrapped:
+            self._saved_numbers()
         i = self.pos + 1
         self.pos = i
         self._op_starts(i)
@@ -260,8 +300,40 @@ class LiveStorages(TorchDispatchMode):
         for t in iter_arg_tensors(args, kwargs):
             self.sid(t)  # an unseen input is not new memory (NOTE [unseen inputs])
         out = func(*args, **kwargs)
-        for t in out_tensors(out):
+        outs = out_tensors(out)
+        for t in outs:
             st = storage_of(t)
             if st is not None and storage_key(st) not in self._live_key:
                 self._new_output(st, i)
+        self._note_numbers(i, func, args, kwargs, outs)
         return out
+
+    def _note_numbers(self, i: int, func: Any, args: Any, kwargs: dict[str, Any],
+                      outs: list[torch.Tensor]) -> None:
+        """Op ``i`` took a Python number for a Tensor argument: read what its node saved when
+        the next op starts (NOTE [wrapped numbers saved for backward])."""
+        numbers = _number_for_tensor(func, args, kwargs)
+        if numbers and outs:
+            self._wrapped.append((i, numbers, [weakref.ref(t) for t in outs]))
+
+    def _saved_numbers(self) -> None:
+        """Register the wrapped numbers the nodes of the ops in ``_wrapped`` saved (NOTE
+        [wrapped numbers saved for backward])."""
+        pending, self._wrapped = self._wrapped, []
+        for i, names, refs in pending:
+            t = next((x for x in (r() for r in refs) if x is not None and x.grad_fn is not None), None)
+            if t is None:
+                continue
+            for name in names:
+                try:
+                    v = getattr(t.grad_fn, f"_saved_{name}")
+                except (AttributeError, RuntimeError):  # not saved, or released already
+                    continue
+                if not isinstance(v, torch.Tensor) or (
+                        v.device != t.device and not (self.host_numbers and t.device.type == "meta")):
+                    continue
+                st = storage_of(v)
+                if st is not None and storage_key(st) not in self._live_key:
+                    sid = self._new(st, StorageKind.GRADIENT if self.backward else StorageKind.ACTIVATION, i)
+                    if not self.backward:
+                        self.storages[sid].last_forward_use = i

@@ -82,6 +82,7 @@ class _Setup:
     device: torch.device
     outer: Any                              # the fake mode, or a null context
     kernels: Any = None                     # CudaKernels for a CUDA target in fake mode
+    host_numbers: bool = False              # fake mode for a CPU target: NOTE [wrapped numbers saved for backward]
 
 
 @contextlib.contextmanager
@@ -94,6 +95,7 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
                              param_owner={id(p): owners[n] for n, p in named.items()},
                              measure_workspace=measure_workspace,
                              autocast_devices=st.autocast_devices())
+    tracker.host_numbers = su.host_numbers
     rec = ModuleRecorder(model, tracker)
     tracker.module_of = rec.current
     for p in named.values():
@@ -147,7 +149,7 @@ def _setup(step: Step, mode: ProfileMode, device: str | torch.device | None,
 
         # NOTE [CUDA kernels in fake mode]: a CUDA target's dropout and attention kernels
         return _Setup(step.with_inputs(args, kwargs), forward, state, torch.device("meta"),
-                      fake_mode, cuda_kernels_for(target))
+                      fake_mode, cuda_kernels_for(target), host_numbers=target == "cpu")
     if device is None:
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else "cpu"

@@ -276,6 +276,7 @@ class StorageTracker(LiveStorages):
         if inplace or not aliased or not outs:
             moved = sum(t.numel() * t.element_size() for t in ins) + sum(
                 t.numel() * t.element_size() for t in outs)
+        self._note_numbers(i, func, args, kwargs, outs)  # NOTE [wrapped numbers saved for backward]
         self._new_bytes.append(new_bytes)
         self.ops.append(TracedOp(
             name=str(func), module=module, backward=self.backward, inputs=tuple(in_sids),
