@@ -324,11 +324,11 @@ def policy_plans(profile: Profile, budget_bytes: int) -> list[Plan]:
 
 
 PREFIXES = "nothing_saveable, nested prefixes"
+PREFIXES_AT_DOTS = "nothing_saveable, nested prefixes at dots"
+PREFIXES_OF_CHILDREN = "nothing_saveable, nested prefixes of child scopes"
 # the nested prefixes rerun the first of n parts n - 1 times (about n^2 / 2 parts' forwards in
 # all) and nest n - 1 deep: offered over at most this many parts (the benchmark GPT has 8)
 MAX_PREFIX_UNITS = 8
-PREFIXES_AT_DOTS = "nothing_saveable, nested prefixes at dots"
-PREFIXES_OF_CHILDREN = "nothing_saveable, nested prefixes of child scopes"
 
 
 def _prefix_regions(profile: Profile, units: Sequence[tuple[str, ...]]) -> list[Region]:
@@ -339,20 +339,19 @@ def _prefix_regions(profile: Profile, units: Sequence[tuple[str, ...]]) -> list[
     left out), or a region would contain a refused span (NOTE [refused spans]) or nest where
     the profile refuses it (``nesting_refused``)."""
     arrs = ProfileArrays(profile)
-    units = [u for u in units if RegionModel(arrs, resolve_span(profile, u, arrs.module_index)).useful]
-    if not 3 <= len(units) <= MAX_PREFIX_UNITS:
+    resolved = [(u, resolve_span(profile, u, arrs.module_index)) for u in units]
+    kept = [(u, (s.first_op, s.last_op)) for u, s in resolved if RegionModel(arrs, s).useful]
+    if not 3 <= len(kept) <= MAX_PREFIX_UNITS:
         return []
-    index = {m.path: m for m in profile.modules}
-    spans = [(int(index[u[0]].first_op), int(index[u[-1]].last_op)) for u in units]  # type: ignore[arg-type]
-    regions = [Region(u) for u in units]
-    for k in range(1, len(units) - 1):
-        first, last = spans[0][0], spans[k][1]
-        if nesting_refused(profile, first, last):
+    first = kept[0][1][0]
+    if any(contains_refused_span(profile, a, b) for a, b in (*(sp for _, sp in kept), (first, kept[-2][1][1]))):
+        return []
+    regions = [(sp, Region(u)) for u, sp in kept]
+    for k in range(1, len(kept) - 1):
+        if nesting_refused(profile, first, kept[k][1][1]):
             return []
-        regions.append(Region(tuple(m for u in units[: k + 1] for m in u)))
-    if any(contains_refused_span(profile, a, b) for a, b in (*spans, (spans[0][0], spans[-2][1]))):
-        return []
-    return sorted(regions, key=lambda r: (index[r.modules[0]].first_op, -int(index[r.modules[-1]].last_op)))  # type: ignore[arg-type]
+        regions.append(((first, kept[k][1][1]), Region(tuple(m for u, _ in kept[: k + 1] for m in u))))
+    return [r for _, r in sorted(regions, key=lambda x: (x[0][0], -x[0][1]))]
 
 
 NESTED = "nothing_saveable, nested"
