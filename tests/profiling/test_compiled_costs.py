@@ -4,13 +4,23 @@ what the profile keeps, and the plans fit makes with ``Search(compiled=True)``."
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 
 import pytest
 import torch
 
 import memfit
-from memfit.profiling.compiled_costs import costs_like, for_compiler, is_for_compiler, is_pointwise
+from memfit.planning.plan import OpPolicy, Region
+from memfit.planning.rules import is_kept_draw, op_keys
+from memfit.profiling.compiled_costs import (
+    FUSED_DRAWS,
+    costs_like,
+    for_compiler,
+    is_for_compiler,
+    is_pointwise,
+)
+from memfit.timemodel.calibration import Calibration
 from memfit.zoo import gpt
 
 V, T = 64, 32
@@ -47,7 +57,7 @@ def test_pointwise_seconds_are_zero_and_memory_unchanged(eager: memfit.Profile) 
     assert is_for_compiler(c) and not is_for_compiler(eager)
     fused = 0.0
     for before, after in zip(eager.ops, c.ops, strict=True):
-        if is_pointwise(before.name):
+        if is_pointwise(before.name) or before.name in FUSED_DRAWS:
             assert after.time_s == 0.0
             fused += before.time_s
         else:
@@ -126,3 +136,43 @@ def test_fit_plans_compiled_costs_and_replans_new_shapes_with_them() -> None:
 def test_search_refuses_what_compiled_costs_cannot_do(kwargs, error, words) -> None:
     with pytest.raises(error, match=words):
         memfit.Search(**kwargs)
+
+
+def test_dropout_draws_fuse_and_no_compiled_plan_keeps_one() -> None:
+    """NOTE [compiled costs], 5: the compiled backward draws dropout's mask again inside a
+    fused kernel, so its ``bernoulli_`` costs 0 s and no plan keeps a draw (a compiled region
+    never makes the kept copy the eager planner would charge for)."""
+    model = gpt(n_layer=2, d_model=32, n_head=2, seq_len=T, vocab_size=V, dropout=0.1, seed=0)
+    eager = memfit.profile(model, _x(), calibrate_time=False)
+    eager = dataclasses.replace(eager, calibration=Calibration(region_s=0.0, op_s=0.0, selective_op_s=0.0))
+    c = for_compiler(eager)
+    draws = [op for op in eager.ops if op.name in FUSED_DRAWS]
+    assert draws and all(op.time_s > 0 for op in draws)
+    assert [c.ops[op.index].time_s for op in draws] == [0.0] * len(draws)
+    fused = sum(op.time_s for op in eager.ops if is_pointwise(op.name) or op.name in FUSED_DRAWS)
+    assert c.extra["fused_pointwise_s"] == fused
+    kept_eager = [op.index for op in eager.ops if is_kept_draw(eager, op)]
+    assert len(kept_eager) == len([op for op in draws if op.index < eager.n_forward])  # one per forward dropout
+    assert not any(is_kept_draw(c, op) for op in c.ops)
+    # a region keeping a draw: the eager planner prices its copy; compiled costs refuse it
+    key = next(k for k in op_keys(eager, *_span(eager, "blocks.0")).values() if "bernoulli_" in k)
+    plan = memfit.Plan((Region(("blocks.0",), {key: OpPolicy.SAVE}),), 0, 0.0, None, "hand", eager.signature)
+    kept = memfit.simulate(eager, plan)
+    drawn = memfit.simulate(eager, dataclasses.replace(plan, regions=(Region(("blocks.0",)),)))
+    draw = eager.ops[op_keys_to_index(eager, "blocks.0", key)]
+    charge = math.prod(draw.outputs[0].shape) * Calibration().keep_s_per_element
+    # rerun: everything but the draw, and its copy written back (float sums: 1e-12 s)
+    assert kept.recompute_s - drawn.recompute_s == pytest.approx(charge - draw.time_s, abs=1e-12)
+    with pytest.raises(ValueError, match="compiled region draws again in its backward"):
+        memfit.simulate(c, plan)
+    for budget in ("min", 0.6, 0.9):  # and no compiled-cost plan keeps one
+        assert not any("bernoulli_" in k for r in memfit.plan(c, budget=budget).regions for k in r.save)
+
+
+def op_keys_to_index(profile: memfit.Profile, path: str, key: str) -> int:
+    return next(i for i, k in op_keys(profile, *_span(profile, path)).items() if k == key)
+
+
+def _span(profile: memfit.Profile, path: str) -> tuple[int, int]:
+    m = next(m for m in profile.modules if m.path == path)
+    return m.first_op, m.last_op

@@ -96,6 +96,7 @@ from collections.abc import Mapping, Sequence
 
 from memfit.ops import KEPT_DRAW_OPS, MATMUL_PACKETS, ignored_op_names
 from memfit.ops import is_matmul as _is_matmul_name
+from memfit.profiling.compiled_costs import is_for_compiler
 from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
 
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
@@ -186,7 +187,8 @@ def is_saveable(profile: Profile, op: OpRecord) -> bool:
 def is_kept_draw(profile: Profile, op: OpRecord) -> bool:
     """Whether a plan may keep ``op``'s draw (NOTE [kept draws] in ``memfit.runtime.draws``): a
     forward op of :data:`memfit.ops.KEPT_DRAW_OPS` writing one tensor that an earlier forward
-    op created (dropout's mask, made by ``empty_like``). The planner offers it only where that
+    op created (dropout's mask, made by ``empty_like``), in a profile with eager costs (a
+    compiled backward draws again: NOTE [compiled costs] in ``memfit.profiling.compiled_costs``). The planner offers it only where that
     creator is in the same region (``memfit.planning.candidates``), so the replay makes the
     tensor again.
 
@@ -195,6 +197,8 @@ def is_kept_draw(profile: Profile, op: OpRecord) -> bool:
         True
     """
     if op.index >= profile.n_forward or op.name not in KEPT_DRAW_OPS or len(op.outputs) != 1:
+        return False
+    if is_for_compiler(profile):  # the compiled backward draws again (NOTE [compiled costs], 5)
         return False
     created = profile.storages[op.outputs[0].storage].created_by
     return created is not None and 0 <= created < op.index
@@ -400,6 +404,13 @@ def keys_to_ops(profile: Profile, first_op: int, last_op: int, keys: Sequence[st
                 )
             out.append(i)
             continue
+        if op.name in KEPT_DRAW_OPS and is_for_compiler(profile):
+            raise ValueError(
+                f"region {region_name!r} keeps the draw {key!r}, but the profile has compiled "
+                "costs, and a compiled region draws again in its backward: nothing is kept "
+                "(NOTE [compiled costs] in memfit.profiling.compiled_costs); drop it from "
+                "Region.ops, or plan from a profile with eager costs for an eager model"
+            )
         if not is_saveable(profile, op):
             why = ("writes to an input" if op.inplace else "consumes the RNG" if op.random
                    else "has outputs the front end cannot name" if not op.saveable
