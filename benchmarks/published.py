@@ -84,20 +84,26 @@ def monet() -> None:
     from memfit.measuring.codec_cost import codec_costs_for
     from memfit.planning.compress_pass import choose
     from memfit.planning.planner import plan_for_budget
+    from memfit.profiling.compiled_costs import for_compiler
 
     t0 = time.perf_counter()
     prof = memfit.profile(resnet50(), torch.empty(184, 3, 224, 224, device="meta"), mode="fake", target="v100")
     secs = time.perf_counter() - t0
     costs = codec_costs_for("lossless", profile=prof)
     variant_costs = codec_costs_for("lossy", None, profile=prof)
+    compiled = for_compiler(prof)  # NOTE [compiled costs]
     print(f"MONeT setting: ResNet-50 224x224 batch 184 fp32, SGD, v100 preset (profile {secs:.0f} s; "
           f"plain step {prof.step_time_s * 1e3:.0f} ms predicted, activation peak {prof.peak_bytes / GB:.2f} GB)")
     print("  memfit: recompute only; + lossless: and the exact codecs (relu's bits, max pool's "
           "input as shape_only, narrowed indices; v100 costs estimated from their passes);\n"
           "  + bn variants: and the batch norms rebuilt from their outputs (bn_from_output, "
           "compress='lossy' with lossy_codec=None: gradients within fp32 roundings, not bitwise)")
+    print("  compiled: recompute only, priced as torch.compile runs the step (memfit.Search(compiled=True):"
+          " pointwise ops fused, 0 s; overhead of the compiled step's estimate, "
+          f"{for_compiler(prof).step_time_s * 1e3:.0f} ms)")
     print(f"  {'memory':>8}  {'MONeT':>7}  {'memfit':>8}  {'solver':<7} {'activations':>11}  "
-          f"{'+ lossless':>10} {'activations':>11}  {'+ bn variants':>13} {'activations':>11}  plan seconds")
+          f"{'+ lossless':>10} {'activations':>11}  {'+ bn variants':>13} {'activations':>11}  "
+          f"{'compiled':>8}  plan seconds")
     for gb, theirs in MONET:
         t0 = time.perf_counter()
         spec = memfit.Job(device=int(gb * GB), optimizer="sgd", reserve=0).spec(prof)
@@ -118,9 +124,15 @@ def monet() -> None:
                               p.solver))
             except InfeasibleBudget as e:
                 cells.append(("no plan", f">= {e.min_feasible_bytes / GB:.2f} GB", "-"))
+        try:
+            p = plan_for_budget(compiled, budget=None, job=spec)
+            fused = f"+{p.recompute_s / compiled.step_time_s:.1%}"
+        except InfeasibleBudget:
+            fused = "no plan"
         (ours, acts, solver), (packed, packed_acts, _), (bn, bn_acts, _) = cells
         print(f"  {gb:>6.2f}GB  {f'+{theirs:.1%}':>7}  {ours:>8}  {solver:<7} {acts:>11}  "
-              f"{packed:>10} {packed_acts:>11}  {bn:>13} {bn_acts:>11}  {time.perf_counter() - t0:.1f}")
+              f"{packed:>10} {packed_acts:>11}  {bn:>13} {bn_acts:>11}  {fused:>8}  "
+              f"{time.perf_counter() - t0:.1f}")
 
 
 def _llama(layers: int, batch: int, seq: int):
