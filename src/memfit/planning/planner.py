@@ -188,8 +188,9 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
     if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
         notes.append(ctx.arrays.host.note)
     if profile.extra.get("costs") == "compiled":  # NOTE [compiled costs] in memfit.profiling
-        notes.append("costs as torch.compile runs the step: pointwise ops and dropout draws fused (0 s), no per-op "
-                     "charges; the predicted peak bounds the compiled step's from above")
+        notes.append("costs as torch.compile runs the step: pointwise ops and dropout draws fused "
+                     "(0 s), no per-op charges; the predicted peak bounds the compiled step's from "
+                     "above")
     smallest: tuple[Solution, Any] | None = None
     if solver in BASELINES:  # NOTE [baseline blocks] in memfit.planning.solvers.baselines
         min_budget = _is_min(budget)

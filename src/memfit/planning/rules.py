@@ -188,9 +188,9 @@ def is_kept_draw(profile: Profile, op: OpRecord) -> bool:
     """Whether a plan may keep ``op``'s draw (NOTE [kept draws] in ``memfit.runtime.draws``): a
     forward op of :data:`memfit.ops.KEPT_DRAW_OPS` writing one tensor that an earlier forward
     op created (dropout's mask, made by ``empty_like``), in a profile with eager costs (a
-    compiled backward draws again: NOTE [compiled costs] in ``memfit.profiling.compiled_costs``). The planner offers it only where that
-    creator is in the same region (``memfit.planning.candidates``), so the replay makes the
-    tensor again.
+    compiled backward draws again: NOTE [compiled costs] in
+    ``memfit.profiling.compiled_costs``). The planner offers it only where that creator is in
+    the same region (``memfit.planning.candidates``), so the replay makes the tensor again.
 
     Example:
         >>> is_kept_draw(profile, profile.ops[227])   # doctest: +SKIP
