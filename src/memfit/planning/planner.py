@@ -25,7 +25,7 @@ from memfit.planning.rules import writes_buffers
 from memfit.planning.simulate import simulate
 from memfit.planning.solvers import BASELINES, Infeasible, Solution, get_solver
 from memfit.planning.solvers.offload_route import offload_solver
-from memfit.profiling.profile import Profile
+from memfit.profiling.profile import Profile, is_for_compiler
 from memfit.timemodel.devices import DevicePreset
 from memfit.units import format_bytes, parse_bytes, resolve_budget
 
@@ -187,7 +187,7 @@ def _plan_activations(profile: Profile, budget: int | float | str, solver: str, 
             return found
     if ctx.arrays.host.note:  # NOTE [host overhead on an async device]
         notes.append(ctx.arrays.host.note)
-    if profile.extra.get("costs") == "compiled":  # NOTE [compiled costs] in memfit.profiling
+    if is_for_compiler(profile):  # NOTE [compiled costs] in memfit.profiling.compiled_costs
         notes.append("costs as torch.compile runs the step: pointwise ops and dropout draws fused "
                      "(0 s), no per-op charges; the predicted peak bounds the compiled step's from "
                      "above")

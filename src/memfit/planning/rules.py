@@ -96,8 +96,7 @@ from collections.abc import Mapping, Sequence
 
 from memfit.ops import KEPT_DRAW_OPS, MATMUL_PACKETS, ignored_op_names
 from memfit.ops import is_matmul as _is_matmul_name
-from memfit.profiling.compiled_costs import is_for_compiler
-from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind
+from memfit.profiling.profile import ModuleRecord, OpRecord, Profile, StorageKind, is_for_compiler
 
 __all__ = ["unkeyed_ops", "MATMUL_PACKETS", "is_saveable", "is_kept_draw", "draws_into_region", "draw_bytes", "op_keys", "keys_to_ops", "is_matmul",
            "in_place_writes", "clobbered_inputs", "writes_buffers", "buffer_writes", "is_collective",

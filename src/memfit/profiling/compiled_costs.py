@@ -51,14 +51,13 @@ import logging
 import torch
 
 from memfit.ops import KEPT_DRAW_OPS
-from memfit.profiling.profile import OpRecord, Profile
+from memfit.profiling.profile import COMPILED, OpRecord, Profile, is_for_compiler
 from memfit.timemodel.calibration import Calibration, CalibrationSource
 
 __all__ = ["COMPILED", "FUSED_DRAWS", "for_compiler", "is_for_compiler", "is_pointwise", "costs_like"]
 
 log = logging.getLogger(__name__)
 
-COMPILED = "compiled"  # ``Profile.extra["costs"]`` of a profile made by ``for_compiler``
 # draws inductor generates inside a fused kernel (NOTE [compiled costs], 5)
 FUSED_DRAWS: frozenset[str] = frozenset({*KEPT_DRAW_OPS, "aten.native_dropout.default"})
 
@@ -80,11 +79,6 @@ def is_pointwise(name: str) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return torch.Tag.pointwise in getattr(overload_fn, "tags", ())
-
-
-def is_for_compiler(profile: Profile) -> bool:
-    """Whether ``profile`` carries compiled costs (made by :func:`for_compiler`)."""
-    return profile.extra.get("costs") == COMPILED
 
 
 def for_compiler(profile: Profile) -> Profile:

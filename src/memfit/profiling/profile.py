@@ -86,9 +86,19 @@ __all__ = [
     "OptimizerMemory",
     "live_timeline",
     "op_signature",
+    "COMPILED",
+    "is_for_compiler",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
+# ``Profile.extra["costs"]`` of a profile priced as torch.compile runs the step (NOTE [compiled
+# costs] in ``memfit.profiling.compiled_costs``, which makes it; here for the torch-free planner)
+COMPILED = "compiled"
+
+
+def is_for_compiler(profile: Profile) -> bool:
+    """Whether ``profile`` carries compiled costs (``memfit.profiling.compiled_costs.for_compiler``)."""
+    return profile.extra.get("costs") == COMPILED
 
 
 class Phase(str, enum.Enum):

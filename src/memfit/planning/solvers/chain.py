@@ -55,6 +55,7 @@ from memfit.planning.effects import Effect
 from memfit.planning.plan import Region
 from memfit.planning.solvers import Infeasible, Solution, refuse_offload
 from memfit.planning.solvers.chain_nesting import nested_effect, parts_choices
+from memfit.profiling.profile import is_for_compiler
 
 __all__ = ["solve", "ChainModel", "chain_model", "suffix_peaks", "ENUM_LIMIT"]
 
@@ -125,9 +126,7 @@ class ChainModel:
         self.cap = segment_cap(n) if cap is None else cap
         self.windows = windows  # NOTE [chain DP with offload]
         self.choices_by_end: list[list[_Choice]] = [[] for _ in range(n)]
-        # NOTE [nested segments]: not under compiled costs (each block of a segment is its own
-        # region under torch.compile: NOTE [segments under torch.compile])
-        compiled = ctx.profile.extra.get("costs") == "compiled"
+        compiled = is_for_compiler(ctx.profile)  # then no nested segments: NOTE [segments under torch.compile]
         self._masks: dict[tuple[bytes, ...], np.ndarray] = {}  # knapsack save sets, by block
         for k in range(n):
             self.choices_by_end[k].extend(self._block_choices(k))
