@@ -80,19 +80,19 @@ def weights(engine: Any) -> dict[str, torch.Tensor]:
             for n, q in engine.module.named_parameters()}
 
 
-def train(kind: str, engine: Any, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
-    """3 steps; the weights after them and the last step's measured forward + backward peak
-    (the CPU allocator's, gradients' reduction included)."""
-    peak = 0
+def train(kind: str, engine: Any, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """3 steps; the weights after them and each step's measured forward + backward peak (the
+    CPU allocator's, gradients' reduction included)."""
+    peaks = []
     for i in range(STEPS):
         torch.manual_seed(10 + i)  # the same dropout masks in both runs
         with AllocatorMeter() as alloc:
             outputs = forward(kind, engine, ids)
             engine.backward(outputs if kind == "gpt" else outputs.loss)
             del outputs
-        peak = alloc.peak_bytes
+        peaks.append(alloc.peak_bytes)
         engine.step()
-    return weights(engine), peak
+    return weights(engine), peaks
 
 
 def main() -> None:
@@ -106,7 +106,7 @@ def main() -> None:
     if bucket != "default":  # with DeepSpeed's 2 GB buckets only the refusal is checked
         plain_engine, *_ = deepspeed.initialize(model=copy.deepcopy(base),
                                                 config=config(stage, bucket), model_parameters=None)
-        plain, out["plain_measured_bytes"] = train(kind, plain_engine, ids)
+        plain, out["plain_measured_steps"] = train(kind, plain_engine, ids)
     model = copy.deepcopy(base)
     cfg = {**config(stage, bucket), "memfit": {"budget": 0.6}}
     example = (ids, ids) if kind == "gpt" else {"input_ids": ids, "labels": ids}
@@ -128,7 +128,7 @@ def main() -> None:
                engine_lines=[list(line) for line in e.lines], step_budget_bytes=e.budget_bytes,
                step_predicted_bytes=e.predicted_peak_bytes)
     initial = weights(engine)
-    planned, out["measured_bytes"] = train(kind, engine, ids)
+    planned, out["measured_steps"] = train(kind, engine, ids)
     out["n_weights"] = len(plain)
     out["released_elements"] = sum(q.numel() for q in base.parameters() if q.numel() > 100)
     out["elements"] = sum(t.numel() for t in planned.values())

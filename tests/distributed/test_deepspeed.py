@@ -42,6 +42,18 @@ CASES = [(1, "gpt", "5e4", ""), (2, "gpt", "5e4", ""), (3, "gpt", "5e4", ""),
          (3, "llama", "2e5", ""), (3, "gpt2", "2e5", "")]
 
 
+# ZeRO-3 with parameters released: the step's prediction counts the gathered parameters as a
+# constant (NOTE [planning under a DeepSpeed engine], rule 9), which the forward's gathers and
+# prefetch do not follow (docs/distributed.md, "Not counted yet"); what that leaves out depends on
+# the plan, and which plan budget=0.6 picks depends on the profile's times (the machine's load).
+# Measured on the zoo GPT's third step (2 ranks alike), measured / predicted by plan: 0.946,
+# 0.988, 1.000, 1.006, 1.014, 1.052; the 1.006 and 1.052 plans peak in forward, at block 0's
+# attention dropout inside a region (the 1.006 one 248,648 B above the timeline + the gathered
+# parameters there), the others in backward. So the
+# check is the budget, the prediction as a floor (less 10%) and a ceiling of the prediction plus
+# the gathered parameters' line once more.
+
+
 @pytest.mark.parametrize(("stage", "model", "bucket", "release"), CASES,
                          ids=[f"zero{s}-{m}-{b}{'-' + r if r else ''}" for s, m, b, r in CASES])
 def test_zero_stage_weights_equal_the_engine_without_memfit(
@@ -74,14 +86,15 @@ def test_zero_stage_weights_equal_the_engine_without_memfit(
         assert predicted <= res["predicted_peak_bytes"] + engine
         assert predicted <= cap
         # measured forward + backward (the CPU allocator), third step: within 3% of the
-        # prediction, both ways, and of the budget; seen in docs/distributed.md's table
-        # ZeRO-3 with parameters released: when gloo's threads let go of a gathered parameter is
-        # a race (NOTE [collective outputs held by gloo] in test_tensor_parallel.py): CI under
-        # load once measured 5.4% under the prediction (1,145,176 B against 1,211,084 B)
-        low = 0.90 if release else 0.97
-        assert low <= res["measured_bytes"] / predicted <= 1.03, (res["measured_bytes"], predicted)
-        assert res["measured_bytes"] <= 1.03 * cap
-        assert res["measured_bytes"] < res["plain_measured_bytes"]
+        # prediction, both ways (released parameters: above), and of the budget; seen in
+        # docs/distributed.md's table
+        measured, plain = res["measured_steps"][-1], res["plain_measured_steps"][-1]
+        if release:
+            assert 0.90 * predicted <= measured <= predicted + engine, (res["measured_steps"], predicted)
+        else:
+            assert 0.97 <= measured / predicted <= 1.03, (res["measured_steps"], predicted)
+        assert measured <= 1.03 * cap
+        assert measured < plain
 
 
 @pytest.mark.parametrize("stage", [1, 2], ids=["zero1", "zero2"])
