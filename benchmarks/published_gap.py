@@ -14,6 +14,12 @@ MONeT (ResNet-50, 224x224, batch 184, fp32, SGD; whole job 10.01 / 8.01 / 6.00 /
 - ``abn+add``: also the residual add written into the last BN's output (in-place add),
   modelled by counting that BN output 0 B (optimistic by that storage at the BN op itself,
   where an in-place add would still hold it).
+- ``tails``: each bottleneck's residual add and the in-place ReLU on its result cost nothing
+  to rerun. They save only the block's output, which the next block reads anyway, so a
+  region could run them with their saves kept as the plain step keeps them and its replay
+  stop before them (torch's early stop). Modelled by setting their seconds to 0 (the step's
+  seconds and the overhead's denominator unchanged); their memory is as recomputed
+  (optimistic by nothing in time, and the memory of a replayed block output is still counted).
 - ``mem x f``: the memory-bound ops (everything but convolutions and matmuls) charged at
   ``f`` times their roofline seconds, ``f`` measured on this CPU (``cpu_ratio``).
 - per op type: each plan's recompute seconds split by the op type that reruns (the plan
@@ -26,7 +32,7 @@ host and device work; and the plain step's host bound against its device time.
 
 Usage (from the repository root)::
 
-    python -m benchmarks.published_gap [--only monet,chen,cpu]
+    python -m benchmarks.published_gap [--only monet,chen,cpu] [--variants memfit,tails]
 """
 
 from __future__ import annotations
@@ -107,6 +113,19 @@ def abn(profile: Profile, *, inplace_add: bool = False) -> Profile:
     return _plain(dataclasses.replace(profile, storages=tuple(storages[s.id] for s in profile.storages)))
 
 
+def tails(profile: Profile) -> Profile:
+    """The what-if profile of region tails: each residual add (``aten.add.Tensor``) that an
+    in-place ReLU on its result follows, and that ReLU, at 0 s; the step's seconds kept."""
+    fwd = profile.ops[: profile.n_forward]
+    free: set[int] = set()
+    for op, nxt in zip(fwd, fwd[1:], strict=False):
+        if (op.name == "aten.add.Tensor" and op.outputs and nxt.name.startswith("aten.relu_")
+                and nxt.inputs and nxt.inputs[0] == op.outputs[0].storage):
+            free |= {op.index, nxt.index}
+    ops = tuple(dataclasses.replace(op, time_s=0.0) if op.index in free else op for op in profile.ops)
+    return dataclasses.replace(profile, ops=ops)
+
+
 def scaled(profile: Profile, f: float, which: Callable[[OpRecord], bool]) -> Profile:
     """``profile`` with the seconds of the ops ``which`` picks multiplied by ``f`` (step time too)."""
     ops = tuple(dataclasses.replace(op, time_s=op.time_s * f) if which(op) else op for op in profile.ops)
@@ -161,13 +180,15 @@ def cpu_ratio(batch: int = 8, repeats: int = 7) -> tuple[float, float, dict[str,
     return mem_m / per["conv"][0], mem_r / per["conv"][1], per
 
 
-def monet(f_mem: float | None) -> None:
+def monet(f_mem: float | None, names: set[str] | None = None) -> None:
     base = memfit.profile(resnet50(), torch.empty(184, 3, 224, 224, device="meta"), mode="fake", target="v100")
     step = base.step_time_s
     variants: list[tuple[str, Profile]] = [("memfit", base), ("abn", abn(base)),
-                                           ("abn+add", abn(base, inplace_add=True))]
+                                           ("abn+add", abn(base, inplace_add=True)), ("tails", tails(base))]
     if f_mem is not None:
         variants.append((f"mem x {f_mem:.2f}", scaled(base, f_mem, memory_bound)))
+    if names is not None:
+        variants = [v for v in variants if v[0] in names or (v[0].startswith("mem x") and "mem" in names)]
     print(f"MONeT what-ifs: ResNet-50 224x224 batch 184 fp32 SGD, v100 preset; overhead over the plain "
           f"step of each profile (memfit's {step * 1e3:.0f} ms)")
     for name, prof in variants:
@@ -226,6 +247,8 @@ def chen() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="cpu,monet,chen", help="sections: cpu, monet, chen")
+    ap.add_argument("--variants", default=None,
+                    help="MONeT's columns, comma-separated (memfit, abn, abn+add, tails, mem); default all")
     ap.add_argument("--mem-factor", type=float, default=None,
                     help="the memory-bound factor for MONeT's 'mem x f' column without the cpu section")
     args = ap.parse_args()
@@ -241,7 +264,7 @@ def main() -> None:
         print(f"  memory-bound / conv: measured {m:.3f}, roofline {r:.3f}: the roofline "
               f"{'under' if m > r else 'over'}-charges memory-bound ops by {f_mem:.2f}x relative to conv")
     if "monet" in only:
-        monet(f_mem)
+        monet(f_mem, None if args.variants is None else {v.strip() for v in args.variants.split(",")})
     if "chen" in only:
         chen()
 
