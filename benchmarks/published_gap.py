@@ -18,8 +18,8 @@ MONeT (ResNet-50, 224x224, batch 184, fp32, SGD; whole job 10.01 / 8.01 / 6.00 /
   to rerun. They save only the block's output, which the next block reads anyway, so a
   region could run them with their saves kept as the plain step keeps them and its replay
   stop before them (torch's early stop). Modelled by setting their seconds to 0 (the step's
-  seconds and the overhead's denominator unchanged); their memory is as recomputed
-  (optimistic by nothing in time, and the memory of a replayed block output is still counted).
+  seconds and the overhead's denominator unchanged); their memory is modelled as now (the
+  block output still replayed).
 - ``mem x f``: the memory-bound ops (everything but convolutions and matmuls) charged at
   ``f`` times their roofline seconds, ``f`` measured on this CPU (``cpu_ratio``).
 - per op type: each plan's recompute seconds split by the op type that reruns (the plan

@@ -49,9 +49,8 @@ CASES = [(1, "gpt", "5e4", ""), (2, "gpt", "5e4", ""), (3, "gpt", "5e4", ""),
 # Measured on the zoo GPT's third step (2 ranks alike), measured / predicted by plan: 0.946,
 # 0.988, 1.000, 1.006, 1.014, 1.052; the 1.006 and 1.052 plans peak in forward, at block 0's
 # attention dropout inside a region (the 1.006 one 248,648 B above the timeline + the gathered
-# parameters there), the others in backward. So the
-# check is the budget, the prediction as a floor (less 10%) and a ceiling of the prediction plus
-# the gathered parameters' line once more.
+# parameters there), the others in backward. So the check is the budget, the prediction as a
+# floor (less 10%) and a ceiling of the prediction plus the gathered parameters' line once more.
 
 
 @pytest.mark.parametrize(("stage", "model", "bucket", "release"), CASES,
