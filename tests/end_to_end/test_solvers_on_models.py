@@ -123,3 +123,34 @@ def test_fake_llama_chain_dp_offloads_saved_ops_at_no_higher_peak(llama2):
     assert (sim.peak_bytes, sim.recompute_s, sim.host_peak_bytes) == (
         with_.predicted_peak_bytes, with_.recompute_s, with_.host_peak_bytes)
     assert any("host overhead on an async device hidden" in n for n in with_.notes)
+
+
+@pytest.mark.slow  # about 5 s: a fake-mode ResNet-50 at batch 184 and two MILPs
+def test_milp_in_memory_units_proves_what_gcd_units_called_infeasible():
+    """NOTE [memory units] in solvers/milp.py: MONeT's ResNet-50 (v100 preset, compiled costs)
+    at the budget of an 8.01 GB job. In units of the gcd (8 B) the compressed rows' largest
+    coefficient was 1.96e9 and HiGHS called the model infeasible, so the solve fell back to the
+    dense rows (6,727) and its time limit; scaled, it proves the optimum on the compressed rows."""
+    import numpy as np
+    import torch
+    from benchmarks.published import GB, resnet50
+
+    import memfit
+    from memfit.planning.costs import LinearModel
+    from memfit.profiling.compiled_costs import for_compiler
+
+    prof = for_compiler(memfit.profile(resnet50(), torch.empty(184, 3, 224, 224, device="meta"),
+                                       mode="fake", target="v100"))
+    job = memfit.Job(device=int(8.01 * GB), optimizer="sgd", reserve=0).spec(prof)
+    budget = plan_for_budget(prof, budget=None, job=job, solver="chain").budget_bytes  # the job's activations
+    ctx = PlanningContext(prof)
+    lm = LinearModel(ctx, ctx.region_candidates())
+    A = lm.matrix()
+    g, per = milp._units(A)
+    assert per > 1 and float(np.abs(A).max()) / (g * per) <= milp.MAX_COEFFICIENT
+    res, rows = milp._run(lm, A, budget, 60.0, ctx.arrays.n_forward)
+    assert res.status == 0 and rows < lm.n_points  # proven optimal on the compressed rows
+    sol = milp.solve(ctx, budget, time_limit_s=60.0)
+    assert sol.notes[0].endswith(f"{rows} of {lm.n_points} memory rows")
+    assert sol.predicted_peak_bytes <= budget
+    assert sol.predicted_peak_bytes == simulate(prof, Plan(sol.regions, 0, 0.0, None, "t", prof.signature)).peak_bytes
