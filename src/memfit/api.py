@@ -23,7 +23,7 @@ from memfit.job.fit_checks import refuse_fit_arguments
 from memfit.job.fit_options import OLD_FIT_KEYWORDS, Parallel, Search, Training
 from memfit.planning.plan import Plan
 from memfit.planning.solvers import SolverName
-from memfit.profiling.profile import Profile
+from memfit.profiling.profile import Profile, without_tails
 from memfit.runtime.divergence import CheckArg
 from memfit.step.families import family_of
 from memfit.step.harness import Step
@@ -190,7 +190,8 @@ def _profile(the_step: Step, search: Search) -> Profile:
     if mode == "measure":
         warm_up_fsdp(the_step)  # NOTE [FSDP's first step] in memfit.parallel.distributed
     if not search.compiled:
-        return profile(the_step, mode=mode, target=search.target or "cpu")
+        prof = profile(the_step, mode=mode, target=search.target or "cpu")
+        return prof if search.tails else without_tails(prof)
     from memfit.profiling.compiled_costs import for_compiler
 
     # NOTE [compiled costs]: not fitted to timed eager steps

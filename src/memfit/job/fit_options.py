@@ -64,6 +64,10 @@ class Search:
             pointwise ops fuse for free, no per-op charges). Compile the fitted model
             afterwards (``torch.compile(model)``); the compiled graph saves what the plan saves.
             Default False (eager costs).
+        tails: let a region's last ops whose saves outlive it keep them as the plain step does,
+            so that its replay stops before them (NOTE [region tails] in
+            ``memfit.planning.tails``). Default True; False for a double backward
+            (``create_graph=True``) through the regions.
 
     Example:
         >>> Search(solver="milp", tune=True)
@@ -77,6 +81,7 @@ class Search:
     lossy_codec: str | None = DEFAULT_LOSSY_CODEC
     target: str | None = None
     compiled: bool = False
+    tails: bool = True
 
     def __post_init__(self) -> None:
         from memfit.planning.solvers import solver_names
@@ -94,6 +99,8 @@ class Search:
             raise ValueError(f"lossy_codec={self.lossy_codec!r} chooses the codec of "
                              f"compress='lossy'; got compress={self.compress!r}: pass "
                              "compress='lossy' too, or drop lossy_codec")
+        if not isinstance(self.tails, bool):
+            raise TypeError(f"tails must be True or False, got {self.tails!r}")
         if not isinstance(self.compiled, bool):
             raise TypeError(f"compiled must be True or False, got {self.compiled!r}")
         if self.compiled and self.tune:

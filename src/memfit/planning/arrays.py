@@ -9,7 +9,7 @@ import numpy as np
 from memfit.planning.cast_cache import CacheTails
 from memfit.planning.hosttime import host_overhead
 from memfit.planning.rules import buffer_writes, draw_bytes, is_kept_draw, is_matmul, is_saveable
-from memfit.profiling.profile import Profile, StorageKind
+from memfit.profiling.profile import PYTHON_RELEASES, Profile, StorageKind
 from memfit.timemodel.calibration import Calibration
 
 __all__ = ["ProfileArrays", "dense", "NEVER"]
@@ -36,6 +36,10 @@ class ProfileArrays:
         self.saved = np.zeros(m, dtype=bool)
         self.unpack = np.full(m, NEVER, dtype=np.int64)
         self.counted = np.zeros(m, dtype=bool)
+        # NOTE [Python releases] in memfit.profiling.profile: -1 where not traced (or an
+        # autocast-cached cast, NOTE [autocast's cast cache]), NEVER where held at the forward's end
+        traced = bool(profile.extra.get(PYTHON_RELEASES))
+        self.released = np.full(m, NEVER if traced else -1, dtype=np.int64)
         # forward ops after which autograd saved something (NOTE [region memory model]): for
         # the op's own module, and for the next op, which runs in another one
         fwd = profile.ops[: self.n_forward]
@@ -57,6 +61,10 @@ class ProfileArrays:
                 self.lfu[k] = s.last_forward_use
             if s.first_unpack is not None:
                 self.unpack[k] = s.first_unpack
+            if s.autocast_cached:  # a region runs its cast without the cache: the older rule
+                self.released[k] = -1
+            elif traced and s.released_after is not None:
+                self.released[k] = s.released_after
         # NOTE [saved tensors] in memfit.profiling.profile: each forward pack, by storage
         # (then by saving op) and by saving op
         packs = sorted((k, op, NEVER if u is None else u, NEVER if r is None else r)

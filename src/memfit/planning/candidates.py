@@ -40,6 +40,7 @@ from memfit.planning.rules import (
     span_refused,
     unkeyed_ops,
 )
+from memfit.planning.tails import with_tail
 from memfit.profiling.profile import ModuleRecord, Profile
 
 __all__ = ["Candidate", "OpChoice", "Chain", "PlanningContext", "CONTAINER_TYPES", "segment_cap", "indexed",
@@ -121,7 +122,8 @@ class Candidate:
     def region(self, chosen: tuple[int, ...] | list[int] = ()) -> Region:
         """The region with the choices at positions ``chosen`` (indices into ``choices``)."""
         picked = sorted((self.choices[j] for j in chosen), key=lambda c: c.op)
-        return Region(self.modules, tuple((self.keys[c.op], c.policy) for c in picked))
+        return Region(self.modules, tuple((self.keys[c.op], c.policy) for c in picked),
+                      tail_after=self.model.span.tail_after)
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,12 @@ class PlanningContext:
         self._inner: dict[str, list[RegionModel]] = {}
         self.memo: dict[str, dict] = {}  # solvers' per-context caches, by solver
 
-    def candidate(self, modules: tuple[str, ...], *, with_ops: bool = True) -> Candidate | None:
-        """The candidate for a module or segment, or ``None`` if checkpointing it drops nothing."""
-        key = (modules, with_ops)
+    def candidate(self, modules: tuple[str, ...], *, with_ops: bool = True,
+                  tail: bool = True) -> Candidate | None:
+        """The candidate for a module or segment, or ``None`` if checkpointing it drops nothing;
+        a module's ends before its tail (NOTE [region tails] in ``memfit.planning.tails``)
+        unless ``tail`` is False (a region nested in or around others)."""
+        key = (modules, with_ops, tail)
         hit = self._cands.get(key)  # type: ignore[arg-type]
         if hit is not None or key in self._cands:
             return hit
@@ -176,6 +181,8 @@ class PlanningContext:
         if self.clobbered(recs) or span_refused(self.profile, span.first_op, span.last_op):
             self._cands[key] = None  # type: ignore[index]
             return None
+        if tail:
+            span = with_tail(self.arrays, span)
         cand = self._build(span, with_ops)
         self._cands[key] = cand  # type: ignore[index]
         return cand

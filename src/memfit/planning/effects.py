@@ -26,8 +26,9 @@ NOTE [region memory model]
       copy made by the replay is a transient. Unless one of the region's ops saved it
       (*held*: the region's output, saved by its last activation): the frame keeps a holder,
       not the tensor, so it is dropped as below, its first lifetime ending where the later
-      ops' nodes release their saves of it (``saves``), at the forward's end at least
-      (Python's last reference is not recorded), and the replay's copy lives from ``rp``
+      ops' nodes release their saves of it (``saves``), where Python lets it go at least
+      (``StorageRecord.released_after``, NOTE [Python releases] in ``memfit.profiling.profile``;
+      the forward's end in profiles without it), and the replay's copy lives from ``rp``
       until the region's own node releases it. Where something else holds it longer (the
       model's output), the first lifetime is the plain one. Its first unpack, by the
       region's node, is where the replay runs (above): an in-place LeakyReLU on
@@ -36,9 +37,14 @@ NOTE [region memory model]
       with that clone live, 65,408 B over the prediction before (a DynUNet's smallest plan
       9% over).
     - *dropped* (not escaping, ``saved=True``): autograd no longer holds it. It lives
-      ``[c, d]`` with ``d = min(freed_after, max(last_forward_use, end))``, ``end`` the last op
-      of the member module that created it (Python locals live until that forward returns),
-      and again ``[rp, freed_after]`` once recomputed.
+      ``[c, d]`` with ``d = min(freed_after, max(last_forward_use, end))``, ``end`` where
+      Python let go of it (``released_after``); and again ``[rp, freed_after]`` once
+      recomputed. Profiles without Python releases take ``end`` as the last op of the member
+      module that created it (its locals live until that forward returns at most), which
+      over-counts what the code drops earlier: ``y = self.bn2(self.conv2(y))`` lets the first
+      ReLU's output go at that line, and the zoo ResNet's first block held 262,400 B more than
+      its checkpointed step at the block's add (a chain plan predicted 1,048,960 B, measured
+      987,648).
     - other (not escaping, not autograd-saved): plain lifetime; the replay makes a transient.
     - a kept draw (NOTE [kept draws] in ``memfit.runtime.draws``; op ``i`` of
       ``memfit.ops.KEPT_DRAW_OPS`` saved) adds ``memfit.planning.rules.draw_bytes`` over
@@ -115,8 +121,9 @@ class RegionSpan:
 
     modules: tuple[str, ...]
     first_op: int
-    last_op: int
+    last_op: int  # the region's last op; with a tail, the last op before it
     member_last: tuple[int, ...]  # last op of each member module (a segment has several)
+    tail_after: str | None = None  # NOTE [region tails] in memfit.planning.tails
 
     @property
     def name(self) -> str:
@@ -124,12 +131,15 @@ class RegionSpan:
 
 
 def resolve_span(profile: Profile, modules: tuple[str, ...],
-                 _index: dict[str, int] | None = None) -> RegionSpan:
-    """The op range of a region (one module, or consecutive siblings forming a segment).
+                 _index: dict[str, int] | None = None, tail_after: str | None = None) -> RegionSpan:
+    """The op range of a region (one module, or consecutive siblings forming a segment); with
+    ``tail_after``, the range ends with that sub-module's last op (NOTE [region tails] in
+    ``memfit.planning.tails``).
 
     Raises:
         ValueError: an unknown module, one that ran no op, or a segment whose members are not
-            siblings in call order (in call order, of any parents, on an ``OP_RUNS`` profile).
+            siblings in call order (in call order, of any parents, on an ``OP_RUNS`` profile);
+            a ``tail_after`` that is no sub-module of the region that ran inside it.
     """
     index = _index if _index is not None else {m.path: k for k, m in enumerate(profile.modules)}
     recs = []
@@ -151,8 +161,19 @@ def resolve_span(profile: Profile, modules: tuple[str, ...],
             if r1.first_op <= r0.last_op:  # type: ignore[operator]
                 raise ValueError(f"segment members {r0.path!r} and {r1.path!r} are not in call "
                                  "order or overlap; list them in the order they run")
-    return RegionSpan(tuple(modules), int(recs[0].first_op), int(recs[-1].last_op),  # type: ignore[arg-type]
+    span = RegionSpan(tuple(modules), int(recs[0].first_op), int(recs[-1].last_op),  # type: ignore[arg-type]
                       tuple(int(r.last_op) for r in recs))  # type: ignore[arg-type]
+    if tail_after is None:
+        return span
+    k = index.get(tail_after)
+    tail_rec = profile.modules[k] if k is not None else None
+    if (tail_rec is None or len(modules) != 1 or tail_rec.calls != 1 or tail_rec.first_op is None
+            or tail_rec.last_op is None
+            or not span.first_op <= tail_rec.first_op <= tail_rec.last_op < span.last_op
+            or not tail_after.startswith(modules[0] + "." if modules[0] else "")):
+        raise ValueError(f"region {modules}: tail_after={tail_after!r} is not a sub-module called "
+                         "once inside it that ends before it; is the plan for another model?")
+    return RegionSpan(span.modules, span.first_op, int(tail_rec.last_op), span.member_last, tail_after)
 
 
 @dataclass
@@ -236,13 +257,15 @@ class RegionModel:
         member_last = np.array(span.member_last, dtype=np.int64)
         pos = np.searchsorted(member_last, c, side="left")
         end = np.where(pos < len(member_last), member_last[np.minimum(pos, len(member_last) - 1)], b)
+        rel = arrs.released[ids]  # where Python let go, where traced (NOTE [Python releases])
+        end = np.where(rel >= 0, rel, end)
         self.d = np.minimum(f, np.maximum(arrs.lfu[ids], end))
         # a held storage lives on while a later op's node or Python holds it: its plain free
-        # where that is later than the region's own saves, else until the forward's end at
-        # least (Python's last reference is not recorded) and the later nodes' release
+        # where that is later than the region's own saves, else until Python lets it go (the
+        # forward's end where not traced: NOTE [Python releases]) and the later nodes' release
         mine = held & ~arrs.never_freed[ids] & (f <= rel_in)
-        self.d = np.where(held, np.where(mine, np.minimum(f, np.maximum(arrs.n_forward - 1, rel_out)), f),
-                          self.d)
+        py = np.where(rel >= 0, np.maximum(rel, arrs.lfu[ids]), arrs.n_forward - 1)
+        self.d = np.where(held, np.where(mine, np.minimum(f, np.maximum(py, rel_out)), f), self.d)
         self.inputs = arrs.inputs_of(a, b, span.modules)
         self.in_c = arrs.creator[self.inputs]
         self.in_f = arrs.freed[self.inputs]

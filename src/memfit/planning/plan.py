@@ -81,6 +81,9 @@ class Region:
         writes_buffers: whether its forward wrote a module buffer in place when profiled
             (the runtime then watches for such writes; NOTE [buffer writes] in
             ``memfit.planning.rules``); None: not known (the runtime decides).
+        tail_after: the sub-module after whose call the region's tail runs: ops whose saves
+            autograd keeps as in the plain step, which the replay never reaches (NOTE [region
+            tails] in ``memfit.planning.tails``); None: no tail. One module only.
     """
 
     modules: tuple[str, ...]
@@ -88,6 +91,7 @@ class Region:
     recompute_s: float = 0.0
     saved_bytes: int = 0
     writes_buffers: bool | None = None
+    tail_after: str | None = None
 
     def __post_init__(self) -> None:
         if not self.modules:
@@ -109,6 +113,14 @@ class Region:
         if len(set(keys)) != len(keys):
             raise ValueError(f"Region.ops names an op twice: {sorted(k for k in keys if keys.count(k) > 1)}")
         object.__setattr__(self, "ops", tuple(p for p in pairs if p[1] is not OpPolicy.RECOMPUTE))
+        if self.tail_after is not None:
+            if len(self.modules) != 1:
+                raise ValueError(f"region {self.modules}: a segment has no tail (tail_after="
+                                 f"{self.tail_after!r}); a tail belongs to a one-module region")
+            prefix = self.modules[0] + "." if self.modules[0] else ""
+            if not str(self.tail_after).startswith(prefix) or self.tail_after == self.modules[0]:
+                raise ValueError(f"region {self.modules[0]!r}: tail_after={self.tail_after!r} is not "
+                                 "one of its sub-modules")
 
     @classmethod
     def saving(cls, modules: tuple[str, ...], keys: Iterable[str] = (), **kw: Any) -> Region:
@@ -249,7 +261,8 @@ class Plan:
             "regions": [
                 {"modules": list(r.modules), "ops": {k: p.value for k, p in r.ops},
                  "recompute_s": r.recompute_s, "saved_bytes": r.saved_bytes,
-                 "writes_buffers": r.writes_buffers}
+                 "writes_buffers": r.writes_buffers,
+                 **({"tail_after": r.tail_after} if r.tail_after is not None else {})}
                 for r in self.regions
             ],
             "extra": self.extra,
@@ -274,7 +287,8 @@ class Plan:
             plan = cls(
                 regions=tuple(
                     Region(tuple(r["modules"]), _read_ops(r, version), float(r["recompute_s"]),
-                           int(r["saved_bytes"]), _optional_bool(r.get("writes_buffers")))
+                           int(r["saved_bytes"]), _optional_bool(r.get("writes_buffers")),
+                           None if r.get("tail_after") is None else str(r["tail_after"]))
                     for r in data["regions"]
                 ),
                 predicted_peak_bytes=int(data["predicted_peak_bytes"]),

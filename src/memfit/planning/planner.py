@@ -331,7 +331,7 @@ def _finish(profile: Profile, sol: Solution, budget_bytes: int, notes: list[str]
     if sim is None:
         sim = simulate(profile, Plan(sol.regions, 0, 0.0, None, sol.solver, ""))  # no offload here
     regions = tuple(
-        Region(r.modules, r.ops, float(t), int(b), writes_buffers(profile, r.modules))
+        Region(r.modules, r.ops, float(t), int(b), writes_buffers(profile, r.modules), r.tail_after)
         for r, t, b in zip(sol.regions, sim.region_recompute_s, sim.region_saved_bytes, strict=True)
     )
     types = {m.path: m.type for m in profile.modules}

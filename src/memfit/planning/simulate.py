@@ -117,7 +117,7 @@ def region_models(profile: Profile, arrs: ProfileArrays, regions: tuple[Region, 
     regions] allows."""
     out = []
     for r in regions:
-        span = resolve_span(profile, r.modules, arrs.module_index)
+        span = resolve_span(profile, r.modules, arrs.module_index, r.tail_after)
         rm = RegionModel(arrs, span)
         saved = keys_to_ops(profile, span.first_op, span.last_op, r.save, r.name)
         offloaded = keys_to_ops(profile, span.first_op, span.last_op, r.keys_with(OpPolicy.OFFLOAD), r.name)

@@ -18,6 +18,21 @@ NOTE [storage lifetimes]
     exist and its inputs are still held, plus ``ops[i].workspace_bytes`` (its local peak); the
     step's peak is the maximum.
 
+NOTE [Python releases]
+    ``StorageRecord.released_after`` is the forward op after which the step's Python code let
+    go of a storage the forward created: where it is freed in a forward whose saved-tensor
+    hooks keep nothing (the profiler traces one such forward and loss besides the step; its
+    storages are matched to the step's by creating op and order). It is where a storage that
+    a checkpointed region no longer saves is freed in that region's forward (NOTE [region
+    memory model] in ``memfit.planning.effects``): ``y = self.bn2(self.conv2(y))`` lets the
+    first ReLU's output go at that line, not when the block returns. ``None``: still held at
+    the forward's end (or by nothing the step's code frees), or not traced; profiles without
+    the trace (``Profile.extra["python_releases"]`` absent: written before the field, or a
+    forward whose ops differed) keep the older rule, the end of the module that created it;
+    so do autocast's cached casts, which a region makes without the cache (NOTE [autocast's
+    cast cache] in ``memfit.planning.cast_cache``): the cache held the zoo GPT's to the
+    forward's end, 98,304 B over the measured peak of its checkpointed blocks in bfloat16.
+
 NOTE [kernel workspaces]
     ``OpRecord.workspace_bytes`` is memory an op's kernel allocates internally and frees before
     returning, on top of its outputs (the im2col buffers of CPU convolutions). No dispatch mode
@@ -88,6 +103,9 @@ __all__ = [
     "op_signature",
     "COMPILED",
     "is_for_compiler",
+    "NO_TAILS",
+    "without_tails",
+    "PYTHON_RELEASES",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -99,6 +117,19 @@ COMPILED = "compiled"
 def is_for_compiler(profile: Profile) -> bool:
     """Whether ``profile`` carries compiled costs (``memfit.profiling.compiled_costs.for_compiler``)."""
     return profile.extra.get("costs") == COMPILED
+
+
+# Profile.extra: the storages' ``released_after`` were traced (NOTE [Python releases])
+PYTHON_RELEASES = "python_releases"
+
+# Profile.extra: plans of this profile give no region a tail (``memfit.Search(tails=False)``;
+# NOTE [region tails] in memfit.planning.tails)
+NO_TAILS = "no_region_tails"
+
+
+def without_tails(profile: Profile) -> Profile:
+    """``profile`` marked so that its plans give no region a tail."""
+    return dataclasses.replace(profile, extra={**profile.extra, NO_TAILS: True})
 
 
 class Phase(str, enum.Enum):
@@ -138,6 +169,7 @@ class StorageRecord:
     last_forward_use: int | None = None
     autocast_cached: bool = False
     saves: tuple[tuple[int, int | None, int | None], ...] = ()  # NOTE [saved tensors]
+    released_after: int | None = None  # NOTE [Python releases]
 
 
 @dataclass(frozen=True)

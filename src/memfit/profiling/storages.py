@@ -153,6 +153,7 @@ class TracedStorage:
     autocast_cached: bool = False
     # NOTE [saved tensors] in memfit.profiling.profile: [op, first unpack, released after]
     saves: list[list[int | None]] = field(default_factory=list)
+    released_after: int | None = None  # NOTE [Python releases] in memfit.profiling.profile
 
     def freeze(self, sid: int) -> StorageRecord:
         """The frozen record of this storage, numbered ``sid`` (same fields, plus ``id``)."""

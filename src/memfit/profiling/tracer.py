@@ -13,7 +13,7 @@ import enum
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from memfit.profiling.hf_masks import hf_causal_mask_skip
 from memfit.profiling.model_state import buffer_bytes, describe_parameters
 from memfit.profiling.modules import ModuleRecorder, param_owners
 from memfit.profiling.profile import (
+    PYTHON_RELEASES,
     OpRecord,
     Phase,
     Profile,
@@ -87,7 +88,8 @@ class _Setup:
 
 @contextlib.contextmanager
 def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: bool = False,
-            measure_workspace: bool = False) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
+            measure_workspace: bool = False,
+            keep_saved: bool = True) -> Iterator[tuple[StorageTracker, ModuleRecorder]]:
     model, state, st = su.step.model, su.state, su.step
     owners = param_owners(model)
     named = dict(model.named_parameters()) if state is None else {n: state[n] for n in owners}
@@ -119,8 +121,10 @@ def _traced(su: _Setup, time_ops: bool, count_flops: bool = True, forward_only: 
         # NOTE [HF causal mask in fake mode]: in fake mode (su.state), HF's mask checks as on real tensors
         masks = (hf_causal_mask_skip(positions_given="position_ids" in (st.kwargs or {}))
                  if su.state is not None else contextlib.nullcontext())
-        with su.outer, su.kernels or contextlib.nullcontext(), masks, rec, \
-                tracker.saved_tensors_hooks(), tracker:
+        # keep_saved=False: autograd keeps nothing (NOTE [Python releases] in memfit.profiling.profile)
+        hooks = (tracker.saved_tensors_hooks() if keep_saved
+                 else torch.autograd.graph.saved_tensors_hooks(_nothing, _never_unpacked))
+        with su.outer, su.kernels or contextlib.nullcontext(), masks, rec, hooks, tracker:
             step()
     finally:
         tracker.close()
@@ -220,6 +224,8 @@ def trace(
         with _traced(su, time_ops=not fake and not async_dev,
                      measure_workspace=not fake and dev.type == "cpu") as (tr, rec):
             pass
+        keep.reset()
+        releases = _python_releases(su, tr)
         if not fake:
             # NOTE [traced op times]: the timing runs' times, the traced run's only without them
             op_times = [[] for _ in tr.ops]
@@ -297,7 +303,7 @@ s.freeze(sid) for sid, s in enumerate(tr.storages))
         input_signature=rec.root_signature,
         parameters=describe_parameters(model), buffer_bytes=buffer_bytes(model),
         extra={"profile_wall_s": cost_s, "tracked_peak_bytes": tr.peak_bytes,
-               "repeats": repeats if not fake else 1,
+               "repeats": repeats if not fake else 1, **({PYTHON_RELEASES: True} if releases else {}),
                "workspace_measured": tr.workspace_measured, "workspace_s": tr.workspace_s,
                **({"cuda_kernels": dict(sorted(su.kernels.counts.items()))}
                   if su.kernels is not None else {})},
@@ -322,6 +328,49 @@ def _as_step(model: Any, example_inputs: Any, loss_fn: LossFn | None) -> Step:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"profile needs an nn.Module or a memfit Step, got {type(model).__name__}")
     return Step.of(model, example_inputs, loss_fn=loss_fn)
+
+
+def _python_releases(su: _Setup, tr: StorageTracker) -> bool:
+    """Sets ``released_after`` of the storages the traced step's forward created from one
+    forward and loss run with saved-tensor hooks that keep nothing (NOTE [Python releases] in
+    ``memfit.profiling.profile``); False (nothing set) where that forward ran other ops."""
+    counts = su.kernels.counts.copy() if su.kernels is not None else None
+    with _traced(su, time_ops=False, count_flops=False, forward_only=True, keep_saved=False) as (rel, _):
+        pass
+    if su.kernels is not None:  # what the step's trace rewrote, not this forward too
+        su.kernels.counts = counts
+    n = tr.n_forward if tr.n_forward is not None else len(tr.ops)
+    if [o.name for o in rel.ops] != [o.name for o in tr.ops[:n]]:
+        log.info("profile: a forward without saved tensors ran other ops (%d against %d); "
+                 "Python releases not recorded", len(rel.ops), n)
+        return False
+
+    def by_creator(storages: Sequence[Any]) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        count: dict[int, int] = {}
+        for sid, s in enumerate(storages):
+            if s.created_by is not None and s.created_by < n:
+                k = count.get(s.created_by, 0)
+                count[s.created_by] = k + 1
+                out[(s.created_by, k)] = sid
+        return out
+
+    theirs = by_creator(rel.storages)
+    for key, sid in by_creator(tr.storages).items():
+        other = theirs.get(key)
+        if other is None or rel.storages[other].nbytes != tr.storages[sid].nbytes:
+            continue
+        freed = rel.storages[other].freed_after
+        tr.storages[sid].released_after = freed if freed is not None and freed < n else None
+    return True
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+def _never_unpacked(_: Any) -> torch.Tensor:
+    raise AssertionError("a forward traced for its Python releases runs no backward")
 
 
 def _identity(t: Any) -> Any:

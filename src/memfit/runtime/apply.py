@@ -290,7 +290,8 @@ def _wrap_regions(model: nn.Module, plan: Plan, targets: list[tuple[Region, Any]
             policy = _policies.by_key(region.ops, host=applied.host) if region.ops else None
             if isinstance(target, nn.Module):
                 wrap(target, policy, check=check, name=region.modules[0] or "<root>",
-                     watch_buffers=region.writes_buffers)
+                     watch_buffers=region.writes_buffers,
+                     tail_after=None if region.tail_after is None else model.get_submodule(region.tail_after))
                 applied.wrapped.append(region.modules[0])
             else:
                 parent, names = target

@@ -26,6 +26,7 @@ NOTE [when a region checkpoints]
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from memfit.runtime.divergence import CheckArg, CheckSampler
 from memfit.runtime.marks import WRAP_ATTR, is_wrapped, suspended
 from memfit.runtime.norm_statistics import StatisticsFinding, drop_scratch, prepare_scratch
 from memfit.runtime.policies import PolicyArg
+from memfit.runtime.tails import RegionTail
 
 __all__ = ["wrap", "unwrap", "is_wrapped"]
 
@@ -47,8 +49,10 @@ class _WrapState:
     """What ``wrap`` stored on a module; kept as ``module._memfit_wrap`` (``WRAP_ATTR``)."""
 
     def __init__(self, policy: _policies.Policy | None, check: Any, name: str,
-                 instance_forward: Any, watch_buffers: bool | None = None) -> None:
+                 instance_forward: Any, watch_buffers: bool | None = None,
+                 tail: RegionTail | None = None) -> None:
         self.policy = policy
+        self.tail = tail  # NOTE [region tails] in memfit.planning.tails
         self.watch_buffers = watch_buffers
         self.check = CheckSampler(check)  # one call counter per wrapped module
         # NOTE [buffers written in forward], rule 7: what its watched calls found
@@ -80,6 +84,7 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         state: _WrapState = module.__dict__[WRAP_ATTR]
+        inner: Callable[..., Any]
         if state.instance_forward is None:
             inner = functools.partial(type(module).forward, module)
         else:
@@ -88,6 +93,8 @@ class _CheckpointedForward:
         # and no one suspended the plans (NOTE [suspended plans] in memfit.runtime.marks)
         if suspended() or not (torch.is_grad_enabled() and _requires_grad(module, args, kwargs)):
             return inner(*args, **kwargs)
+        if state.tail is not None and not torch.compiler.is_compiling():
+            inner = state.tail.around(inner)
         return run_region(inner, args, kwargs, policy=state.policy, check=state.check,
                           name=state.name, modules=(module,), watch_buffers=state.watch_buffers,
                           statistics=state.statistics)
@@ -104,7 +111,8 @@ class _WrappedName:
 
 
 def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
-         name: str | None = None, watch_buffers: bool | None = None) -> nn.Module:
+         name: str | None = None, watch_buffers: bool | None = None,
+         tail_after: nn.Module | None = None) -> nn.Module:
     """Checkpoint ``module`` in place: its activations are recomputed in backward.
 
     Args:
@@ -119,6 +127,9 @@ def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
             module's path in the model.
         watch_buffers: watch the forward for in-place writes to buffers (NOTE [buffers
             written in forward], rule 6); None (default): when the module has buffers.
+        tail_after: a sub-module after whose call the region's tail runs, its saves kept as
+            the plain step keeps them (NOTE [region tails] in ``memfit.planning.tails``; the
+            plan's ``Region.tail_after``); default None.
 
     Returns:
         ``module``.
@@ -146,8 +157,9 @@ def wrap(module: nn.Module, policy: PolicyArg = None, *, check: CheckArg = True,
         )
     resolved = _policies.resolve(policy)
     instance_forward = module.__dict__.get("forward")
+    tail = RegionTail(tail_after, label) if tail_after is not None else None
     setattr(module, WRAP_ATTR, _WrapState(resolved, check, label, instance_forward,
-                                          watch_buffers))
+                                          watch_buffers, tail))
     module.forward = _CheckpointedForward(module)  # type: ignore[method-assign]
     set_display_name(module, _WrappedName(module))
     prepare_scratch(module)  # NOTE [scratch statistics] in memfit.runtime.norm_statistics
@@ -172,6 +184,8 @@ def unwrap(module: nn.Module) -> nn.Module:
             "(is it the module you wrapped, or a copy made before wrapping?)"
         )
     state: _WrapState = module.__dict__.pop(WRAP_ATTR)
+    if state.tail is not None:
+        state.tail.remove()
     clear_display_name(module)
     drop_scratch(module)
     if state.instance_forward is None:

@@ -212,8 +212,8 @@ class ChainModel:
     def _nested_choices(self, k: int) -> list[_Choice]:
         """Block ``k`` checkpointed with one of its sub-modules checkpointed inside it (NOTE
         [nested regions]); none in a merged block (NOTE [merged blocks])."""
-        cand = self.blocks[k]
-        if len(cand.modules) > 1:
+        cand = self.ctx.candidate(self.chain.blocks[k], tail=False)  # NOTE [region tails]: none nested
+        if cand is None or len(cand.modules) > 1:
             return []
         out = []
         for inner in self.ctx.inner_candidates(cand.modules[0]):
@@ -226,11 +226,11 @@ class ChainModel:
     def _blocks_nested_choice(self, k: int, j: int, seg: Candidate) -> list[_Choice]:
         """Blocks ``k..j`` as one segment with each block checkpointed inside it (NOTE [nested
         segments] in ``memfit.planning.nesting``); none where a block is a merged one."""
-        blocks = self.blocks[k: j + 1]
-        if any(len(b.modules) > 1 for b in blocks) or seg.model.rp is None:
+        blocks = [self.ctx.candidate(blk, tail=False) for blk in self.chain.blocks[k: j + 1]]
+        if any(b is None or len(b.modules) > 1 for b in blocks) or seg.model.rp is None:
             return []
-        r = nested_effect(self, seg.model, [b.model for b in blocks], k, j, seg)
-        return [] if r is None else [_Choice(k, j, seg, (), *r, inner=tuple(b.modules for b in blocks))]
+        r = nested_effect(self, seg.model, [b.model for b in blocks if b], k, j, seg)
+        return [] if r is None else [_Choice(k, j, seg, (), *r, inner=tuple(b.modules for b in blocks if b))]
 
     def later_constant(self, live: np.ndarray, before: np.ndarray, lo: int, j: int, cand: Candidate) -> int:
         """The effect on the zones of blocks after ``j`` and the tail (constant on a chain, else

@@ -102,7 +102,7 @@ def offload_pass(ctx: PlanningContext, sol: Solution, budget_bytes: int) -> Solu
     for q, r in enumerate(regions):
         if r.is_segment or _nests(r, sol.regions):
             continue
-        cand = ctx.candidate(r.modules)
+        cand = ctx.candidate(r.modules, tail=r.tail_after is not None)
         if cand is None:
             continue
         offl = set(r.keys_with(OpPolicy.OFFLOAD))
@@ -147,7 +147,8 @@ def offload_pass(ctx: PlanningContext, sol: Solution, budget_bytes: int) -> Solu
         return sol
     for _ in range(len(added) + 1):
         out = tuple(
-            Region(r.modules, (*r.ops, *((k, OpPolicy.OFFLOAD) for k, _ in added.get(q, ()))))
+            Region(r.modules, (*r.ops, *((k, OpPolicy.OFFLOAD) for k, _ in added.get(q, ()))),
+                   tail_after=r.tail_after)
             for q, r in enumerate(regions))
         sim = simulate(ctx.profile, Plan(out, 0, 0.0, None, sol.solver, ""), offload=spec, _arrays=arrs)
         if sim.peak_bytes <= budget_bytes:
