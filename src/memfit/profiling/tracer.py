@@ -186,7 +186,8 @@ def trace(
         device: where the model runs in measure mode (default: its parameters' device).
         repeats: runs of the step in measure mode: one traced, the others time its ops
             (medians; NOTE [traced op times]); default 3, two timing runs (the profile costs
-            about 4.5 plain steps: 4.4x in a benchmark run of the zoo GPT 8x512).
+            about 5 plain steps: 5.1x on the zoo GPT 8x512 at batch 4, 4.7x before the
+            forward traced for NOTE [Python releases], medians of 3).
             1: the traced run's own op times, which run slow.
         target: device preset of the cost model in fake mode (``"cpu"``, ``"v100"``, ``"a100"``,
             ``"h100"``, ``"h200"``); a GPU preset also traces the dropout and attention
