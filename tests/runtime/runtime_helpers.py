@@ -15,6 +15,32 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 block: the residual (a 1x1 conv and norm with ``downsample``)
+    added in place into bn3's output, then one in-place relu module (also after bn1 and bn2)."""
+
+    def __init__(self, c: int, mid: int, downsample: bool = False) -> None:
+        super().__init__()
+        out = c * 2 if downsample else c
+        self.conv1 = nn.Conv2d(c, mid, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv3 = nn.Conv2d(mid, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (nn.Sequential(nn.Conv2d(c, out, 1, bias=False), nn.BatchNorm2d(out))
+                           if downsample else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
 class Residual(nn.Module):
     """x + Linear(GELU(Linear(LayerNorm(x)))) with dropout: an MLP block of a transformer."""
 

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import assert_bitwise_twin, pair
+from runtime_helpers import Bottleneck, assert_bitwise_twin, pair
 from torch import nn
 
 import memfit
@@ -16,27 +16,6 @@ from memfit.planning.compress_pass import candidates, compressed_peak
 from memfit.planning.plan import Plan
 from memfit.planning.simulate import simulate
 from memfit.runtime.apply import apply_plan, compressor
-
-
-class Bottleneck(nn.Module):
-    """torchvision's ResNet-50 block: one in-place relu module after bn1, bn2 and the add."""
-
-    def __init__(self, c: int, mid: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, mid, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(mid)
-        self.conv2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(mid)
-        self.conv3 = nn.Conv2d(mid, c, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        out += x
-        return self.relu(out)
 
 
 def _resnet_like() -> nn.Module:

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from runtime_helpers import Bottleneck
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,32 +19,6 @@ from memfit.planning.simulate import simulate
 from memfit.planning.tails import with_tail
 from memfit.profiling.profile import without_tails
 from memfit.runtime.apply import apply_plan
-
-
-class Bottleneck(nn.Module):
-    """torchvision's ResNet block: the residual added in place into bn3's output, then one
-    in-place relu module (also after bn1 and bn2)."""
-
-    def __init__(self, c: int, mid: int, downsample: bool = False) -> None:
-        super().__init__()
-        out = c * 2 if downsample else c
-        self.conv1 = nn.Conv2d(c, mid, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(mid)
-        self.conv2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(mid)
-        self.conv3 = nn.Conv2d(mid, out, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(out)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = (nn.Sequential(nn.Conv2d(c, out, 1, bias=False), nn.BatchNorm2d(out))
-                           if downsample else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        identity = x if self.downsample is None else self.downsample(x)
-        out += identity
-        return self.relu(out)
 
 
 def _net() -> tuple[nn.Module, torch.Tensor, object]:
