@@ -3,7 +3,7 @@ profiled in fake mode for the h100 preset (roofline op times: no clock, determin
 at four budgets and for a whole-card job, give the plans recorded in tests/data/plan_digests.json
 (written by ``python -m tests.plan_digest_cases`` at the commit it names, before the move).
 
-Rewritten once since (at 1dffbba with the change on top), where plans changed on purpose:
+Rewritten once since (at 645994d with the change on top), where plans changed on purpose:
 region tails and Python releases (NOTE [region tails] in memfit.planning.tails, NOTE [Python
 releases] in memfit.profiling.profile) lowered the smallest peaks (resnet 15,757,520 ->
 14,745,808 B, unet3d 11,542,608 -> 10,494,224 B) and changed the gpt and unet3d plans at 0.7;
